@@ -1,0 +1,222 @@
+"""Pixels: decode and normalise one photo, and the tensors the model sees.
+
+Pure Python (Pillow, torchvision), no Spark: used by the ingest UDF on executors,
+by the Petastorm ``TransformSpec`` on workers, and by the served MLflow model, so
+all three see exactly the same pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
+from torchvision.transforms import v2 as T
+
+__all__ = [
+    "ImageRejected",
+    "NormalizedImage",
+    "eval_transform",
+    "normalize_image",
+    "open_rgb",
+    "train_transform",
+]
+
+_SRGB = ImageCms.createProfile("sRGB")
+_PROFILE_MODES = {"RGB": "RGB", "GRAY": "L", "CMYK": "CMYK"}
+
+
+class ImageRejected(ValueError):
+    """A file that cannot become a training image. ``code`` is a stable reason key."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class NormalizedImage:
+    """A photo ready for the images table.
+
+    Attributes:
+        jpeg: 8-bit sRGB JPEG bytes, EXIF orientation applied, shorter side at most the
+            requested size (pixels).
+        width: width in pixels of the original photo, as displayed (after EXIF rotation).
+        height: height in pixels of the original photo, as displayed.
+        notes: what was done to it, e.g. ``"mode CMYK->RGB; icc->sRGB"`` ('' if nothing).
+    """
+
+    jpeg: bytes
+    width: int
+    height: int
+    notes: str
+
+
+def _to_srgb(img: Image.Image, notes: list[str]) -> Image.Image:
+    """Apply an embedded ICC profile, when it matches the pixel mode, to get sRGB."""
+    icc = img.info.get("icc_profile")
+    if not icc:
+        return img
+    try:
+        src = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        space = src.profile.xcolor_space.strip()
+    except (OSError, ImageCms.PyCMSError) as exc:
+        notes.append(f"icc ignored (unreadable: {exc})")
+        return img
+    if _PROFILE_MODES.get(space) != img.mode:
+        # e.g. a GRAY 'Dot Gain 20%' profile on an RGB JPEG (see EDGE_CASES.tsv): no transform.
+        notes.append(f"icc ignored ({space} profile on {img.mode} pixels)")
+        return img
+    if space == "RGB" and "srgb" in (src.profile.profile_description or "").lower():
+        return img  # already sRGB: nothing to do
+    try:
+        out = ImageCms.profileToProfile(img, src, _SRGB, outputMode="RGB")
+    except ImageCms.PyCMSError as exc:
+        notes.append(f"icc ignored ({exc})")
+        return img
+    notes.append(f"icc {space}->sRGB")
+    assert out is not None
+    return out
+
+
+def _to_rgb(img: Image.Image, notes: list[str]) -> Image.Image:
+    """8-bit RGB from any Pillow mode; transparency is composited on white."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # 16/32-bit grayscale: scale to 0..255 rather than clip (convert('L') clips).
+        arr = np.asarray(img, dtype=np.float64)
+        hi = 65535.0 if mode.startswith("I;16") or arr.max() > 255 else 255.0
+        arr = np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        img = Image.fromarray(arr, mode="L")
+    if img.mode == "P":
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, rgba)
+    out = img.convert("RGB")
+    notes.append(f"mode {mode}->RGB")
+    return out
+
+
+def open_rgb(
+    content: bytes, *, max_pixels: int, draft_short_side: int | None = None
+) -> tuple[Image.Image, list[str], tuple[int, int]]:
+    """Decode ``content`` into an 8-bit sRGB Pillow image, upright per its EXIF tag.
+
+    Args:
+        content: the file's bytes (JPEG, PNG, or anything Pillow reads).
+        max_pixels: decompression-bomb guard; larger images are rejected before decoding.
+        draft_short_side: if given, let the JPEG decoder downscale by 1/2, 1/4 or 1/8 while
+            keeping both sides >= this many pixels (much faster for large photos).
+
+    Returns:
+        ``(image, notes, (width, height))``: a fully loaded RGB image, what was done to it,
+        and the original size in pixels as displayed (after EXIF rotation, before any draft).
+
+    Raises:
+        ImageRejected: ``empty_file``, ``not_an_image``, ``too_many_pixels`` or ``corrupt``.
+    """
+    if not content:
+        raise ImageRejected("empty_file", "file has 0 bytes")
+    notes: list[str] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img: Image.Image = Image.open(io.BytesIO(content))
+            w, h = img.size
+            if w * h > max_pixels:
+                raise ImageRejected(
+                    "too_many_pixels",
+                    f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}",
+                )
+            if draft_short_side and img.format == "JPEG":
+                img.draft(None, (draft_short_side, draft_short_side))
+            img.load()
+    except ImageRejected:
+        raise
+    except UnidentifiedImageError as exc:
+        raise ImageRejected("not_an_image", str(exc)) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageRejected("too_many_pixels", str(exc)) from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ImageRejected("corrupt", f"{type(exc).__name__}: {exc}") from None
+    orientation = img.getexif().get(0x0112, 1)
+    if orientation != 1:
+        notes.append(f"exif orientation {orientation} applied")
+        img = ImageOps.exif_transpose(img)
+        if orientation in (5, 6, 7, 8):  # 90 or 270 degree rotations swap the sides
+            w, h = h, w
+    img = _to_srgb(img, notes)
+    img = _to_rgb(img, notes)
+    return img, notes, (w, h)
+
+
+def normalize_image(
+    content: bytes, *, short_side: int, quality: int = 90, max_pixels: int = 89_478_485
+) -> NormalizedImage:
+    """Decode a photo, normalise it to 8-bit sRGB, downscale, and re-encode as JPEG.
+
+    Args:
+        content: the file's bytes.
+        short_side: the stored image's shorter side is at most this (pixels); smaller
+            photos are kept at their size (the loader resizes).
+        quality: JPEG quality of the re-encoded image.
+        max_pixels: decompression-bomb guard (see :func:`open_rgb`).
+
+    Returns:
+        A :class:`NormalizedImage`.
+
+    Raises:
+        ImageRejected: the file is empty, not an image, too large, or corrupt.
+    """
+    img, notes, (width, height) = open_rgb(
+        content, max_pixels=max_pixels, draft_short_side=short_side
+    )
+    if min(img.size) > short_side:
+        scale = short_side / min(img.size)
+        size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
+        img = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return NormalizedImage(buf.getvalue(), width, height, "; ".join(notes))
+
+
+def _normalize(mean: tuple[float, ...], std: tuple[float, ...]) -> list[Callable[..., object]]:
+    return [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(mean, std)]
+
+
+def train_transform(
+    image_size: int, mean: tuple[float, ...], std: tuple[float, ...]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """Training augmentation: PIL RGB -> ``[3, image_size, image_size]`` float32, normalised.
+
+    RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
+    classification recipe, with a milder crop scale suited to a frozen backbone.
+    """
+    return T.Compose(
+        [
+            T.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
+            T.RandomHorizontalFlip(),
+            *_normalize(mean, std),
+        ]
+    )
+
+
+def eval_transform(
+    image_size: int, resize_size: int, mean: tuple[float, ...], std: tuple[float, ...]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """Evaluation: resize the shorter side to ``resize_size``, centre-crop ``image_size``.
+
+    PIL RGB -> ``[3, image_size, image_size]`` float32, normalised.
+    """
+    return T.Compose(
+        [T.Resize(resize_size, antialias=True), T.CenterCrop(image_size), *_normalize(mean, std)]
+    )

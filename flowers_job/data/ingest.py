@@ -1,0 +1,386 @@
+"""Ingest (driver side): photo folders -> Delta tables, with nothing lost.
+
+``<images>/<label>/**/<file>`` is read with Spark's ``binaryFile`` source, each file
+is decoded and normalised on the executors (:func:`~flowers_job.data.images.normalize_image`),
+and four Delta tables are written under ``<output_dir>/tables``:
+
+- ``images``: every photo that decoded (path, label, label_index, image, width, height,
+  split, row_id, content_sha256, notes);
+- ``train`` and ``val``: the two splits of ``images``;
+- ``quarantine``: every file that did not decode, with ``reason_code`` and ``reason``.
+
+The split is a pure function of the photo's bytes and ``split_seed`` (a SHA-256 hash), so
+a photo lands in the same split on every run whatever the partitioning, and byte-identical
+duplicates always share a split (no train/val leakage).
+
+Re-running on unchanged input is a no-op: every table's commit carries a fingerprint of
+the input and of the ingest settings, and tables whose fingerprint matches are not written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from flowers_job.config import JobConfig
+from flowers_job.data.images import ImageRejected, normalize_image
+
+__all__ = [
+    "INGEST_FORMAT_VERSION",
+    "TABLE_NAMES",
+    "IngestError",
+    "IngestReport",
+    "ingest",
+    "read_table_metadata",
+]
+
+log = logging.getLogger(__name__)
+
+INGEST_FORMAT_VERSION = 1
+"""Bump when the table layout or the image normalisation changes: forces a re-ingest."""
+TABLE_NAMES = ("images", "train", "val", "quarantine")
+_META_KEY = "flowers_job"
+
+_DECODED = T.StructType(
+    [
+        T.StructField("path", T.StringType(), False),
+        T.StructField("relative_path", T.StringType(), False),
+        T.StructField("label", T.StringType(), False),
+        T.StructField("num_bytes", T.LongType(), False),
+        T.StructField("content_sha256", T.StringType(), False),
+        T.StructField("ok", T.BooleanType(), False),
+        T.StructField("reason_code", T.StringType(), True),
+        T.StructField("reason", T.StringType(), True),
+        T.StructField("image", T.BinaryType(), True),
+        T.StructField("width", T.IntegerType(), True),
+        T.StructField("height", T.IntegerType(), True),
+        T.StructField("notes", T.StringType(), True),
+    ]
+)
+
+
+class IngestError(RuntimeError):
+    """The input as a whole cannot be ingested; nothing was written."""
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """What ingest found and wrote.
+
+    Attributes:
+        files: candidate files under the label folders.
+        images_rows / train_rows / val_rows / quarantined_rows: table row counts.
+        quarantine_reasons: quarantined files per ``reason_code``.
+        label_names: sorted labels; a label's index is its position here.
+        tables: table name -> path.
+        fingerprint: hash of the input files (paths and SHA-256) and the ingest settings.
+        written: False when the tables were already up to date and nothing was written.
+    """
+
+    files: int
+    images_rows: int
+    train_rows: int
+    val_rows: int
+    quarantined_rows: int
+    quarantine_reasons: dict[str, int]
+    label_names: list[str]
+    tables: dict[str, str]
+    fingerprint: str
+    written: bool
+    ignored_top_level_files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _label_folders(root: Path) -> tuple[list[str], list[str]]:
+    """Label folder names (sorted) and the plain files lying directly in ``root``."""
+    if not root.is_dir():
+        raise IngestError(f"data.images: {root} is not a directory")
+    labels, top_files = [], []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_dir(follow_symlinks=False) and not entry.name.startswith((".", "_")):
+            labels.append(entry.name)
+        elif entry.is_file():
+            top_files.append(entry.name)
+    if not labels:
+        raise IngestError(
+            f"data.images: {root} has no label folders; expected <images>/<label>/<file>"
+        )
+    return labels, top_files
+
+
+def _settings(cfg: JobConfig) -> dict[str, object]:
+    d = cfg.data
+    return {
+        "format": INGEST_FORMAT_VERSION,
+        "stored_short_side": d.stored_short_side,
+        "jpeg_quality": d.jpeg_quality,
+        "val_fraction": d.val_fraction,
+        "split_seed": d.split_seed,
+        "extensions": sorted(e.lower() for e in d.extensions),
+        "max_image_pixels": d.max_image_pixels,
+    }
+
+
+def _decode_partitions(short_side: int, quality: int, max_pixels: int, extensions: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    """The ``mapInPandas`` function that decodes a partition of binaryFile rows."""
+    exts = {e.lower().lstrip(".") for e in extensions}
+
+    def decode(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        for pdf in batches:
+            rows = []
+            for rec in pdf.itertuples(index=False):
+                row = {
+                    "path": rec.path,
+                    "relative_path": rec.relative_path,
+                    "label": rec.label,
+                    "num_bytes": int(rec.length),
+                    "content_sha256": rec.content_sha256,
+                    "ok": False,
+                    "reason_code": None,
+                    "reason": None,
+                    "image": None,
+                    "width": None,
+                    "height": None,
+                    "notes": None,
+                }
+                ext = (
+                    rec.relative_path.rsplit(".", 1)[-1].lower() if "." in rec.relative_path else ""
+                )
+                try:
+                    if ext not in exts:
+                        raise ImageRejected(
+                            "unsupported_extension",
+                            f"extension {ext!r} is not one of data.extensions {sorted(exts)}",
+                        )
+                    out = normalize_image(
+                        rec.content, short_side=short_side, quality=quality, max_pixels=max_pixels
+                    )
+                    row.update(ok=True, image=out.jpeg, width=out.width, height=out.height)
+                    row["notes"] = out.notes
+                except ImageRejected as exc:
+                    row.update(reason_code=exc.code, reason=exc.message)
+                except Exception as exc:
+                    row.update(reason_code="decode_error", reason=f"{type(exc).__name__}: {exc}")
+                rows.append(row)
+            yield pd.DataFrame(rows, columns=[f.name for f in _DECODED.fields])
+
+    return decode
+
+
+def _read_files(spark: SparkSession, root: Path) -> DataFrame:
+    root_uri = root.resolve().as_uri().rstrip("/")  # file:///...
+    df = (
+        spark.read.format("binaryFile")
+        .option("recursiveFileLookup", "true")
+        .load(str(root.resolve()))
+    )
+    # Spark writes file:/abs/path; make it relative to the root in a prefix-safe way.
+    rel = F.expr(f"substring(path, {len(root_uri.replace('file:///', 'file:/')) + 2})")
+    return (
+        df.withColumn("relative_path", rel)
+        .where(F.instr("relative_path", "/") > 0)  # files inside a label folder
+        .withColumn("label", F.substring_index("relative_path", "/", 1))
+        .withColumn("content_sha256", F.sha2("content", 256))
+    )
+
+
+def _fingerprint(files: DataFrame, settings: dict[str, object]) -> tuple[str, int]:
+    """Order-independent digest of (relative_path, content_sha256) plus the settings."""
+    row = files.select(
+        F.count(F.lit(1)).alias("n"),
+        F.sum(F.xxhash64("relative_path", "content_sha256").cast("decimal(38,0)")).alias("a"),
+        F.sum(F.xxhash64("content_sha256", "relative_path").cast("decimal(38,0)")).alias("b"),
+    ).first()
+    assert row is not None
+    n, a, b = int(row["n"]), row["a"], row["b"]
+    text = json.dumps({"n": n, "a": str(a), "b": str(b), "settings": settings}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest(), n
+
+
+def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | None:
+    """The flowers_job metadata stored in the latest commit of the Delta table at ``path``.
+
+    Returns:
+        The metadata dict, or None if there is no Delta table there or it was not written
+        by flowers_job.
+    """
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, str(path)):
+        return None
+    last = DeltaTable.forPath(spark, str(path)).history(1).select("userMetadata").first()
+    if last is None or not last["userMetadata"]:
+        return None
+    meta = json.loads(last["userMetadata"])
+    value = meta.get(_META_KEY) if isinstance(meta, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def _write(df: DataFrame, path: Path, meta: dict[str, object]) -> None:
+    (
+        df.write.format("delta")
+        .mode("overwrite")
+        .option("overwriteSchema", "true")
+        .option("userMetadata", json.dumps({_META_KEY: meta}, sort_keys=True))
+        .save(str(path))
+    )
+
+
+def _count(spark: SparkSession, path: Path) -> int:
+    return int(spark.read.format("delta").load(str(path)).count())
+
+
+def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
+    """Read the photo folders, decode on the executors and write the four Delta tables.
+
+    Returns:
+        An :class:`IngestReport` with the row counts of the written (or unchanged) tables.
+
+    Raises:
+        IngestError: no images root, no label folder, a label with no decodable image, or
+            more than ``data.max_bad_fraction`` of the files quarantined. Raised before any
+            table is written.
+    """
+    if cfg.data.images is None:
+        raise IngestError("data.images: not set (use --images DIR)")
+    root = Path(cfg.data.images)
+    labels, top_files = _label_folders(root)
+    if top_files:
+        log.info("ignoring %d files at the top of %s (not in a label folder)", len(top_files), root)
+    settings = _settings(cfg)
+    tables = {name: cfg.paths.table(name) for name in TABLE_NAMES}
+
+    files = _read_files(spark, root).where(F.col("label").isin(labels))
+    fingerprint, n_files = _fingerprint(files, settings)
+    if n_files == 0:
+        raise IngestError(f"data.images: no files under the label folders of {root}")
+
+    metas = {name: read_table_metadata(spark, p) for name, p in tables.items()}
+    written = not all(m is not None and m.get("fingerprint") == fingerprint for m in metas.values())
+    if not written:
+        log.info("tables are up to date with %s (fingerprint %s…)", root, fingerprint[:12])
+        meta = metas["images"] or {}
+        label_names = list(meta.get("label_names", labels))  # type: ignore[call-overload]
+    else:
+        label_names = _ingest_tables(spark, cfg, files, labels, tables, fingerprint, settings)
+
+    counts = {name: _count(spark, p) for name, p in tables.items()}
+    q = spark.read.format("delta").load(str(tables["quarantine"]))
+    reasons = {
+        r["reason_code"]: int(r["count"]) for r in q.groupBy("reason_code").count().collect()
+    }
+    return IngestReport(
+        files=n_files,
+        images_rows=counts["images"],
+        train_rows=counts["train"],
+        val_rows=counts["val"],
+        quarantined_rows=counts["quarantine"],
+        quarantine_reasons=reasons,
+        label_names=label_names,
+        tables={name: str(p) for name, p in tables.items()},
+        fingerprint=fingerprint,
+        written=written,
+        ignored_top_level_files=top_files,
+    )
+
+
+def _ingest_tables(
+    spark: SparkSession,
+    cfg: JobConfig,
+    files: DataFrame,
+    labels: list[str],
+    tables: dict[str, Path],
+    fingerprint: str,
+    settings: dict[str, object],
+) -> list[str]:
+    d = cfg.data
+    decoded = (
+        files.select("path", "relative_path", "label", "length", "content", "content_sha256")
+        .mapInPandas(
+            _decode_partitions(
+                d.stored_short_side, d.jpeg_quality, d.max_image_pixels, d.extensions
+            ),
+            schema=_DECODED,
+        )
+        .persist(StorageLevel.DISK_ONLY)
+    )
+    try:
+        stats = {
+            (r["label"], r["ok"]): int(r["count"])
+            for r in decoded.groupBy("label", "ok").count().collect()
+        }
+        total = sum(stats.values())
+        bad = sum(n for (_, ok), n in stats.items() if not ok)
+        empty = [lab for lab in labels if stats.get((lab, True), 0) == 0]
+        if empty:
+            raise IngestError(
+                f"data.images: label folder(s) {empty} under {cfg.data.images} contain no "
+                "decodable image"
+            )
+        if bad / total > d.max_bad_fraction:
+            raise IngestError(
+                f"{bad} of {total} files ({bad / total:.1%}) could not be decoded, more than "
+                f"data.max_bad_fraction={d.max_bad_fraction}; see the reasons by running with a "
+                "higher limit and reading the quarantine table"
+            )
+        meta: dict[str, object] = {
+            "fingerprint": fingerprint,
+            "label_names": labels,
+            "settings": settings,
+        }
+        # Hash of (seed, content) -> uniform in [0, 1): same photo, same split, on every run.
+        u = F.conv(
+            F.substring(
+                F.sha2(F.concat_ws(":", F.lit(str(d.split_seed)), "content_sha256"), 256), 1, 13
+            ),
+            16,
+            10,
+        ).cast("double") / float(16**13)
+        images = (
+            decoded.where("ok")
+            .withColumn(
+                "label_index",
+                (F.array_position(F.array(*map(F.lit, labels)), F.col("label")) - 1).cast("int"),
+            )
+            .withColumn("split", F.when(u < d.val_fraction, "val").otherwise("train"))
+            .withColumn("row_id", F.xxhash64("relative_path"))
+            .select(
+                "row_id",
+                "path",
+                "relative_path",
+                "label",
+                "label_index",
+                "split",
+                "image",
+                "width",
+                "height",
+                "content_sha256",
+                "num_bytes",
+                "notes",
+            )
+        )
+        quarantine = decoded.where(~F.col("ok")).select(
+            "path", "relative_path", "label", "reason_code", "reason", "num_bytes", "content_sha256"
+        )
+        _write(quarantine, tables["quarantine"], meta)
+        _write(images, tables["images"], meta)
+        written = spark.read.format("delta").load(str(tables["images"]))
+        for split in ("train", "val"):
+            _write(written.where(F.col("split") == split), tables[split], meta)
+        log.info("ingest: %d files, %d images, %d quarantined", total, total - bad, bad)
+        return labels
+    finally:
+        decoded.unpersist()

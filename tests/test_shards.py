@@ -1,0 +1,120 @@
+"""Repartitioning and Petastorm shards, read with real Petastorm readers.
+
+Every rank must run the same number of steps and, over all ranks, read every row
+exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pyspark.sql import SparkSession
+
+from flowers_job.config import load_config
+from flowers_job.data.ingest import ingest
+from flowers_job.data.prepare import prepare_data
+from flowers_job.models import preprocessing_for
+from flowers_job.train.loader import DecodeTransform, ShardError, rebatch, shard_batches
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def tables(spark: SparkSession, photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    ingest(
+        spark,
+        load_config(
+            None, ["data.image_size=32"], **{"data.images": photos, "paths.output_dir": out}
+        ),
+    )
+    return out
+
+
+def _read_epoch(
+    plan, rank: int, world_size: int, shuffle: bool, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    pre = preprocessing_for("efficientnet_lite0")
+    tf = DecodeTransform(shuffle, 32, 37, pre.mean, pre.std)
+    return list(
+        shard_batches(
+            plan, rank, world_size, tf, shuffle=shuffle, seed=seed, shuffle_buffer_rows=16
+        )
+    )
+
+
+@pytest.mark.parametrize(("world_size", "per_process", "batch"), [(2, 2, 8), (3, 1, 5), (2, 3, 4)])
+def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
+    spark: SparkSession, tables: Path, world_size: int, per_process: int, batch: int
+) -> None:
+    cfg = load_config(
+        None,
+        [
+            "data.image_size=32",
+            f"distributed.num_processes={world_size}",
+            f"data.partitions_per_process={per_process}",
+            f"train.per_device_batch_size={batch}",
+        ],
+        **{"paths.output_dir": tables},
+    )
+    with prepare_data(spark, cfg) as data:
+        assert data.num_partitions == world_size * per_process
+        assert len(data.train.file_urls) == data.num_partitions  # one file per partition
+        expected = {
+            r["row_id"]: r["label_index"]
+            for r in spark.read.format("delta").load(str(cfg.paths.table("train"))).collect()
+        }
+        assert data.train.dataset_size == len(expected)
+        seen: list[int] = []
+        steps = []
+        for rank in range(world_size):
+            batches = _read_epoch(data.train, rank, world_size, shuffle=True, seed=rank)
+            steps.append(len(batches))
+            for b in batches:
+                assert b["image"].shape[1:] == (3, 32, 32) and b["image"].dtype == torch.float32
+                assert 0 < len(b["label_index"]) <= batch
+                for rid, lab in zip(b["row_id"].tolist(), b["label_index"].tolist(), strict=True):
+                    assert expected[rid] == lab
+                seen.extend(b["row_id"].tolist())
+        assert steps == [data.train.steps_per_epoch] * world_size
+        assert sorted(seen) == sorted(expected)  # disjoint and complete: each row exactly once
+        cache = Path(data.cache_dir_url.removeprefix("file://"))
+        assert cache.is_dir()
+    assert not cache.exists()  # the per-run cache is removed when the run ends
+
+
+def test_every_epoch_reads_the_same_rows_in_a_new_order(spark: SparkSession, tables: Path) -> None:
+    cfg = load_config(
+        None,
+        ["data.image_size=32", "train.per_device_batch_size=4"],
+        **{"paths.output_dir": tables},
+    )
+    with prepare_data(spark, cfg) as data:
+        a = [
+            i
+            for b in _read_epoch(data.train, 0, 2, shuffle=True, seed=1)
+            for i in b["row_id"].tolist()
+        ]
+        b = [
+            i
+            for b in _read_epoch(data.train, 0, 2, shuffle=True, seed=2)
+            for i in b["row_id"].tolist()
+        ]
+        v = [i for b in _read_epoch(data.val, 1, 2, shuffle=False) for i in b["row_id"].tolist()]
+    assert sorted(a) == sorted(b) and a != b
+    assert len(v) == data.val.rows_per_shard[1]
+
+
+def test_rebatch_cuts_exact_sizes_and_detects_short_or_long_shards() -> None:
+    stream = [{"label_index": torch.arange(i, i + n)} for i, n in ((0, 4), (4, 4), (8, 3))]
+    out = list(rebatch(stream, [4, 4, 3]))
+    assert [len(b["label_index"]) for b in out] == [4, 4, 3]
+    assert torch.cat([b["label_index"] for b in out]).tolist() == list(range(11))
+    out = list(rebatch(stream, [3, 3, 3, 2]))
+    assert [len(b["label_index"]) for b in out] == [3, 3, 3, 2]
+    with pytest.raises(ShardError, match="ended after 11 rows"):
+        list(rebatch(stream, [4, 4, 4]))
+    with pytest.raises(ShardError, match="holds 11 rows"):
+        list(rebatch(stream, [4, 4]))
