@@ -1,0 +1,122 @@
+"""Ranks, devices and collectives. The only module that reads RANK, LOCAL_RANK, WORLD_SIZE.
+
+TorchDistributor starts the training function under ``torchrun``, which sets
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT``.
+Every collective here runs on *all* ranks; none may be called from a rank-0-only branch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistContext",
+    "all_reduce_sum",
+    "broadcast_object",
+    "env_rank",
+    "init_distributed",
+    "shutdown_distributed",
+]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job.
+
+    Attributes:
+        rank: global rank, 0..world_size-1.
+        local_rank: rank on this node; selects the GPU.
+        world_size: number of training processes.
+        device: ``cuda:<local_rank>`` or ``cpu``.
+        backend: 'nccl' or 'gloo'.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that logs, checkpoints and talks to MLflow."""
+        return self.rank == 0
+
+
+def init_distributed(
+    *,
+    use_gpu: bool,
+    backend: Literal["auto", "nccl", "gloo"] = "auto",
+    timeout_seconds: float = 600.0,
+    threads_per_process: int | None = None,
+) -> DistContext:
+    """Join the process group described by the torchrun environment.
+
+    Args:
+        use_gpu: put this rank on ``cuda:<LOCAL_RANK>``.
+        backend: 'auto' = nccl on GPU, gloo on CPU.
+        timeout_seconds: process-group timeout; a collective waiting longer raises.
+        threads_per_process: intra-op CPU threads for torch (None = leave as is).
+
+    Returns:
+        The :class:`DistContext` of this process.
+
+    Raises:
+        KeyError: RANK/WORLD_SIZE are not set (not started by torchrun).
+        RuntimeError: no CUDA device although ``use_gpu``, or the rendezvous fails or times out.
+    """
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"rank {rank}: use_gpu is set but CUDA is not available")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if threads_per_process:
+        torch.set_num_threads(threads_per_process)
+    chosen = ("nccl" if use_gpu else "gloo") if backend == "auto" else backend
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=chosen,
+            timeout=timedelta(seconds=timeout_seconds),
+            rank=rank,
+            world_size=world_size,
+            device_id=device if chosen == "nccl" else None,
+        )
+    return DistContext(rank, local_rank, world_size, device, chosen)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (no-op if not initialised)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
+    """Element-wise sum of ``values`` over all ranks (float64: exact for integers < 2**53)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(x) for x in t.cpu().tolist()]
+
+
+def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
+    """Return ``src``'s ``obj`` on every rank (pickled; keep it small)."""
+    box = [obj if ctx.rank == src else None]
+    dist.broadcast_object_list(box, src=src, device=ctx.device if ctx.backend == "nccl" else None)
+    return box[0]
+
+
+def env_rank() -> int | None:
+    """This process's global rank from the torchrun environment, or None outside torchrun."""
+    value = os.environ.get("RANK")
+    return int(value) if value is not None else None

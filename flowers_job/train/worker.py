@@ -1,0 +1,494 @@
+"""Worker side: the function TorchDistributor runs on every rank, and its epoch loop.
+
+``train_worker(job)`` takes plain data (the validated config as a dict and the driver's
+shard plans), joins the process group, trains a DDP model on this rank's Petastorm
+shard, and returns a small summary dict, identical on every rank (rank 0's, broadcast:
+STACK.md trap 4).
+
+Per epoch: every rank runs exactly ``steps_per_epoch`` steps; losses, accuracies and
+row counts are all-reduced; rank 0 decides early stopping and broadcasts the decision;
+rank 0 writes the checkpoint and logs to MLflow. Only rank 0 has a ``RunTracker``;
+other ranks hold None (the timm habit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from flowers_job.config import JobConfig, TrainConfig
+from flowers_job.data.prepare import CHECKSUM_MODULUS, ShardPlan
+from flowers_job.distributed import (
+    DistContext,
+    all_reduce_sum,
+    broadcast_object,
+    env_rank,
+    init_distributed,
+    shutdown_distributed,
+)
+from flowers_job.models import build_model, preprocessing_for
+from flowers_job.train.checkpoint import load_checkpoint, save_checkpoint
+from flowers_job.train.early_stopping import Decision, EarlyStopping
+from flowers_job.train.loader import DecodeTransform, ShardError, quiet_petastorm, shard_batches
+
+__all__ = ["evaluate", "fit", "train_one_epoch", "train_worker"]
+
+log = logging.getLogger("flowers_job.train")
+
+
+def train_worker(job: dict[str, Any]) -> dict[str, Any]:
+    """Entry point on every rank (top level and importable, so TorchDistributor can pickle it).
+
+    Args:
+        job: plain data from the driver: ``config`` (``JobConfig.model_dump(mode="json")``),
+            ``train``/``val`` (:meth:`ShardPlan.to_dict`), ``label_names``, ``use_gpu``,
+            ``threads_per_process`` and ``failure_dir``.
+
+    Returns:
+        Rank 0's summary (see :func:`fit`), on every rank.
+
+    Raises:
+        Whatever failed, after writing ``<failure_dir>/rank-<rank>.json`` with the rank,
+        the exception and its traceback for the driver to report.
+    """
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
+    )
+    quiet_petastorm()
+    try:
+        cfg = JobConfig.model_validate(job["config"])
+        ctx = init_distributed(
+            use_gpu=bool(job["use_gpu"]),
+            backend=cfg.distributed.backend,
+            timeout_seconds=cfg.distributed.timeout_seconds,
+            threads_per_process=job.get("threads_per_process"),
+        )
+        try:
+            result = fit(
+                cfg,
+                ctx,
+                ShardPlan.from_dict(job["train"]),
+                ShardPlan.from_dict(job["val"]),
+                list(job["label_names"]),
+            )
+            result = broadcast_object(result, ctx)
+        finally:
+            shutdown_distributed()
+        assert isinstance(result, dict)
+        return result
+    except BaseException as exc:
+        _report_failure(Path(job["failure_dir"]), exc)
+        raise
+
+
+def _report_failure(directory: Path, exc: BaseException) -> None:
+    rank = env_rank()
+    report = {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "time": time.time(),
+    }
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank-{rank}.json").write_text(json.dumps(report))
+    except OSError:
+        log.exception("could not write the failure report of rank %s", rank)
+
+
+def _optimizer(train: TrainConfig, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay, nesterov=True
+        )
+    cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, weight_decay=train.weight_decay)
+
+
+def _amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    if amp == "bf16":
+        return torch.bfloat16
+    if amp == "fp16":
+        return torch.float16
+    if amp == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def train_one_epoch(
+    model: nn.Module,
+    batches: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    criterion: nn.Module,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler,
+) -> list[float]:
+    """One pass over this rank's training batches.
+
+    ``batches`` yields dicts with ``image`` float32 ``[B, 3, S, S]``, ``label_index`` int64
+    ``[B]`` and ``row_id`` int64 ``[B]``.
+
+    Returns:
+        This rank's ``[loss_sum, correct, rows, row_checksum]`` (loss summed over images).
+    """
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    rows = 0
+    checksum = 0
+    for batch in batches:
+        x = (
+            batch["image"]
+            .to(device, non_blocking=True)
+            .contiguous(memory_format=torch.channels_last)
+        )
+        y = batch["label_index"].to(device, non_blocking=True)
+        with torch.autocast(
+            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        ):
+            logits = model(x)
+            loss = criterion(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        loss_sum += loss.detach().double() * len(y)
+        correct += (logits.detach().argmax(1) == y).sum()
+        rows += len(y)
+        checksum += int((batch["row_id"] % CHECKSUM_MODULUS).sum())
+    return [float(loss_sum), float(correct), float(rows), float(checksum)]
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    batches: Any,
+    criterion: nn.Module,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> list[float]:
+    """Loss and accuracy sums on this rank's validation shard (no collectives: pass the
+    unwrapped model, not the DDP wrapper).
+
+    Returns:
+        This rank's ``[loss_sum, correct, rows, row_checksum]``.
+    """
+    model.eval()
+    loss_sum, correct, rows, checksum = 0.0, 0, 0, 0
+    for batch in batches:
+        x = (
+            batch["image"]
+            .to(device, non_blocking=True)
+            .contiguous(memory_format=torch.channels_last)
+        )
+        y = batch["label_index"].to(device, non_blocking=True)
+        with torch.autocast(
+            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        ):
+            logits = model(x)
+            loss = criterion(logits.float(), y)
+        loss_sum += float(loss) * len(y)
+        correct += int((logits.argmax(1) == y).sum())
+        rows += len(y)
+        checksum += int((batch["row_id"] % CHECKSUM_MODULUS).sum())
+    return [loss_sum, float(correct), float(rows), float(checksum)]
+
+
+def _check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> None:
+    rows, checksum = int(sums[2]), int(sums[3])
+    if rows != plan.rows_per_shard[rank] or checksum != plan.checksum_per_shard[rank]:
+        raise ShardError(
+            f"rank {rank}: the {split} shard read {rows} rows (checksum {checksum}); the plan "
+            f"expects {plan.rows_per_shard[rank]} rows (checksum {plan.checksum_per_shard[rank]})"
+        )
+
+
+def _check_resumable(state: dict[str, Any], cfg: JobConfig, label_names: list[str]) -> None:
+    saved = state.get("config", {})
+    for section, key in (("model", "architecture"), ("data", "image_size")):
+        if saved.get(section, {}).get(key) != getattr(getattr(cfg, section), key):
+            raise ValueError(
+                f"--resume: checkpoint in {cfg.paths.checkpoint_dir} was trained with "
+                f"{section}.{key}={saved.get(section, {}).get(key)!r}, not "
+                f"{getattr(getattr(cfg, section), key)!r}"
+            )
+    if list(state.get("label_names", [])) != label_names:
+        raise ValueError(
+            f"--resume: checkpoint labels {state.get('label_names')} differ from the tables' "
+            f"labels {label_names}"
+        )
+
+
+def fit(
+    cfg: JobConfig,
+    ctx: DistContext,
+    train_plan: ShardPlan,
+    val_plan: ShardPlan,
+    label_names: list[str],
+) -> dict[str, Any] | None:
+    """Train, validate, early-stop, checkpoint and (rank 0) log and register the model.
+
+    Returns:
+        On rank 0, the training summary: val_accuracy, val_loss, best_epoch,
+        epochs_completed, stop_reason, world_size, global_batch_size, learning_rate,
+        history, seconds_per_epoch, images_per_second, mlflow_run_id, model_uri,
+        registered_model_name, registered_model_version. None on other ranks.
+    """
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.train.seed)
+    pre = preprocessing_for(cfg.model.architecture)
+    model = build_model(
+        cfg.model.architecture,
+        len(label_names),
+        cfg.model.resolved_weights,
+        weights_path=cfg.model.weights_path,
+        freeze_backbone=cfg.model.freeze_backbone,
+        dropout=cfg.model.dropout,
+    ).to(ctx.device)
+    model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    lr = cfg.train.learning_rate(ctx.world_size)
+    optimizer = _optimizer(cfg.train, [p for p in model.parameters() if p.requires_grad], lr)
+    warmup_steps = round(cfg.train.warmup_epochs * train_plan.steps_per_epoch)
+    # Gradual warm-up from the unscaled rate (Goyal et al. 2017, section 2.2); constant after.
+    scheduler = torch.optim.lr_scheduler.LinearLR(
+        optimizer,
+        start_factor=cfg.train.base_learning_rate / lr if warmup_steps else 1.0,
+        total_iters=max(1, warmup_steps),
+    )
+    amp_dtype = _amp_dtype(cfg.train.amp, ctx.device)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    es = cfg.train.early_stopping
+    stopper = EarlyStopping(es.mode, es.min_delta, es.patience, es.stopping_threshold)
+
+    history: list[dict[str, float]] = []
+    best_state: dict[str, torch.Tensor] | None = None
+    stop_reason: str | None = None
+    run_id: str | None = None
+    start_epoch = 1
+    state = load_checkpoint(cfg.paths.checkpoint_dir) if cfg.train.resume else None
+    if state is not None:
+        _check_resumable(state, cfg, label_names)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        stopper.load_state_dict(state["early_stopping"])
+        history, best_state = list(state["history"]), state["best_model"]
+        stop_reason, run_id = state["stop_reason"], state["mlflow_run_id"]
+        start_epoch = int(state["epoch"]) + 1
+        log.info("resumed from %s at epoch %d", cfg.paths.checkpoint_dir, start_epoch)
+
+    tracker = None
+    if ctx.is_main:
+        from flowers_job.tracking import RunTracker, flatten
+
+        tracker = RunTracker(cfg, run_id)
+        tracker.log_params(
+            {
+                **flatten(cfg.model_dump(mode="json", exclude={"train": {"resume"}})),
+                "world_size": ctx.world_size,
+                "global_batch_size": cfg.global_batch_size,
+                "learning_rate": lr,
+                "num_partitions": cfg.num_partitions,
+                "train_rows": train_plan.dataset_size,
+                "val_rows": val_plan.dataset_size,
+                "steps_per_epoch": train_plan.steps_per_epoch,
+                "backend": ctx.backend,
+                "device": ctx.device.type,
+            }
+        )
+        log.info(
+            "world_size %d (%s on %s) | per_device_batch_size %d, global_batch_size %d | "
+            "lr %.3g (%s scaling of %.3g) | train %d rows %s, val %d rows %s | "
+            "steps per epoch %d | %d threads per process",
+            ctx.world_size,
+            ctx.backend,
+            ctx.device.type,
+            cfg.train.per_device_batch_size,
+            cfg.global_batch_size,
+            lr,
+            cfg.train.lr_scaling,
+            cfg.train.base_learning_rate,
+            train_plan.dataset_size,
+            train_plan.rows_per_shard,
+            val_plan.dataset_size,
+            val_plan.rows_per_shard,
+            train_plan.steps_per_epoch,
+            torch.get_num_threads(),
+        )
+
+    size, resize = cfg.data.image_size, cfg.data.stored_short_side
+    train_tf = DecodeTransform(True, size, resize, pre.mean, pre.std)
+    val_tf = DecodeTransform(False, size, resize, pre.mean, pre.std)
+    reader = {
+        "reader_pool_type": cfg.data.reader_pool_type,
+        "shuffle_buffer_rows": cfg.data.shuffle_buffer_rows,
+    }
+    for epoch in range(start_epoch, cfg.train.epochs + 1):
+        if stop_reason is not None:
+            break
+        torch.manual_seed(cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
+        t0 = time.perf_counter()
+        batches = shard_batches(
+            train_plan,
+            ctx.rank,
+            ctx.world_size,
+            train_tf,
+            shuffle=True,
+            seed=cfg.train.seed + epoch,
+            **reader,  # type: ignore[arg-type]
+        )
+        if ctx.is_main:
+            batches = tqdm(
+                batches,
+                total=train_plan.steps_per_epoch,
+                desc=f"epoch {epoch}",
+                unit="step",
+                mininterval=15.0,
+                ascii=True,
+                ncols=100,
+            )
+        train_sums = train_one_epoch(
+            ddp, batches, optimizer, scheduler, criterion, ctx.device, amp_dtype, scaler
+        )
+        t1 = time.perf_counter()
+        val_batches = shard_batches(
+            val_plan,
+            ctx.rank,
+            ctx.world_size,
+            val_tf,
+            shuffle=False,
+            seed=0,
+            **reader,  # type: ignore[arg-type]
+        )
+        val_sums = evaluate(model, val_batches, criterion, ctx.device, amp_dtype)
+        t2 = time.perf_counter()
+        _check_shard("train", train_plan, ctx.rank, train_sums)
+        _check_shard("val", val_plan, ctx.rank, val_sums)
+        tot = all_reduce_sum([*train_sums, *val_sums], ctx)
+        metrics = {
+            "train_loss": tot[0] / tot[2],
+            "train_accuracy": tot[1] / tot[2],
+            "val_loss": tot[4] / tot[6],
+            "val_accuracy": tot[5] / tot[6],
+            "learning_rate": float(optimizer.param_groups[0]["lr"]),
+            "epoch_seconds": t2 - t0,
+            "train_images_per_second": tot[2] / (t1 - t0),
+            "images_per_second": (tot[2] + tot[6]) / (t2 - t0),
+        }
+        # One decision, made by rank 0 and shared: ranks can never disagree about stopping.
+        decision = Decision(improved=False, stop=False)
+        if ctx.is_main:
+            decision = stopper.step(metrics[es.monitor], epoch)
+            if not es.enabled:  # still track the best epoch, never stop early
+                decision = Decision(decision.improved, stop=False)
+        decision = broadcast_object(decision, ctx)
+        if decision.improved:
+            best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        if decision.stop:
+            stop_reason = decision.reason
+        history.append({"epoch": epoch, **metrics})
+        if ctx.is_main:
+            assert tracker is not None
+            save_checkpoint(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "epoch": epoch,
+                    "early_stopping": stopper.state_dict(),
+                    "best_model": best_state,
+                    "history": history,
+                    "stop_reason": stop_reason,
+                    "mlflow_run_id": tracker.run_id,
+                    "label_names": label_names,
+                    "config": cfg.model_dump(mode="json"),
+                },
+                cfg.paths.checkpoint_dir,
+            )
+            tracker.log_epoch(metrics, epoch)
+            log.info(
+                "epoch %d/%d | train loss %.4f acc %.4f | val loss %.4f acc %.4f | %.1f s | "
+                "%.1f img/s%s",
+                epoch,
+                cfg.train.epochs,
+                metrics["train_loss"],
+                metrics["train_accuracy"],
+                metrics["val_loss"],
+                metrics["val_accuracy"],
+                metrics["epoch_seconds"],
+                metrics["images_per_second"],
+                f" | stop: {stop_reason}" if stop_reason else "",
+            )
+
+    if stop_reason is None:
+        stop_reason = "max_epochs"
+    if es.restore_best_weights and best_state is not None:
+        model.load_state_dict(best_state)
+    if not ctx.is_main:
+        return None
+    assert tracker is not None
+    from flowers_job.serving import example_images
+
+    best_epoch = stopper.best_epoch
+    restored = es.restore_best_weights and best_state is not None
+    final = next(h for h in history if h["epoch"] == best_epoch) if restored else history[-1]
+    model_config = {
+        "architecture": cfg.model.architecture,
+        "label_names": label_names,
+        "image_size": size,
+        "resize_size": resize,
+        "mean": list(pre.mean),
+        "std": list(pre.std),
+        "dropout": cfg.model.dropout,
+        "max_pixels": cfg.data.max_image_pixels,
+        "batch_size": 64,
+    }
+    model_uri, version = tracker.log_model(model, model_config, example_images(val_plan.file_urls))
+    tracker.log_epoch(
+        {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]}, best_epoch
+    )
+    tracker.finish()
+    trained = [h for h in history if h["epoch"] >= start_epoch]
+    seconds = [h["epoch_seconds"] for h in history]
+    return {
+        "val_accuracy": final["val_accuracy"],
+        "val_loss": final["val_loss"],
+        "best_epoch": best_epoch,
+        "epochs_completed": len(history),
+        "epochs_this_run": len(trained),
+        "stop_reason": stop_reason,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": ctx.device.type,
+        "per_device_batch_size": cfg.train.per_device_batch_size,
+        "global_batch_size": cfg.global_batch_size,
+        "learning_rate": lr,
+        "steps_per_epoch": train_plan.steps_per_epoch,
+        "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else 0.0,
+        "images_per_second": (
+            sum(h["images_per_second"] * h["epoch_seconds"] for h in history) / sum(seconds)
+            if seconds
+            else 0.0
+        ),
+        "train_seconds": time.perf_counter() - t_start,
+        "history": history,
+        "mlflow_run_id": tracker.run_id,
+        "model_uri": model_uri,
+        "registered_model_name": cfg.tracking.registered_model_name,
+        "registered_model_version": version,
+    }
