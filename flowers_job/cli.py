@@ -1,0 +1,129 @@
+"""Command line: ``flowers-job {ingest,train,run}`` (also ``python -m flowers_job``).
+
+Configuration is parsed and validated before Spark starts: an invalid value exits
+with status 2 and a message naming the field, within a second or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from flowers_job.config import ConfigError, JobConfig, load_config
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("flowers_job")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``flowers-job``."""
+    parser = argparse.ArgumentParser(
+        prog="flowers-job",
+        description="Distributed image-classification training on Spark: "
+        "photos -> Delta -> Petastorm -> TorchDistributor (DDP) -> MLflow.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, help="YAML file with any of the config sections")
+    common.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.epochs=3 (repeatable)",
+    )
+    common.add_argument(
+        "--output-dir", type=Path, help="paths.output_dir: tables, checkpoints, summary"
+    )
+    common.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    images = argparse.ArgumentParser(add_help=False)
+    images.add_argument("--images", type=Path, help="data.images: <images>/<label>/<file>")
+    resume = argparse.ArgumentParser(add_help=False)
+    resume.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in output dir"
+    )
+    sub.add_parser("ingest", parents=[common, images], help="photos -> Delta tables")
+    sub.add_parser(
+        "train", parents=[common, resume], help="Delta tables -> trained, registered model"
+    )
+    sub.add_parser("run", parents=[common, images, resume], help="ingest, then train")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> JobConfig:
+    flags = {
+        "data.images": getattr(args, "images", None),
+        "paths.output_dir": args.output_dir,
+        "train.resume": True if getattr(args, "resume", False) else None,
+    }
+    return load_config(args.config, args.overrides, **flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``flowers-job``; returns the process exit status (0 ok, 1 failed, 2 bad config)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"flowers-job: {exc}", file=sys.stderr)
+        return 2
+    if args.command in ("ingest", "run") and cfg.data.images is None:
+        print(
+            "flowers-job: invalid configuration:\n  data.images: required (--images DIR)",
+            file=sys.stderr,
+        )
+        return 2
+
+    from flowers_job import pipeline
+    from flowers_job.data.ingest import IngestError
+    from flowers_job.data.prepare import DataError
+    from flowers_job.spark import get_spark
+    from flowers_job.tracking import TrackingError
+
+    spark = get_spark()
+    try:
+        if args.command == "ingest":
+            result: object = pipeline.run_ingest(spark, cfg).to_dict()
+        elif args.command == "train":
+            result = pipeline.run_training(spark, cfg)
+        else:
+            result = pipeline.run_job(spark, cfg)
+    except (IngestError, DataError, TrackingError, pipeline.TrainingError) as exc:
+        print(f"flowers-job {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if isinstance(result, dict):
+        keys = (
+            "val_accuracy",
+            "val_loss",
+            "best_epoch",
+            "epochs_completed",
+            "stop_reason",
+            "world_size",
+            "global_batch_size",
+            "train_rows",
+            "val_rows",
+            "quarantined_rows",
+            "seconds_per_epoch",
+            "images_per_second",
+            "job_seconds",
+            "registered_model_name",
+            "registered_model_version",
+            "images_rows",
+            "files",
+        )
+        print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
+        if args.command != "ingest":
+            print(f"summary: {cfg.paths.summary_path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

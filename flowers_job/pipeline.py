@@ -1,0 +1,180 @@
+"""The job, driver side: ingest -> prepare -> TorchDistributor -> summary.json.
+
+``run_job`` = ``run_ingest`` + ``run_training``. Everything here runs on the Spark
+driver; the only code shipped to the training processes is
+:func:`flowers_job.train.worker.train_worker` with plain data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from flowers_job.config import JobConfig
+from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
+from flowers_job.data.prepare import DataError, prepare_data
+from flowers_job.spark import task_slots
+from flowers_job.tracking import preflight
+
+__all__ = ["TrainingError", "run_ingest", "run_job", "run_training", "write_summary"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Distributed training failed. ``rank`` and ``cause`` name the first failing rank."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+
+
+def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
+    """Images folder -> Delta tables (see :func:`flowers_job.data.ingest.ingest`)."""
+    t0 = time.perf_counter()
+    report = ingest(spark, cfg)
+    log.info(
+        "ingest: %d files -> %d images (train %d, val %d), %d quarantined %s, %s in %.1f s",
+        report.files,
+        report.images_rows,
+        report.train_rows,
+        report.val_rows,
+        report.quarantined_rows,
+        report.quarantine_reasons or "",
+        "written" if report.written else "unchanged",
+        time.perf_counter() - t0,
+    )
+    return report
+
+
+def _use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
+    if cfg.distributed.use_gpu is not None:
+        return cfg.distributed.use_gpu
+    if cfg.distributed.local_mode:
+        import torch
+
+        return torch.cuda.is_available()
+    return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
+
+
+def _threads_per_process(spark: SparkSession, cfg: JobConfig) -> int:
+    if cfg.distributed.local_mode:
+        return max(1, (os.cpu_count() or 1) // cfg.world_size)
+    return max(1, int(spark.conf.get("spark.task.cpus", "1") or 1))
+
+
+def _failure(failure_dir: Path, exc: BaseException) -> TrainingError:
+    reports = []
+    for path in sorted(failure_dir.glob("rank-*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not reports:
+        return TrainingError(f"distributed training failed: {exc}")
+    first = min(reports, key=lambda r: r.get("time", 0.0))
+    return TrainingError(
+        f"rank {first['rank']} failed: {first['type']}: {first['message']}\n"
+        f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
+        rank=first["rank"],
+        cause=f"{first['type']}: {first['message']}",
+    )
+
+
+def run_training(
+    spark: SparkSession, cfg: JobConfig, ingest_report: IngestReport | None = None
+) -> dict[str, Any]:
+    """Train on the Delta tables with TorchDistributor and write ``summary.json``.
+
+    Returns:
+        The summary (also written to ``<output_dir>/summary.json``).
+
+    Raises:
+        DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
+        TrackingError: the MLflow store is unusable (before any worker starts).
+        TrainingError: a rank failed; the message names the rank and its exception.
+    """
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from flowers_job.train.worker import train_worker
+
+    d = cfg.distributed
+    if not d.local_mode and d.num_processes > task_slots(spark):
+        raise DataError(
+            f"distributed.num_processes={d.num_processes} exceeds the cluster's "
+            f"{task_slots(spark)} task slots (barrier mode needs one slot per process)"
+        )
+    use_gpu = _use_gpu(spark, cfg)
+    preflight(cfg)
+    with (
+        prepare_data(spark, cfg) as data,
+        tempfile.TemporaryDirectory(
+            prefix="flowers-failures-", dir=cfg.paths.output_dir
+        ) as failure_dir,
+    ):
+        job = {
+            "config": cfg.model_dump(mode="json"),
+            "train": data.train.to_dict(),
+            "val": data.val.to_dict(),
+            "label_names": data.label_names,
+            "use_gpu": use_gpu,
+            "threads_per_process": _threads_per_process(spark, cfg),
+            "failure_dir": failure_dir,
+        }
+        distributor = TorchDistributor(
+            num_processes=d.num_processes, local_mode=d.local_mode, use_gpu=use_gpu
+        )
+        try:
+            result = distributor.run(train_worker, job)
+        except Exception as exc:
+            raise _failure(Path(failure_dir), exc) from exc
+        if not isinstance(result, dict):
+            raise _failure(Path(failure_dir), RuntimeError(f"no result from rank 0 ({result!r})"))
+        quarantined = (
+            ingest_report.quarantined_rows
+            if ingest_report is not None
+            else spark.read.format("delta").load(str(cfg.paths.table("quarantine"))).count()
+        )
+        summary = {
+            **{k: v for k, v in result.items() if k != "history"},
+            "train_rows": data.train.dataset_size,
+            "val_rows": data.val.dataset_size,
+            "quarantined_rows": int(quarantined),
+            "num_partitions": data.num_partitions,
+            "rows_per_shard": {"train": data.train.rows_per_shard, "val": data.val.rows_per_shard},
+            "label_names": data.label_names,
+            "local_mode": d.local_mode,
+            "mlflow_tracking_uri": cfg.tracking_uri,
+            "tables": {name: str(cfg.paths.table(name)) for name in TABLE_NAMES},
+            "history": result["history"],
+        }
+    if ingest_report is not None:
+        summary["ingest"] = ingest_report.to_dict()
+    write_summary(summary, cfg.paths.summary_path)
+    return summary
+
+
+def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
+    """Ingest, then train: the whole Databricks "flowers" pipeline."""
+    t0 = time.perf_counter()
+    report = run_ingest(spark, cfg)
+    summary = run_training(spark, cfg, report)
+    summary["job_seconds"] = time.perf_counter() - t0
+    write_summary(summary, cfg.paths.summary_path)
+    return summary
+
+
+def write_summary(summary: dict[str, Any], path: Path) -> None:
+    """Write ``summary`` as JSON, atomically (temporary file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)

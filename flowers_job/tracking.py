@@ -1,0 +1,150 @@
+"""MLflow: experiment preflight on the driver; run, metrics and model from rank 0 only.
+
+The driver checks the store and creates the experiment before any worker starts
+(:func:`preflight`). Rank 0 then owns one MLflow run (:class:`RunTracker`): params
+once, metrics per epoch with ``step=epoch``, and at the end the model as a pyfunc
+(:class:`~flowers_job.serving.FlowersClassifierModel`) with signature and input example,
+registered under ``tracking.registered_model_name``. A resumed run continues the same
+MLflow run and logs no param twice.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+import torch
+from mlflow.models import infer_signature
+
+from flowers_job.config import JobConfig
+
+__all__ = ["RunTracker", "TrackingError", "flatten", "preflight"]
+
+
+class TrackingError(RuntimeError):
+    """The MLflow store cannot be used."""
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def preflight(cfg: JobConfig) -> str:
+    """Check the tracking store and get or create the experiment; runs on the driver.
+
+    Returns:
+        The experiment id.
+
+    Raises:
+        TrackingError: the store cannot be reached or the experiment cannot be created.
+    """
+    if not cfg.tracking.tracking_uri:
+        cfg.paths.output_dir.mkdir(parents=True, exist_ok=True)
+    uri = cfg.tracking_uri
+    try:
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(cfg.tracking.experiment_name)
+        if exp is not None:
+            return str(exp.experiment_id)
+        return str(
+            client.create_experiment(
+                cfg.tracking.experiment_name, artifact_location=cfg.artifact_location
+            )
+        )
+    except Exception as exc:
+        raise TrackingError(f"tracking.tracking_uri {uri}: MLflow store unusable: {exc}") from exc
+
+
+def _pip_requirements() -> list[str]:
+    names = ["torch", "torchvision", "pillow", "pandas", "numpy", "mlflow", "pydantic", "pyyaml"]
+    names.append("efficientnet-lite-pytorch")
+    reqs = []
+    for name in names:
+        try:
+            reqs.append(f"{name}=={metadata.version(name).split('+')[0]}")
+        except metadata.PackageNotFoundError:
+            reqs.append(name)
+    return reqs
+
+
+class RunTracker:
+    """The MLflow run of one training job. Construct on rank 0 only."""
+
+    def __init__(self, cfg: JobConfig, run_id: str | None = None) -> None:
+        self.cfg = cfg
+        mlflow.set_tracking_uri(cfg.tracking_uri)
+        exp = mlflow.set_experiment(cfg.tracking.experiment_name)
+        self.resumed = run_id is not None
+        self.run = mlflow.start_run(
+            run_id=run_id,
+            experiment_id=exp.experiment_id,
+            run_name=None if run_id else cfg.tracking.run_name,
+        )
+        self.run_id: str = self.run.info.run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log params once: a resumed run already has them."""
+        if not self.resumed:
+            mlflow.log_params({k: ("" if v is None else v) for k, v in params.items()})
+
+    def log_epoch(self, metrics: dict[str, float], epoch: int) -> None:
+        mlflow.log_metrics(metrics, step=epoch)
+
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        model_config: dict[str, Any],
+        example: pd.DataFrame,
+    ) -> tuple[str, int | None]:
+        """Log the pyfunc model and register it.
+
+        Returns:
+            ``(model_uri, registered_model_version)``; the version is None when
+            ``tracking.registered_model_name`` is None.
+        """
+        from flowers_job.serving import FlowersClassifierModel
+
+        name = self.cfg.tracking.registered_model_name
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = Path(tmp) / "state_dict.pt"
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights)
+            probe = FlowersClassifierModel()
+            probe.load_context(_Context(model_config, {"state_dict": str(weights)}))
+            output = probe.predict(None, example)
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(Path(__file__).with_name("serving_entry.py")),
+                artifacts={"state_dict": str(weights)},
+                model_config=model_config,
+                code_paths=[str(Path(__file__).parent)],
+                signature=infer_signature(example, output),
+                input_example=example,
+                pip_requirements=_pip_requirements(),
+                registered_model_name=name,
+            )
+        mlflow.log_dict({"label_names": model_config["label_names"]}, "label_names.json")
+        version = info.registered_model_version
+        return info.model_uri, int(version) if version is not None else None
+
+    def finish(self, status: str = "FINISHED") -> None:
+        mlflow.end_run(status=status)
+
+
+class _Context:
+    """Stand-in for MLflow's PythonModelContext, to check the model before logging it."""
+
+    def __init__(self, model_config: dict[str, Any], artifacts: dict[str, str]) -> None:
+        self.model_config = model_config
+        self.artifacts = artifacts

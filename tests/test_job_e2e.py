@@ -1,0 +1,145 @@
+"""The whole job on a class-balanced sample of the real photos, with real components:
+local Spark + Delta, Petastorm, TorchDistributor with 2 gloo processes, an MLflow sqlite
+store in a temp dir, and the registered pyfunc model predicting.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+import pytest
+from pyspark.sql import SparkSession
+
+from flowers_job.config import load_config
+from flowers_job.pipeline import run_job, run_training
+
+from .conftest import LABELS, PHOTOS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FAST = [
+    "data.image_size=64",
+    "train.per_device_batch_size=8",
+    "train.base_learning_rate=0.003",
+    "distributed.timeout_seconds=300",
+]
+CONTRACT_KEYS = {
+    "val_accuracy",
+    "val_loss",
+    "best_epoch",
+    "epochs_completed",
+    "stop_reason",
+    "world_size",
+    "global_batch_size",
+    "train_rows",
+    "val_rows",
+    "quarantined_rows",
+    "num_partitions",
+    "label_names",
+    "mlflow_tracking_uri",
+    "mlflow_run_id",
+    "registered_model_name",
+    "registered_model_version",
+    "tables",
+}
+
+
+def _check_summary(summary: dict[str, Any], spark: SparkSession, images: int) -> None:
+    assert summary.keys() >= CONTRACT_KEYS
+    assert summary["world_size"] == 2
+    assert summary["global_batch_size"] == 16
+    assert summary["label_names"] == sorted(LABELS)
+    assert summary["num_partitions"] % 2 == 0
+    assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["val_loss"] > 0
+    assert 1 <= summary["best_epoch"] <= summary["epochs_completed"]
+    counts = {n: spark.read.format("delta").load(p).count() for n, p in summary["tables"].items()}
+    assert counts["images"] == images and counts["quarantine"] == summary["quarantined_rows"] == 0
+    assert counts["train"] == summary["train_rows"] and counts["val"] == summary["val_rows"]
+    assert summary["train_rows"] + summary["val_rows"] == images
+
+
+def _check_mlflow(summary: dict[str, Any], epochs: int) -> None:
+    client = mlflow.MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "2"
+    assert run.data.params["train.per_device_batch_size"] == "8"
+    for metric in ("train_loss", "val_loss", "val_accuracy", "images_per_second"):
+        history = client.get_metric_history(run.info.run_id, metric)
+        assert sorted(m.step for m in history) == list(range(1, epochs + 1)), metric
+    last = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
+    assert last[summary["best_epoch"]] == pytest.approx(summary["val_accuracy"])
+
+
+def _check_model_predicts(summary: dict[str, Any]) -> None:
+    mlflow.set_tracking_uri(summary["mlflow_tracking_uri"])
+    name, version = summary["registered_model_name"], summary["registered_model_version"]
+    model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
+    files = [sorted((PHOTOS / label).glob("*.jpg"))[-1] for label in LABELS]  # unseen photos
+    out = model.predict(pd.DataFrame({"image": [f.read_bytes() for f in files]}))
+    assert list(out.columns) == sorted(LABELS)
+    assert out.shape == (5, 5)
+    assert (out.sum(axis=1) - 1.0).abs().max() < 1e-5
+    assert ((out >= 0) & (out <= 1)).all().all()
+
+
+def test_cli_run_local_mode_then_resume(spark: SparkSession, photos: Path, tmp_path: Path) -> None:
+    """`flowers-job run` as a user runs it, then `train --resume` continues the same run."""
+    out = tmp_path / "out"
+    sets = [a for s in [*FAST, "train.epochs=1"] for a in ("--set", s)]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowers_job",
+            "run",
+            "--images",
+            str(photos),
+            "--output-dir",
+            str(out),
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-3000:]
+    first = json.loads((out / "summary.json").read_text())
+    _check_summary(first, spark, images=60)
+    assert first["epochs_completed"] == 1 and first["stop_reason"] == "max_epochs"
+    assert first["local_mode"] is True
+    _check_model_predicts(first)
+
+    cfg = load_config(
+        None, [*FAST, "train.epochs=2"], **{"paths.output_dir": out, "train.resume": True}
+    )
+    second = run_training(spark, cfg)
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run continues
+    assert second["epochs_completed"] == 2 and second["epochs_this_run"] == 1
+    assert [h["epoch"] for h in second["history"]] == [1, 2]
+    assert second["history"][0] == first["history"][0]  # epoch 1 restored, not re-run
+    _check_mlflow(second, epochs=2)
+    assert second["registered_model_version"] == first["registered_model_version"] + 1
+
+
+def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path) -> None:
+    """local_mode=False: TorchDistributor runs the ranks as a Spark barrier stage."""
+    cfg = load_config(
+        None,
+        [*FAST, "train.epochs=2", "distributed.local_mode=false"],
+        **{"data.images": photos, "paths.output_dir": tmp_path},
+    )
+    summary = run_job(spark, cfg)
+    _check_summary(summary, spark, images=60)
+    assert summary["local_mode"] is False
+    assert summary["epochs_completed"] == 2
+    _check_mlflow(summary, epochs=2)
+    _check_model_predicts(summary)
+    assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed
