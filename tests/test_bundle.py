@@ -1,0 +1,342 @@
+"""Deployment files: the Databricks Asset Bundle (databricks.yml) and docker/Dockerfile.
+
+databricks.yml is validated against the bundle JSON schema that the Databricks CLI
+publishes (kept in ../shared/schemas, see SOURCE.md there), then checked for the facts the
+schema cannot see: declared variables, the job's arguments, the targets' distributed mode.
+No Spark, no network: these run in well under a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator, ValidationError, validators
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLE = ROOT / "databricks.yml"
+SCHEMA = ROOT.parent / "shared" / "schemas" / "databricks-bundle.schema.json"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+JOB = "flowers_train"
+VAR_REF = re.compile(r"\$\{var\.([^.}\[]+)")
+
+
+def _translate_pattern(pattern: str) -> str:
+    r"""The schema's regexes use ``\p{L}`` / ``\p{N}`` (Go RE2), which Python's ``re`` lacks.
+
+    Letters are ``[^\W\d_]`` and letters-or-digits ``[^\W_]`` in Python's Unicode mode.
+    Anything else unsupported is left in place, so ``re`` raises instead of passing silently.
+    """
+    return pattern.replace(r"[\p{L}\p{N}]", r"[^\W_]").replace(r"\p{L}", r"[^\W\d_]")
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Iterator[Any]:
+    if validator.is_type(instance, "string") and not re.search(
+        _translate_pattern(pattern), instance
+    ):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+BundleValidator = validators.extend(Draft202012Validator, {"pattern": _pattern})
+
+
+@pytest.fixture(scope="module")
+def bundle() -> dict[str, Any]:
+    doc = yaml.safe_load(BUNDLE.read_text(encoding="utf-8"))
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def schema_validator() -> Any:
+    if not SCHEMA.is_file():
+        pytest.skip(f"bundle JSON schema not found at {SCHEMA} (shared/schemas is absent)")
+    return BundleValidator(json.loads(SCHEMA.read_text(encoding="utf-8")))
+
+
+def _leaves(error: ValidationError) -> Iterator[ValidationError]:
+    """The innermost errors under a ``oneOf``/``anyOf`` error.
+
+    Most schema nodes are ``oneOf: [<the real schema>, <a ${var.*} string>]``; the branch
+    that failed only on its ``type`` is dropped, so an error names the offending field.
+    """
+    branches = [sub for sub in error.context or [] if sub.validator != "type"]
+    if not branches:
+        yield error
+    for sub in branches:
+        yield from _leaves(sub)
+
+
+def _errors(validator: Any, doc: dict[str, Any]) -> list[str]:
+    """``"path/to/field: message"`` for every schema violation in ``doc``."""
+    found = {
+        f"{'/'.join(map(str, leaf.absolute_path)) or '<root>'}: {leaf.message[:200]}"
+        for error in validator.iter_errors(doc)
+        for leaf in _leaves(error)
+    }
+    return sorted(found)
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(key)
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _strings(item)
+
+
+def _target_value(value: Any) -> Any:
+    """A target's variable override is either a plain value or ``{default: value}``."""
+    return value["default"] if isinstance(value, dict) and "default" in value else value
+
+
+def _variables(bundle: dict[str, Any], target: str) -> dict[str, str]:
+    values = {name: spec.get("default") for name, spec in bundle["variables"].items()}
+    for name, value in (bundle["targets"][target].get("variables") or {}).items():
+        values[name] = _target_value(value)
+    return {name: str(value) for name, value in values.items() if value is not None}
+
+
+def _task(bundle: dict[str, Any]) -> dict[str, Any]:
+    (task,) = bundle["resources"]["jobs"][JOB]["tasks"]
+    return task
+
+
+def _task_args(bundle: dict[str, Any], target: str) -> list[str]:
+    """The train task's command line in ``target``, bundle variables substituted."""
+    task = _task(bundle)
+    spec = task.get("spark_python_task") or task.get("python_wheel_task")
+    assert spec is not None, "the train task is neither a spark_python_task nor a wheel task"
+    values = _variables(bundle, target)
+    return [_substitute(arg, values) for arg in spec["parameters"]]
+
+
+def _substitute(text: str, values: dict[str, str]) -> str:
+    return re.sub(r"\$\{var\.([^}]+)\}", lambda m: values[m[1]], text)
+
+
+def _settings(args: list[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` pairs of a command line."""
+    pairs = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--set"]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def _flag(args: list[str], flag: str) -> str:
+    assert flag in args, f"the train task does not pass {flag}: {args}"
+    return args[args.index(flag) + 1]
+
+
+def _job_cluster(bundle: dict[str, Any], target: str) -> dict[str, Any]:
+    key = _task(bundle)["job_cluster_key"]
+    for source in (bundle["targets"][target].get("resources"), bundle.get("resources")):
+        job = ((source or {}).get("jobs") or {}).get(JOB) or {}
+        for cluster in job.get("job_clusters") or []:
+            if cluster["job_cluster_key"] == key:
+                return cluster["new_cluster"]
+    raise AssertionError(f"target {target}: no job cluster {key!r} for the train task")
+
+
+# --- the schema ---------------------------------------------------------------------------
+
+
+def test_bundle_validates_against_the_databricks_schema(
+    bundle: dict[str, Any], schema_validator: Any
+) -> None:
+    errors = _errors(schema_validator, bundle)
+    assert not errors, "databricks.yml does not match the bundle schema:\n" + "\n".join(errors)
+
+
+def test_schema_validation_catches_mistakes(bundle: dict[str, Any], schema_validator: Any) -> None:
+    """The validator is not vacuous: a misspelt key, a wrong type and a bad enum all fail."""
+    bad = copy.deepcopy(bundle)
+    task = bad["resources"]["jobs"][JOB]["tasks"][0]
+    task["job_cluster"] = task.pop("job_cluster_key")
+    bad["variables"]["num_workers"]["descripton"] = "typo"
+    prod = bad["targets"]["prod"]["resources"]["jobs"][JOB]["job_clusters"][0]["new_cluster"]
+    prod["num_workers"] = "two"
+    prod["data_security_mode"] = "SINGLE"
+    paths = {e.split(":")[0] for e in _errors(schema_validator, bad)}
+    cluster = f"targets/prod/resources/jobs/{JOB}/job_clusters/0/new_cluster"
+    assert paths == {
+        f"resources/jobs/{JOB}/tasks/0",
+        "variables/num_workers",
+        f"{cluster}/num_workers",
+        f"{cluster}/data_security_mode",
+    }
+
+
+# --- what the schema cannot see -----------------------------------------------------------
+
+
+def test_every_referenced_variable_is_declared_and_described(bundle: dict[str, Any]) -> None:
+    declared = set(bundle["variables"])
+    referenced = {m[1] for text in _strings(bundle) for m in VAR_REF.finditer(text)}
+    assert referenced, "databricks.yml references no ${var.*}"
+    assert referenced <= declared, f"undeclared variables: {sorted(referenced - declared)}"
+    for target, spec in bundle["targets"].items():
+        overridden = set(spec.get("variables") or {})
+        assert overridden <= declared, f"{target} sets undeclared {sorted(overridden - declared)}"
+    undescribed = [n for n, spec in bundle["variables"].items() if not spec.get("description")]
+    assert not undescribed, f"variables without a description: {undescribed}"
+
+
+def test_task_passes_images_and_output_dir_from_variables(bundle: dict[str, Any]) -> None:
+    for target in bundle["targets"]:
+        args = _task_args(bundle, target)
+        images, output = _flag(args, "--images"), _flag(args, "--output-dir")
+        assert images.startswith("/Volumes/"), f"{target}: --images {images} is no UC volume"
+        assert output.startswith("/Volumes/"), f"{target}: --output-dir {output} is no UC volume"
+        assert int(_settings(args)["distributed.num_processes"]) >= 1
+    raw = _task(bundle)["spark_python_task"]["parameters"]
+    assert _flag(raw, "--images") == "${var.images_path}"
+    assert _flag(raw, "--output-dir") == "${var.output_dir}"
+
+
+def test_prod_trains_on_gpu_workers_with_barrier_mode(bundle: dict[str, Any]) -> None:
+    settings = _settings(_task_args(bundle, "prod"))
+    assert settings["distributed.local_mode"] == "false"
+    assert settings["distributed.use_gpu"] == "true"
+    cluster = _job_cluster(bundle, "prod")
+    assert "-gpu-ml-" in _substitute(cluster["spark_version"], _variables(bundle, "prod"))
+    assert cluster["spark_conf"]["spark.task.resource.gpu.amount"] == "1"
+    assert cluster["num_workers"] == "${var.num_workers}"
+
+
+def test_dev_trains_on_one_cpu_node_in_local_mode(bundle: dict[str, Any]) -> None:
+    settings = _settings(_task_args(bundle, "dev"))
+    assert settings["distributed.local_mode"] == "true"
+    assert settings["distributed.use_gpu"] == "false"
+    cluster = _job_cluster(bundle, "dev")
+    assert cluster["num_workers"] == 0
+    assert cluster["spark_conf"]["spark.databricks.cluster.profile"] == "singleNode"
+    assert "-cpu-ml-" in _substitute(cluster["spark_version"], _variables(bundle, "dev"))
+
+
+def test_tracking_goes_to_databricks_and_unity_catalog(bundle: dict[str, Any]) -> None:
+    for target in bundle["targets"]:
+        settings = _settings(_task_args(bundle, target))
+        assert settings["tracking.tracking_uri"] == "databricks"
+        assert settings["tracking.experiment_name"].startswith("/Users/")
+        name = settings["tracking.registered_model_name"]
+        assert len(name.split(".")) == 3, f"{target}: {name} is not catalog.schema.model"
+
+
+def test_libraries_are_the_built_wheel_and_pins_that_match_pyproject(
+    bundle: dict[str, Any],
+) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wheel_prefix = canonicalize_name(project["name"]).replace("-", "_") + "-"
+    (artifact,) = bundle["artifacts"].values()
+    assert artifact["type"] == "whl"
+    built = {f["source"] for f in artifact["files"]}
+    libraries = _task(bundle)["libraries"]
+    wheels = [lib["whl"] for lib in libraries if "whl" in lib]
+    assert wheels and set(wheels) <= built, f"task wheels {wheels} are not the artifact {built}"
+    assert all(Path(w).name.startswith(wheel_prefix) for w in wheels), wheels
+    wanted = {
+        canonicalize_name(Requirement(d).name): Requirement(d) for d in project["dependencies"]
+    }
+    pins = [Requirement(lib["pypi"]["package"]) for lib in libraries if "pypi" in lib]
+    assert {canonicalize_name(p.name) for p in pins} >= {"petastorm"}
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==", f"{pin} is not an exact pin"
+        dep = wanted.get(canonicalize_name(pin.name))
+        assert dep is not None, f"{pin.name} is not a dependency in pyproject.toml"
+        assert dep.specifier.contains(spec.version), f"{pin} does not satisfy pyproject's {dep}"
+
+
+# --- docker/Dockerfile --------------------------------------------------------------------
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` pairs, continuation lines joined, comments dropped."""
+    lines = [
+        line
+        for line in DOCKERFILE.read_text(encoding="utf-8").splitlines()
+        if not line.lstrip().startswith("#")
+    ]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), " ".join(rest.split())))
+    return out
+
+
+def _run_steps() -> list[str]:
+    """Every shell command of every RUN, in order (split on ``&&``)."""
+    return [
+        step.strip() for name, args in _instructions() if name == "RUN" for step in args.split("&&")
+    ]
+
+
+def _index(steps: list[str], pattern: str) -> int:
+    hits = [i for i, step in enumerate(steps) if re.search(pattern, step)]
+    assert len(hits) == 1, f"expected one RUN step matching {pattern!r}, found {len(hits)}"
+    return hits[0]
+
+
+def test_dockerfile_installs_lock_then_petastorm_no_deps_then_project() -> None:
+    instructions = _instructions()
+    assert instructions[0] == ("FROM", "python:3.11-slim-bookworm")
+    copies = [args.split() for name, args in instructions if name == "COPY"]
+    assert any("requirements/lock.txt" in args[:-1] for args in copies), copies
+    steps = _run_steps()
+    lock = _index(steps, r"^pip install (\S+ )*-r requirements/lock\.txt$")
+    petastorm = _index(steps, r"^pip install (\S+ )*petastorm==0\.13\.1$")
+    project = _index(steps, r"^pip install (\S+ )*\.$")
+    assert "--no-deps" in steps[petastorm].split(), steps[petastorm]
+    assert "--no-deps" in steps[project].split(), steps[project]
+    assert lock < petastorm < project
+
+
+def test_dockerfile_runs_offline_ready_as_the_cli() -> None:
+    instructions = _instructions()
+    env = " ".join(args for name, args in instructions if name == "ENV")
+    assert "SPARK_LOCAL_IP=127.0.0.1" in env.split()
+    steps = _run_steps()
+    assert any("openjdk-17-jre-headless" in step for step in steps)
+    assert any("spark.jars.ivy" in step for step in steps), "no fixed Ivy cache for Delta jars"
+    assert any("get_spark" in step for step in steps), "Delta jars are not fetched at build"
+    assert instructions[[n for n, _ in instructions].index("ENTRYPOINT")] == (
+        "ENTRYPOINT",
+        '["flowers-job"]',
+    )
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
+    ignored = {
+        line.strip().rstrip("/")
+        for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert {".venv", ".git"} <= ignored
+    copied = {
+        src.rstrip("/")
+        for name, args in _instructions()
+        if name == "COPY"
+        for src in args.split()[:-1]
+        if not src.startswith("--")
+    }
+    assert copied, "the Dockerfile copies nothing"
+    for src in copied:
+        parts = Path(src).parts
+        hit = [p for p in ignored if p in {src, parts[0]}]
+        assert not hit, f"{src} is copied by the Dockerfile but excluded by .dockerignore {hit}"
