@@ -9,7 +9,6 @@ runs the same number of steps and reads each of its rows exactly once.
 from __future__ import annotations
 
 import io
-import logging
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -18,21 +17,11 @@ import torch
 from PIL import Image
 
 from flowers_job.data.images import eval_transform, train_transform
-from flowers_job.data.prepare import ShardPlan
+from flowers_job.data.shards import ShardPlan
 
-__all__ = ["DecodeTransform", "ShardError", "quiet_petastorm", "rebatch", "shard_batches"]
+__all__ = ["DecodeTransform", "ShardError", "rebatch", "shard_batches"]
 
 Batch = dict[str, torch.Tensor]
-
-
-def quiet_petastorm() -> None:
-    """Silence Petastorm's per-reader INFO lines and pyarrow-legacy FutureWarnings."""
-    import warnings
-
-    for name in ("petastorm", "petastorm.etl.dataset_metadata", "petastorm.reader"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\..*)?")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyarrow(\..*)?")
 
 
 class ShardError(RuntimeError):
