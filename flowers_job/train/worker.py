@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from flowers_job.config import JobConfig, TrainConfig
-from flowers_job.data.prepare import CHECKSUM_MODULUS, ShardPlan
+from flowers_job.data.shards import CHECKSUM_MODULUS, ShardPlan, quiet_petastorm
 from flowers_job.distributed import (
     DistContext,
     all_reduce_sum,
@@ -38,7 +39,7 @@ from flowers_job.distributed import (
 from flowers_job.models import build_model, preprocessing_for
 from flowers_job.train.checkpoint import load_checkpoint, save_checkpoint
 from flowers_job.train.early_stopping import Decision, EarlyStopping
-from flowers_job.train.loader import DecodeTransform, ShardError, quiet_petastorm, shard_batches
+from flowers_job.train.loader import DecodeTransform, ShardError, shard_batches
 
 __all__ = ["evaluate", "fit", "train_one_epoch", "train_worker"]
 
@@ -88,6 +89,22 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     except BaseException as exc:
         _report_failure(Path(job["failure_dir"]), exc)
         raise
+
+
+class _LineStream:
+    """tqdm target that ends every redraw with a newline: TorchDistributor forwards the
+    workers' output line by line, so carriage-return redraws would never show."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def _report_failure(directory: Path, exc: BaseException) -> None:
@@ -355,6 +372,7 @@ def fit(
         if ctx.is_main:
             batches = tqdm(
                 batches,
+                file=_LineStream(sys.stderr),
                 total=train_plan.steps_per_epoch,
                 desc=f"epoch {epoch}",
                 unit="step",
