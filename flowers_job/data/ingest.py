@@ -14,7 +14,8 @@ a photo lands in the same split on every run whatever the partitioning, and byte
 duplicates always share a split (no train/val leakage).
 
 Re-running on unchanged input is a no-op: every table's commit carries a fingerprint of
-the input and of the ingest settings, and tables whose fingerprint matches are not written.
+the input files (relative path, size, modification time) and of the ingest settings; when
+all four tables carry the current fingerprint, nothing is written.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pandas as pd
 from pyspark import StorageLevel
@@ -84,7 +86,8 @@ class IngestReport:
         quarantine_reasons: quarantined files per ``reason_code``.
         label_names: sorted labels; a label's index is its position here.
         tables: table name -> path.
-        fingerprint: hash of the input files (paths and SHA-256) and the ingest settings.
+        fingerprint: hash of the input files (path, size, modification time) and the ingest
+            settings.
         written: False when the tables were already up to date and nothing was written.
     """
 
@@ -147,7 +150,7 @@ def _decode_partitions(short_side: int, quality: int, max_pixels: int, extension
                     "relative_path": rec.relative_path,
                     "label": rec.label,
                     "num_bytes": int(rec.length),
-                    "content_sha256": rec.content_sha256,
+                    "content_sha256": hashlib.sha256(rec.content or b"").hexdigest(),
                     "ok": False,
                     "reason_code": None,
                     "reason": None,
@@ -166,7 +169,10 @@ def _decode_partitions(short_side: int, quality: int, max_pixels: int, extension
                             f"extension {ext!r} is not one of data.extensions {sorted(exts)}",
                         )
                     out = normalize_image(
-                        rec.content, short_side=short_side, quality=quality, max_pixels=max_pixels
+                        rec.content or b"",
+                        short_side=short_side,
+                        quality=quality,
+                        max_pixels=max_pixels,
                     )
                     row.update(ok=True, image=out.jpeg, width=out.width, height=out.height)
                     row["notes"] = out.notes
@@ -180,29 +186,50 @@ def _decode_partitions(short_side: int, quality: int, max_pixels: int, extension
     return decode
 
 
-def _read_files(spark: SparkSession, root: Path) -> DataFrame:
-    root_uri = root.resolve().as_uri().rstrip("/")  # file:///...
-    df = (
-        spark.read.format("binaryFile")
-        .option("recursiveFileLookup", "true")
-        .load(str(root.resolve()))
+def _read_files(spark: SparkSession, root: Path, labels: list[str]) -> DataFrame:
+    """Every file under the label folders: path, relative_path, label, length,
+    modificationTime, content.
+
+    Spark's file scan silently skips zero-length files; they are taken from the file
+    listing instead and come back with ``length`` 0 and a null ``content`` (quarantined as
+    ``empty_file``), so no file is ever dropped.
+    """
+    base = str(root.resolve())
+    scan = spark.read.format("binaryFile").option("recursiveFileLookup", "true").load(base)
+    # Spark's path column is "file:/abs/path" (not percent-encoded).
+    prefix_len = len(f"file:{base}/")
+    scan = scan.withColumn("relative_path", F.expr(f"substring(path, {prefix_len + 1})"))
+    listed = [os.path.relpath(unquote(urlparse(uri).path), base) for uri in scan.inputFiles()]
+    empty = (
+        spark.createDataFrame([(r,) for r in listed], "relative_path string")
+        .join(scan.select("relative_path"), "relative_path", "left_anti")
+        .select(
+            F.concat(F.lit(f"file:{base}/"), "relative_path").alias("path"),
+            "relative_path",
+            F.lit(0).cast("long").alias("length"),
+            F.lit(None).cast("timestamp").alias("modificationTime"),
+            F.lit(None).cast("binary").alias("content"),
+        )
     )
-    # Spark writes file:/abs/path; make it relative to the root in a prefix-safe way.
-    rel = F.expr(f"substring(path, {len(root_uri.replace('file:///', 'file:/')) + 2})")
+    columns = ["path", "relative_path", "length", "modificationTime", "content"]
     return (
-        df.withColumn("relative_path", rel)
+        scan.select(*columns)
+        .unionByName(empty)
         .where(F.instr("relative_path", "/") > 0)  # files inside a label folder
         .withColumn("label", F.substring_index("relative_path", "/", 1))
-        .withColumn("content_sha256", F.sha2("content", 256))
+        .where(F.col("label").isin(labels))
     )
 
 
 def _fingerprint(files: DataFrame, settings: dict[str, object]) -> tuple[str, int]:
-    """Order-independent digest of (relative_path, content_sha256) plus the settings."""
+    """Order-independent digest of each file's (relative_path, length, modificationTime) plus
+    the ingest settings. Only file metadata is read (binaryFile prunes ``content``), so
+    checking whether the tables are up to date costs a listing, not a read of every photo."""
+    key = ("relative_path", "length", "modificationTime")
     row = files.select(
         F.count(F.lit(1)).alias("n"),
-        F.sum(F.xxhash64("relative_path", "content_sha256").cast("decimal(38,0)")).alias("a"),
-        F.sum(F.xxhash64("content_sha256", "relative_path").cast("decimal(38,0)")).alias("b"),
+        F.sum(F.xxhash64(*key).cast("decimal(38,0)")).alias("a"),
+        F.sum(F.xxhash64(*reversed(key)).cast("decimal(38,0)")).alias("b"),
     ).first()
     assert row is not None
     n, a, b = int(row["n"]), row["a"], row["b"]
@@ -263,7 +290,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     settings = _settings(cfg)
     tables = {name: cfg.paths.table(name) for name in TABLE_NAMES}
 
-    files = _read_files(spark, root).where(F.col("label").isin(labels))
+    files = _read_files(spark, root, labels)
     fingerprint, n_files = _fingerprint(files, settings)
     if n_files == 0:
         raise IngestError(f"data.images: no files under the label folders of {root}")
@@ -308,7 +335,7 @@ def _ingest_tables(
 ) -> list[str]:
     d = cfg.data
     decoded = (
-        files.select("path", "relative_path", "label", "length", "content", "content_sha256")
+        files.select("path", "relative_path", "label", "length", "content")
         .mapInPandas(
             _decode_partitions(
                 d.stored_short_side, d.jpeg_quality, d.max_image_pixels, d.extensions
