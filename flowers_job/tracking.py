@@ -22,7 +22,7 @@ from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
 
-__all__ = ["RunTracker", "TrackingError", "flatten", "preflight"]
+__all__ = ["RunTracker", "TrackingError", "end_failed_run", "flatten", "preflight"]
 
 
 class TrackingError(RuntimeError):
@@ -140,6 +140,15 @@ class RunTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         mlflow.end_run(status=status)
+
+
+def end_failed_run() -> None:
+    """Mark this process's active MLflow run FAILED (no-op without one; never raises)."""
+    try:
+        if mlflow.active_run() is not None:
+            mlflow.end_run(status="FAILED")
+    except Exception:
+        pass
 
 
 class _Context:

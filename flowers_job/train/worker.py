@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -88,7 +89,21 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         return result
     except BaseException as exc:
         _report_failure(Path(job["failure_dir"]), exc)
+        if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
+            from flowers_job.tracking import end_failed_run
+
+            end_failed_run()
         raise
+
+
+FAULT_ENV = "FLOWERS_JOB_FAULT"
+"""Test-only fault injection: ``raise:<rank>:<epoch>`` makes that rank raise at that epoch."""
+
+
+def _inject_fault(rank: int, epoch: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == f"raise:{rank}:{epoch}":
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
 
 
 class _LineStream:
@@ -142,6 +157,27 @@ def _amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def _forward(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    criterion: nn.Module,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move a batch to ``device`` (channels-last) and run the model under autocast.
+
+    Returns:
+        ``(labels [B] int64, logits [B, C], loss [] float32)``.
+    """
+    x = batch["image"].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+    y = batch["label_index"].to(device, non_blocking=True)
+    enabled = amp_dtype is not None
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=enabled):
+        logits = model(x)
+        loss = criterion(logits.float(), y)
+    return y, logits, loss
+
+
 def train_one_epoch(
     model: nn.Module,
     batches: Any,
@@ -166,17 +202,7 @@ def train_one_epoch(
     rows = 0
     checksum = 0
     for batch in batches:
-        x = (
-            batch["image"]
-            .to(device, non_blocking=True)
-            .contiguous(memory_format=torch.channels_last)
-        )
-        y = batch["label_index"].to(device, non_blocking=True)
-        with torch.autocast(
-            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-        ):
-            logits = model(x)
-            loss = criterion(logits, y)
+        y, logits, loss = _forward(model, batch, criterion, device, amp_dtype)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -206,17 +232,7 @@ def evaluate(
     model.eval()
     loss_sum, correct, rows, checksum = 0.0, 0, 0, 0
     for batch in batches:
-        x = (
-            batch["image"]
-            .to(device, non_blocking=True)
-            .contiguous(memory_format=torch.channels_last)
-        )
-        y = batch["label_index"].to(device, non_blocking=True)
-        with torch.autocast(
-            device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-        ):
-            logits = model(x)
-            loss = criterion(logits.float(), y)
+        y, logits, loss = _forward(model, batch, criterion, device, amp_dtype)
         loss_sum += float(loss) * len(y)
         correct += int((logits.argmax(1) == y).sum())
         rows += len(y)
@@ -351,24 +367,26 @@ def fit(
     size, resize = cfg.data.image_size, cfg.data.stored_short_side
     train_tf = DecodeTransform(True, size, resize, pre.mean, pre.std)
     val_tf = DecodeTransform(False, size, resize, pre.mean, pre.std)
-    reader = {
-        "reader_pool_type": cfg.data.reader_pool_type,
-        "shuffle_buffer_rows": cfg.data.shuffle_buffer_rows,
-    }
+
+    def epoch_batches(plan: ShardPlan, tf: DecodeTransform, shuffle: bool, seed: int) -> Any:
+        return shard_batches(
+            plan,
+            ctx.rank,
+            ctx.world_size,
+            tf,
+            shuffle=shuffle,
+            seed=seed,
+            reader_pool_type=cfg.data.reader_pool_type,
+            shuffle_buffer_rows=cfg.data.shuffle_buffer_rows,
+        )
+
     for epoch in range(start_epoch, cfg.train.epochs + 1):
         if stop_reason is not None:
             break
         torch.manual_seed(cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
+        _inject_fault(ctx.rank, epoch)
         t0 = time.perf_counter()
-        batches = shard_batches(
-            train_plan,
-            ctx.rank,
-            ctx.world_size,
-            train_tf,
-            shuffle=True,
-            seed=cfg.train.seed + epoch,
-            **reader,  # type: ignore[arg-type]
-        )
+        batches = epoch_batches(train_plan, train_tf, shuffle=True, seed=cfg.train.seed + epoch)
         if ctx.is_main:
             batches = tqdm(
                 batches,
@@ -384,15 +402,7 @@ def fit(
             ddp, batches, optimizer, scheduler, criterion, ctx.device, amp_dtype, scaler
         )
         t1 = time.perf_counter()
-        val_batches = shard_batches(
-            val_plan,
-            ctx.rank,
-            ctx.world_size,
-            val_tf,
-            shuffle=False,
-            seed=0,
-            **reader,  # type: ignore[arg-type]
-        )
+        val_batches = epoch_batches(val_plan, val_tf, shuffle=False, seed=0)
         val_sums = evaluate(model, val_batches, criterion, ctx.device, amp_dtype)
         t2 = time.perf_counter()
         _check_shard("train", train_plan, ctx.rank, train_sums)
