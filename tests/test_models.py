@@ -1,0 +1,36 @@
+"""Backbones: the offline EfficientNet-Lite0 weights, torchvision architectures, local files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flowers_job.models import build_model
+
+
+def test_efficientnet_lite0_loads_pretrained_weights_offline_and_freezes() -> None:
+    model = build_model("efficientnet_lite0", 5, "package", freeze_backbone=True)
+    scratch = build_model("efficientnet_lite0", 5, "none", freeze_backbone=False)
+    a = dict(model.backbone.named_parameters())
+    b = dict(scratch.backbone.named_parameters())
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # real weights, not the init
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+    assert all(p.requires_grad for p in model.head.parameters())
+    model.train()
+    assert not model.backbone.training  # frozen BatchNorm statistics
+    out = model(torch.randn(2, 3, 64, 64))
+    assert out.shape == (2, 5) and out.dtype == torch.float32
+
+
+def test_torchvision_architecture_from_a_local_weights_file(tmp_path: Path) -> None:
+    from torchvision import models
+
+    source = models.get_model("resnet18", weights=None, num_classes=1000)
+    path = tmp_path / "resnet18.pt"
+    torch.save(source.state_dict(), path)  # as a user would save ImageNet weights
+    model = build_model("resnet18", 3, "file", weights_path=path, freeze_backbone=False)
+    loaded = model.backbone.state_dict()["conv1.weight"]
+    assert torch.equal(loaded, source.conv1.weight)
+    assert model.head[-1].in_features == 512
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 3)
