@@ -10,6 +10,7 @@ MLflow run and logs no param twice.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -22,7 +23,12 @@ from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
 
-__all__ = ["RunTracker", "TrackingError", "end_failed_run", "flatten", "preflight"]
+__all__ = ["EPOCH_KEY", "RunTracker", "TrackingError", "end_failed_run", "flatten", "preflight"]
+
+EPOCH_KEY = "val_loss"
+"""The metric whose steps say which epochs a run has logged (every epoch logs it)."""
+
+log = logging.getLogger(__name__)
 
 
 class TrackingError(RuntimeError):
@@ -80,7 +86,14 @@ def _pip_requirements() -> list[str]:
 
 
 class RunTracker:
-    """The MLflow run of one training job. Construct on rank 0 only."""
+    """The MLflow run of one training job. Construct on rank 0 only.
+
+    Resuming (``run_id`` given) continues that run and keeps it free of duplicates: params
+    already logged are not logged again, and an epoch already logged (``step=epoch`` of
+    ``val_loss``) is skipped. The worker logs an epoch only after its checkpoint is on
+    disk and, on resume, logs the checkpoint's history first, so a run killed anywhere
+    ends up with every completed epoch logged exactly once.
+    """
 
     def __init__(self, cfg: JobConfig, run_id: str | None = None) -> None:
         self.cfg = cfg
@@ -93,14 +106,38 @@ class RunTracker:
             run_name=None if run_id else cfg.tracking.run_name,
         )
         self.run_id: str = self.run.info.run_id
+        client = mlflow.MlflowClient()
+        self._params: dict[str, str] = dict(self.run.data.params)
+        self._logged_epochs: set[int] = (
+            {m.step for m in client.get_metric_history(self.run_id, EPOCH_KEY)}
+            if self.resumed
+            else set()
+        )
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Log params once: a resumed run already has them."""
-        if not self.resumed:
-            mlflow.log_params({k: ("" if v is None else v) for k, v in params.items()})
+        """Log the params this run does not have yet (a resumed run keeps its first values)."""
+        new = {k: ("" if v is None else v) for k, v in params.items() if k not in self._params}
+        changed = sorted(
+            k for k, v in params.items() if k in self._params and self._params[k] != str(v)
+        )
+        if changed:
+            log.warning("resumed run keeps its first values of %s", ", ".join(changed))
+        if new:
+            mlflow.log_params(new)
+            self._params.update({k: str(v) for k, v in new.items()})
 
-    def log_epoch(self, metrics: dict[str, float], epoch: int) -> None:
+    def log_epoch(self, metrics: dict[str, float], epoch: int) -> bool:
+        """Log one epoch's metrics at ``step=epoch`` unless that epoch is logged already.
+
+        Returns:
+            True if logged, False if the run already had this epoch.
+        """
+        if epoch in self._logged_epochs:
+            return False
         mlflow.log_metrics(metrics, step=epoch)
+        if EPOCH_KEY in metrics:
+            self._logged_epochs.add(epoch)
+        return True
 
     def log_model(
         self,

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from flowers_job.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from flowers_job.faults import FAULT_ENV
+from flowers_job.train.checkpoint import (
+    CHECKPOINT_NAME,
+    RUN_FILE_NAME,
+    load_checkpoint,
+    read_run_id,
+    save_checkpoint,
+    write_run_id,
+)
 
 
 def test_round_trip_and_no_temporary_files_left(tmp_path: Path) -> None:
@@ -53,3 +64,40 @@ def test_malicious_checkpoint_does_not_execute_code(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="cannot load checkpoint"):
         load_checkpoint(tmp_path)
     assert not marker.exists()
+
+
+def test_a_writer_killed_mid_write_leaves_last_pt_whole(tmp_path: Path) -> None:
+    """SIGKILL the writer half-way through the epoch-2 checkpoint (a real process, paused
+    there by the test-only fault setting): last.pt is still epoch 1, and the torn
+    temporary file is removed by the next load."""
+    save_checkpoint({"epoch": 1, "w": torch.ones(1000)}, tmp_path)
+    code = (
+        "import sys, torch; from pathlib import Path; "
+        "from flowers_job.train.checkpoint import save_checkpoint; "
+        "save_checkpoint({'epoch': 2, 'w': torch.zeros(1000)}, Path(sys.argv[1]))"
+    )
+    env = {**os.environ, FAULT_ENV: "pause_checkpoint:0:2"}
+    writer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(f".{CHECKPOINT_NAME}.*.tmp")):
+            assert writer.poll() is None, "the writer exited before pausing"
+            assert time.monotonic() < deadline, "the writer never started its write"
+            time.sleep(0.2)
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    torn = list(tmp_path.glob(f".{CHECKPOINT_NAME}.*.tmp"))
+    assert len(torn) == 1 and torn[0].stat().st_size > 0
+    loaded = load_checkpoint(tmp_path)
+    assert loaded is not None and loaded["epoch"] == 1
+    assert torch.equal(loaded["w"], torch.ones(1000))
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+
+
+def test_run_id_survives_next_to_the_checkpoint(tmp_path: Path) -> None:
+    assert read_run_id(tmp_path) is None
+    write_run_id(tmp_path, "abc123")
+    assert read_run_id(tmp_path) == "abc123"
+    (tmp_path / RUN_FILE_NAME).write_text("{torn")
+    assert read_run_id(tmp_path) is None

@@ -11,6 +11,9 @@ never code.
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -18,9 +21,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "load_checkpoint", "save_checkpoint"]
+from flowers_job import faults
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "RUN_FILE_NAME",
+    "load_checkpoint",
+    "read_run_id",
+    "save_checkpoint",
+    "write_run_id",
+]
 
 CHECKPOINT_NAME = "last.pt"
+RUN_FILE_NAME = "mlflow_run.json"
+"""Next to the checkpoint: the MLflow run id, written as soon as the run exists, so that a
+run killed before its first checkpoint still resumes into the same MLflow run."""
+
+log = logging.getLogger(__name__)
+
+
+def _remove_partial_writes(directory: Path) -> None:
+    for stale in directory.glob(f".{CHECKPOINT_NAME}.*.tmp"):
+        log.warning("removing %s: a checkpoint write that was interrupted", stale)
+        stale.unlink(missing_ok=True)
 
 
 def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
@@ -30,11 +53,18 @@ def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
         OSError: the directory cannot be created or written.
     """
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_partial_writes(directory)  # only rank 0 of one job writes here
     target = directory / CHECKPOINT_NAME
-    fd, tmp = tempfile.mkstemp(prefix=".last.pt.", suffix=".tmp", dir=directory)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    fd, tmp = tempfile.mkstemp(prefix=f".{CHECKPOINT_NAME}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(data[: len(data) // 2])
+            f.flush()
+            faults.inject("pause_checkpoint", 0, int(state.get("epoch", 0)))
+            f.write(data[len(data) // 2 :])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -53,6 +83,8 @@ def load_checkpoint(
         RuntimeError: the file is corrupt or holds anything but tensors and plain data.
     """
     path = directory / CHECKPOINT_NAME
+    if directory.is_dir():
+        _remove_partial_writes(directory)
     if not path.exists():
         return None
     try:
@@ -62,3 +94,23 @@ def load_checkpoint(
     if not isinstance(state, dict):
         raise RuntimeError(f"checkpoint {path} is not a flowers_job checkpoint")
     return state
+
+
+def write_run_id(directory: Path, run_id: str) -> None:
+    """Record the MLflow ``run_id`` of this training in ``directory/mlflow_run.json`` (atomic).
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{RUN_FILE_NAME}.tmp"
+    tmp.write_text(json.dumps({"mlflow_run_id": run_id}))
+    os.replace(tmp, directory / RUN_FILE_NAME)
+
+
+def read_run_id(directory: Path) -> str | None:
+    """The run id recorded by :func:`write_run_id`, or None if there is none."""
+    try:
+        return str(json.loads((directory / RUN_FILE_NAME).read_text())["mlflow_run_id"])
+    except (OSError, ValueError, KeyError):
+        return None

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from flowers_job import faults
 from flowers_job.config import JobConfig, TrainConfig
 from flowers_job.data.shards import CHECKSUM_MODULUS, ShardPlan, quiet_petastorm
 from flowers_job.distributed import (
@@ -36,13 +38,19 @@ from flowers_job.distributed import (
     env_rank,
     init_distributed,
     shutdown_distributed,
+    watch_driver,
 )
 from flowers_job.models import build_model, preprocessing_for
-from flowers_job.train.checkpoint import load_checkpoint, save_checkpoint
+from flowers_job.train.checkpoint import (
+    load_checkpoint,
+    read_run_id,
+    save_checkpoint,
+    write_run_id,
+)
 from flowers_job.train.early_stopping import Decision, EarlyStopping
 from flowers_job.train.loader import DecodeTransform, ShardError, shard_batches
 
-__all__ = ["evaluate", "fit", "train_one_epoch", "train_worker"]
+__all__ = ["CollectiveTimeoutError", "evaluate", "fit", "train_one_epoch", "train_worker"]
 
 log = logging.getLogger("flowers_job.train")
 
@@ -53,7 +61,9 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     Args:
         job: plain data from the driver: ``config`` (``JobConfig.model_dump(mode="json")``),
             ``train``/``val`` (:meth:`ShardPlan.to_dict`), ``label_names``, ``use_gpu``,
-            ``threads_per_process`` and ``failure_dir``.
+            ``threads_per_process``, ``failure_dir`` and ``driver``
+            (:func:`~flowers_job.distributed.driver_identity`; this rank exits if the
+            driver dies).
 
     Returns:
         Rank 0's summary (see :func:`fit`), on every rank.
@@ -66,6 +76,9 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
     quiet_petastorm()
+    watch_driver(job.get("driver"))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         cfg = JobConfig.model_validate(job["config"])
         ctx = init_distributed(
@@ -88,22 +101,43 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         assert isinstance(result, dict)
         return result
     except BaseException as exc:
-        _report_failure(Path(job["failure_dir"]), exc)
+        explained = _explain_timeout(exc, job)
+        _report_failure(Path(job["failure_dir"]), explained or exc)
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
             from flowers_job.tracking import end_failed_run
 
             end_failed_run()
+        if explained is not None:
+            raise explained from exc
         raise
 
 
-FAULT_ENV = "FLOWERS_JOB_FAULT"
-"""Test-only fault injection: ``raise:<rank>:<epoch>`` makes that rank raise at that epoch."""
+class Terminated(SystemExit):
+    """SIGTERM arrived: torchrun stops the other ranks this way when one fails."""
 
 
-def _inject_fault(rank: int, epoch: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec == f"raise:{rank}:{epoch}":
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
+def _terminated(signum: int, frame: Any) -> None:
+    # As an exception, SIGTERM unwinds through train_worker's handler: the rank reports
+    # it and rank 0 marks its MLflow run FAILED instead of leaving it RUNNING.
+    raise Terminated(f"rank {env_rank()}: stopped by SIGTERM (signal {signum})")
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than ``distributed.timeout_seconds`` for another rank."""
+
+
+def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeoutError | None:
+    """gloo says "Timed out waiting 20000ms for recv" or "Application timeout caused pair
+    closure", NCCL's watchdog "Watchdog caught collective operation timeout"; say which
+    setting and why."""
+    text = str(exc).lower()
+    if not isinstance(exc, RuntimeError) or not ("timed out" in text or "timeout" in text):
+        return None
+    seconds = job.get("config", {}).get("distributed", {}).get("timeout_seconds")
+    return CollectiveTimeoutError(
+        f"rank {env_rank()}: a collective waited more than distributed.timeout_seconds="
+        f"{seconds} s for the other ranks (one of them hung or died): {exc}"
+    )
 
 
 class _LineStream:
@@ -329,7 +363,12 @@ def fit(
     if ctx.is_main:
         from flowers_job.tracking import RunTracker, flatten
 
+        if cfg.train.resume and run_id is None:  # killed before its first checkpoint
+            run_id = read_run_id(cfg.paths.checkpoint_dir)
         tracker = RunTracker(cfg, run_id)
+        write_run_id(cfg.paths.checkpoint_dir, tracker.run_id)
+        for done in history:  # epochs checkpointed before a kill, not yet logged
+            tracker.log_epoch({k: v for k, v in done.items() if k != "epoch"}, int(done["epoch"]))
         tracker.log_params(
             {
                 **flatten(cfg.model_dump(mode="json", exclude={"train": {"resume"}})),
@@ -384,7 +423,8 @@ def fit(
         if stop_reason is not None:
             break
         torch.manual_seed(cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
-        _inject_fault(ctx.rank, epoch)
+        faults.inject("raise", ctx.rank, epoch)
+        faults.inject("hang", ctx.rank, epoch)
         t0 = time.perf_counter()
         batches = epoch_batches(train_plan, train_tf, shuffle=True, seed=cfg.train.seed + epoch)
         if ctx.is_main:
@@ -430,7 +470,7 @@ def fit(
         if decision.stop:
             stop_reason = decision.reason
         history.append({"epoch": epoch, **metrics})
-        if ctx.is_main:
+        if ctx.is_main:  # checkpoint first, then MLflow: see RunTracker
             assert tracker is not None
             save_checkpoint(
                 {

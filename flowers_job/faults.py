@@ -1,0 +1,46 @@
+"""Test-only fault injection, switched on by one environment variable. Never set it in production.
+
+``FLOWERS_JOB_FAULT`` holds comma-separated ``<kind>:<rank>:<epoch>`` entries:
+
+=================== ======================================================================
+kind                what that rank does at that epoch
+=================== ======================================================================
+``raise``           raises ``RuntimeError`` at the start of the epoch (a bug in user code)
+``hang``            sleeps at the start of the epoch, for at most :data:`HANG_SECONDS` (a
+                    stuck reader or a deadlock): the other ranks' next collective times out
+``pause_checkpoint`` stops half-way through writing the epoch's checkpoint (rank 0 writes
+                    it), for at most :data:`HANG_SECONDS`, so a test can kill the driver there
+=================== ======================================================================
+
+The tests in ``tests/test_faults.py`` use it with real TorchDistributor processes;
+workers inherit the variable from the driver's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+__all__ = ["FAULT_ENV", "HANG_SECONDS", "inject"]
+
+FAULT_ENV = "FLOWERS_JOB_FAULT"
+HANG_SECONDS = 900.0
+"""Upper bound of an injected hang (seconds): even a forgotten fault never blocks forever."""
+
+log = logging.getLogger(__name__)
+
+
+def inject(kind: str, rank: int | None, epoch: int) -> None:
+    """Act out fault ``kind`` if ``FLOWERS_JOB_FAULT`` asks for it at this rank and epoch.
+
+    Raises:
+        RuntimeError: for ``raise`` (the message names the setting).
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if f"{kind}:{rank}:{epoch}" not in spec.split(","):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
+    log.warning("injected fault %s:%s:%s: sleeping up to %.0f s", kind, rank, epoch, HANG_SECONDS)
+    time.sleep(HANG_SECONDS)

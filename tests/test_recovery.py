@@ -1,0 +1,131 @@
+"""The pieces that make a killed run recoverable, each with real processes or a real store:
+ranks that exit when their driver dies, the sweep of orphaned Petastorm caches, and an
+MLflow run that a resume continues without logging anything twice.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+
+from flowers_job.config import load_config
+from flowers_job.data.prepare import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
+from flowers_job.distributed import driver_identity, process_alive, watch_driver
+from flowers_job.tracking import RunTracker
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _identity(proc: subprocess.Popen[bytes]) -> dict[str, object]:
+    return {
+        "host": socket.gethostname(),
+        "pid": proc.pid,
+        "create_time": psutil.Process(proc.pid).create_time(),
+    }
+
+
+def test_a_rank_and_its_children_exit_when_the_driver_dies(tmp_path: Path) -> None:
+    """A stand-in driver is SIGKILLed; the "rank" watching it (with a child of its own, like
+    Petastorm's process pool) must end with exit status 70 within seconds."""
+    driver = subprocess.Popen(["sleep", "600"])
+    code = (
+        "import json, subprocess, sys, time\n"
+        "from flowers_job.distributed import watch_driver\n"
+        "assert watch_driver(json.loads(sys.argv[1]), interval_seconds=0.2)\n"
+        "child = subprocess.Popen(['sleep', '600'])\n"
+        "open(sys.argv[2], 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    pid_file = tmp_path / "child.pid"
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(_identity(driver)), str(pid_file)]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert rank.poll() is None, "the rank exited before the driver died"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        grandchild = psutil.Process(int(pid_file.read_text()))
+        assert rank.poll() is None  # the driver lives: the rank goes on
+        driver.kill()
+        driver.wait(timeout=10)
+        t0 = time.monotonic()
+        assert rank.wait(timeout=30) == 70
+        print(f"the rank exited {time.monotonic() - t0:.1f} s after the driver was killed")
+        grandchild.wait(timeout=10)  # killed by the rank before it exited
+    finally:
+        for proc in (driver, rank):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_watch_driver_ignores_a_driver_on_another_host() -> None:
+    other = {**driver_identity(), "host": "not-" + socket.gethostname()}
+    assert watch_driver(other) is False  # a cluster manager ends remote executors
+    assert watch_driver(None) is False
+
+
+def test_process_alive_tells_a_reused_pid_from_the_driver() -> None:
+    me = driver_identity()
+    assert process_alive(me)
+    assert not process_alive({**me, "create_time": float(me["create_time"]) - 3600})
+
+
+def test_sweep_removes_the_caches_of_dead_drivers_only(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead_identity = _identity(dead)
+    dead.wait(timeout=10)
+    owners = {
+        "run-dead": dead_identity,
+        "run-alive": driver_identity(),
+        "run-elsewhere-old": {
+            "host": "other-host",
+            "pid": 1,
+            "create_time": time.time() - ORPHAN_AGE_SECONDS - 60,
+        },
+        "run-elsewhere-recent": {"host": "other-host", "pid": 1, "create_time": time.time()},
+    }
+    for name, owner in owners.items():
+        (tmp_path / name / "part").mkdir(parents=True)
+        (tmp_path / name / OWNER_FILE).write_text(json.dumps(owner))
+    (tmp_path / "run-not-ours").mkdir()  # no owner.json: never touched
+    (tmp_path / "unrelated").mkdir()
+
+    removed = sweep_orphaned_caches(tmp_path.as_uri())
+
+    assert sorted(p.name for p in removed) == ["run-dead", "run-elsewhere-old"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["run-alive", "run-elsewhere-recent", "run-not-ours", "unrelated"]
+    assert sweep_orphaned_caches((tmp_path / "missing").as_uri()) == []
+    assert sweep_orphaned_caches("dbfs:/tmp/petastorm") == []  # not a local file system
+
+
+def test_a_resumed_run_logs_no_param_and_no_epoch_twice(tmp_path: Path) -> None:
+    cfg = load_config(None, [], **{"paths.output_dir": tmp_path})
+    first = RunTracker(cfg)
+    first.log_params({"a": 1, "b": "x"})
+    assert first.log_epoch({"val_loss": 0.9, "train_loss": 1.0}, 1)
+    assert first.log_epoch({"val_loss": 0.8, "train_loss": 0.9}, 2)
+    mlflow.end_run(status="KILLED")  # as if the driver died here
+
+    second = RunTracker(cfg, first.run_id)
+    second.log_params({"a": 1, "b": "y", "c": 3})  # b keeps its first value, c is new
+    assert not second.log_epoch({"val_loss": 0.8, "train_loss": 0.9}, 2)  # already there
+    assert second.log_epoch({"val_loss": 0.7, "train_loss": 0.8}, 3)
+    second.finish()
+
+    client = mlflow.MlflowClient(cfg.tracking_uri)
+    run = client.get_run(first.run_id)
+    assert run.data.params == {"a": "1", "b": "x", "c": "3"}
+    for key in ("val_loss", "train_loss"):
+        assert [m.step for m in client.get_metric_history(first.run_id, key)] == [1, 2, 3]
+    assert run.info.status == "FINISHED"
