@@ -20,6 +20,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import DataError, prepare_data
+from flowers_job.distributed import driver_identity
 from flowers_job.spark import task_slots
 from flowers_job.tracking import preflight
 
@@ -29,12 +30,20 @@ log = logging.getLogger(__name__)
 
 
 class TrainingError(RuntimeError):
-    """Distributed training failed. ``rank`` and ``cause`` name the first failing rank."""
+    """Distributed training failed. ``rank`` and ``cause`` name the first failing rank;
+    ``reported_at`` is when that rank reported it (seconds since the epoch)."""
 
-    def __init__(self, message: str, rank: int | None = None, cause: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        cause: str | None = None,
+        reported_at: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.cause = cause
+        self.reported_at = reported_at
 
 
 def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
@@ -71,7 +80,13 @@ def _threads_per_process(spark: SparkSession, cfg: JobConfig) -> int:
     return max(1, int(spark.conf.get("spark.task.cpus", "1") or 1))
 
 
-def _failure(failure_dir: Path, exc: BaseException) -> TrainingError:
+def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
+    """The driver's error for a failed TorchDistributor run, from the ranks' failure reports.
+
+    The first report (by time) names the rank and its exception and traceback. Ranks that
+    wrote none were stopped from outside: hung (the others' collectives then time out),
+    killed by torchrun after another rank failed, or killed by the OS.
+    """
     reports = []
     for path in sorted(failure_dir.glob("rank-*.json")):
         try:
@@ -79,13 +94,24 @@ def _failure(failure_dir: Path, exc: BaseException) -> TrainingError:
         except (OSError, ValueError):
             continue
     if not reports:
-        return TrainingError(f"distributed training failed: {exc}")
+        return TrainingError(
+            f"distributed training failed and no rank reported an exception (killed by the OS, "
+            f"out of memory?): {exc}"
+        )
     first = min(reports, key=lambda r: r.get("time", 0.0))
+    silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
+    note = (
+        f"\nranks {silent} reported no exception: stopped after the failure, or hung (a "
+        "collective that times out names distributed.timeout_seconds)"
+        if silent
+        else ""
+    )
     return TrainingError(
-        f"rank {first['rank']} failed: {first['type']}: {first['message']}\n"
+        f"rank {first['rank']} failed: {first['type']}: {first['message']}{note}\n"
         f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
         rank=first["rank"],
         cause=f"{first['type']}: {first['message']}",
+        reported_at=first.get("time"),
     )
 
 
@@ -128,6 +154,7 @@ def run_training(
             "use_gpu": use_gpu,
             "threads_per_process": _threads_per_process(spark, cfg),
             "failure_dir": failure_dir,
+            "driver": driver_identity(),
         }
         distributor = TorchDistributor(
             num_processes=d.num_processes, local_mode=d.local_mode, use_gpu=use_gpu
@@ -135,9 +162,13 @@ def run_training(
         try:
             result = distributor.run(train_worker, job)
         except Exception as exc:
-            raise _failure(Path(failure_dir), exc) from exc
+            raise _failure(Path(failure_dir), exc, cfg.world_size) from exc
         if not isinstance(result, dict):
-            raise _failure(Path(failure_dir), RuntimeError(f"no result from rank 0 ({result!r})"))
+            raise _failure(
+                Path(failure_dir),
+                RuntimeError(f"no result from rank 0 ({result!r})"),
+                cfg.world_size,
+            )
         quarantined = (
             ingest_report.quarantined_rows
             if ingest_report is not None

@@ -143,26 +143,3 @@ def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path) -> 
     _check_mlflow(summary, epochs=2)
     _check_model_predicts(summary)
     assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed
-
-
-def test_a_failing_rank_is_named_with_its_exception(
-    spark: SparkSession, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """TorchDistributor only says "failed during training"; we name the rank and the cause."""
-    from flowers_job.data.ingest import ingest
-    from flowers_job.pipeline import TrainingError
-    from flowers_job.train.worker import FAULT_ENV
-
-    cfg = load_config(
-        None, [*FAST, "train.epochs=2"], **{"data.images": photos, "paths.output_dir": tmp_path}
-    )
-    ingest(spark, cfg)
-    monkeypatch.setenv(FAULT_ENV, "raise:1:2")  # rank 1 raises at the start of epoch 2
-    with pytest.raises(TrainingError) as err:
-        run_training(spark, cfg)
-    assert err.value.rank == 1
-    assert err.value.cause == f"RuntimeError: injected fault ({FAULT_ENV}=raise:1:2)"
-    assert "rank 1 failed" in str(err.value) and "_inject_fault" in str(err.value)  # traceback
-    assert not (tmp_path / "summary.json").exists()
-    assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed on failure
-    assert (tmp_path / "checkpoints" / "last.pt").exists()  # epoch 1 is kept for --resume

@@ -10,32 +10,66 @@ whose index ``i`` satisfies ``i % world_size == r`` (petastorm ``Reader._partiti
 The driver reads the Parquet footers, computes each shard's exact row count and a row
 checksum, and fixes ``steps_per_epoch`` so that every rank runs the same number of
 steps and reads every row of its shard once per epoch (see :class:`ShardPlan`).
+
+The cache's life: Petastorm removes its caches only at normal interpreter exit
+(STACK.md trap 7). Here each run writes into its own ``run-<id>`` folder holding an
+``owner.json`` (host, pid, start time of the driver); it is removed when the run ends,
+however it ends, and a folder whose driver is dead (killed with SIGKILL, say) is swept
+at the next start (:func:`sweep_orphaned_caches`). Before each split is written, the
+free space of the cache's file system is checked against the size of the Delta table
+(:func:`check_cache_space`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, read_table_metadata
 from flowers_job.data.shards import DataError, ShardPlan, plan_shards, quiet_petastorm
+from flowers_job.distributed import driver_identity, process_alive
 
-__all__ = ["DataError", "PreparedData", "ShardPlan", "prepare_data"]
+if TYPE_CHECKING:
+    from petastorm.spark import SparkDatasetConverter
+
+__all__ = [
+    "DataError",
+    "PreparedData",
+    "ShardPlan",
+    "cache_bytes_needed",
+    "check_cache_space",
+    "make_cache",
+    "prepare_data",
+    "sweep_orphaned_caches",
+]
 
 log = logging.getLogger(__name__)
 
 LOADER_COLUMNS = ("row_id", "image", "label_index")
 _CACHE_CONF = "petastorm.spark.converter.parentCacheDirUrl"
+OWNER_FILE = "owner.json"
+ORPHAN_AGE_SECONDS = 7 * 24 * 3600.0
+"""A cache folder of a driver on another host is swept once it is this old (seconds): its
+driver cannot be checked from here, and no training run lasts a week."""
+CACHE_SPACE_FACTOR = 1.1
+CACHE_SPACE_HEADROOM_BYTES = 1 << 20
+"""A split's cache needs ``table size x 1.1 + 1 MiB``: the images are JPEG in both the Delta
+table and the uncompressed cache, plus Parquet footers and Hadoop's .crc files."""
 
 
 @dataclass
@@ -68,6 +102,104 @@ def _check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
     return [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
 
 
+def _local_dir(url: str) -> Path | None:
+    parsed = urlparse(url)
+    return Path(parsed.path) if parsed.scheme in ("file", "") else None
+
+
+def sweep_orphaned_caches(cache_parent_url: str) -> list[Path]:
+    """Remove the ``run-*`` cache folders whose driver is dead; local file systems only.
+
+    A folder is orphaned when its ``owner.json`` names a driver on this host that no
+    longer exists, or a driver elsewhere that started more than :data:`ORPHAN_AGE_SECONDS`
+    ago. Folders without ``owner.json`` are not ours and are left alone.
+
+    Returns:
+        The folders removed.
+    """
+    parent = _local_dir(cache_parent_url)
+    if parent is None or not parent.is_dir():
+        return []
+    removed = []
+    for folder in sorted(parent.glob("run-*")):
+        try:
+            owner = json.loads((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        here = owner.get("host") == socket.gethostname()
+        dead = (
+            not process_alive(owner)
+            if here
+            else time.time() - float(owner.get("create_time", 0.0)) > ORPHAN_AGE_SECONDS
+        )
+        if dead:
+            log.warning(
+                "removing the Petastorm cache %s of a run that was killed (driver pid %s on %s)",
+                folder,
+                owner.get("pid"),
+                owner.get("host"),
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def cache_bytes_needed(spark: SparkSession, table: Path) -> int:
+    """Bytes the Petastorm cache of the Delta table at ``table`` needs (an upper estimate).
+
+    ``sizeInBytes`` of ``DESCRIBE DETAIL`` x :data:`CACHE_SPACE_FACTOR` +
+    :data:`CACHE_SPACE_HEADROOM_BYTES`.
+    """
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, str(table)).detail().select("sizeInBytes").first()
+    size = int(row["sizeInBytes"]) if row is not None else 0
+    return math.ceil(size * CACHE_SPACE_FACTOR) + CACHE_SPACE_HEADROOM_BYTES
+
+
+def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
+    """Fail before writing when the cache's file system has less than ``needed_bytes`` free.
+
+    Raises:
+        DataError: not enough space; names the directory, the bytes needed and free.
+    """
+    folder = _local_dir(cache_dir_url)
+    if folder is None:
+        return  # object stores and DBFS report no meaningful free space
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise DataError(
+            f"no space for the Petastorm cache of {what} in {folder}: needs about "
+            f"{needed_bytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; free some space or "
+            "set paths.petastorm_cache_url to a larger volume"
+        )
+
+
+def make_cache(df: DataFrame, cache_dir_url: str, what: str) -> SparkDatasetConverter:
+    """Materialise ``df`` with Petastorm's ``make_spark_converter`` under ``cache_dir_url``
+    (which must be the session's ``petastorm.spark.converter.parentCacheDirUrl``).
+
+    Row groups of at most ~32 MB, one file per partition, no compression: the images are
+    JPEG already.
+
+    Raises:
+        DataError: the volume filled up during the write ("No space left on device"); names
+            the directory. The caller removes the partial cache (:func:`prepare_data` does).
+    """
+    from petastorm.spark import make_spark_converter
+
+    try:
+        return make_spark_converter(df, compression_codec="uncompressed")
+    except Exception as exc:
+        if "No space left on device" in str(exc):
+            folder = _local_dir(cache_dir_url) or cache_dir_url
+            raise DataError(
+                f"no space left for the Petastorm cache of {what} in {folder}; free some space "
+                "or set paths.petastorm_cache_url to a larger volume"
+            ) from exc
+        raise
+
+
 @contextmanager
 def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     """Materialise the train and val splits for Petastorm; remove the cache on exit.
@@ -76,14 +208,18 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
         :class:`PreparedData` with one :class:`ShardPlan` per split.
 
     Raises:
-        DataError: missing or inconsistent tables, an empty split, or unworkable shards.
+        DataError: missing or inconsistent tables, an empty split, unworkable shards, or no
+            space for the cache (naming the directory; nothing of the cache is left).
     """
-    from petastorm.spark import make_spark_converter
-
     quiet_petastorm()
     label_names = _check_tables(spark, cfg)
     num_partitions = cfg.num_partitions
+    sweep_orphaned_caches(cfg.paths.cache_parent_url)
     cache_url = f"{cfg.paths.cache_parent_url}/run-{uuid.uuid4().hex[:12]}"
+    local_cache = _local_dir(cache_url)
+    if local_cache is not None:
+        local_cache.mkdir(parents=True)
+        (local_cache / OWNER_FILE).write_text(json.dumps(driver_identity()))
     spark.conf.set(_CACHE_CONF, cache_url)
     converters = []
     try:
@@ -96,9 +232,10 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 .withColumn("label_index", F.col("label_index").cast("long"))
                 .repartition(num_partitions)
             )
-            # Row groups of at most ~32 MB, one file per partition: images are already JPEG,
-            # so no compression.
-            converter = make_spark_converter(df, compression_codec="uncompressed")
+            check_cache_space(
+                cache_url, cache_bytes_needed(spark, cfg.paths.table(split)), f"the {split} table"
+            )
+            converter = make_cache(df, cache_url, f"the {split} table")
             converters.append(converter)
             if len(converter) == 0:
                 raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
@@ -130,6 +267,5 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 converter.delete()
             except OSError as exc:  # pragma: no cover - best effort, the rmtree follows
                 log.warning("could not delete Petastorm cache %s: %s", converter.cache_dir_url, exc)
-        parsed = urlparse(cache_url)
-        if parsed.scheme in ("file", "") and Path(parsed.path).exists():
-            shutil.rmtree(parsed.path, ignore_errors=True)
+        if local_cache is not None and local_cache.exists():
+            shutil.rmtree(local_cache, ignore_errors=True)

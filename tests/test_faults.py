@@ -1,0 +1,280 @@
+"""Faults with real processes: a rank that raises or hangs, a driver killed with SIGKILL
+(during training and half-way through a checkpoint) and resumed, an orphaned Petastorm
+cache, a full cache volume.
+
+Faults are injected with the test-only ``FLOWERS_JOB_FAULT`` setting
+(:mod:`flowers_job.faults`); everything else is the real job: local Spark + Delta,
+Petastorm, TorchDistributor with 2 gloo processes and an MLflow sqlite store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+import torch
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from flowers_job.config import JobConfig, load_config
+from flowers_job.data.ingest import ingest
+from flowers_job.data.prepare import DataError, make_cache, prepare_data
+from flowers_job.faults import FAULT_ENV
+from flowers_job.pipeline import TrainingError, run_training
+from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FAST = [
+    "data.image_size=64",
+    "train.per_device_batch_size=8",
+    "train.base_learning_rate=0.003",
+]
+MARK_ENV = "FLOWERS_JOB_TEST_MARK"
+
+
+def _training_processes() -> list[psutil.Process]:
+    """This test process's descendants that belong to a TorchDistributor run."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "torch.distributed.run" in cmdline or "torchrun" in cmdline or "train.py" in cmdline:
+            found.append(proc)
+    return found
+
+
+def _marked_processes(mark: str) -> list[psutil.Process]:
+    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK_ENV) == mark:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``condition`` every 0.5 s; return the seconds it took. Fails after ``timeout``."""
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def _checkpoint_epoch(directory: Path) -> int | None:
+    path = directory / CHECKPOINT_NAME
+    try:  # os.replace makes last.pt appear whole; reading it races nothing
+        return int(torch.load(path, weights_only=True)["epoch"])
+    except (OSError, RuntimeError, EOFError):
+        return None
+
+
+def _fault_config(photos: Path, out: Path, *extra: str) -> JobConfig:
+    return load_config(
+        None, [*FAST, "train.epochs=2", *extra], **{"data.images": photos, "paths.output_dir": out}
+    )
+
+
+def test_a_failing_rank_is_named_with_its_exception(
+    spark: SparkSession, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TorchDistributor only says "failed during training"; we name the rank, its exception
+    and traceback, within 60 s of the fault, and leave no training process behind."""
+    cfg = _fault_config(photos, tmp_path)
+    ingest(spark, cfg)
+    monkeypatch.setenv(FAULT_ENV, "raise:1:2")  # rank 1 raises at the start of epoch 2
+    with pytest.raises(TrainingError) as err:
+        run_training(spark, cfg)
+    surfaced = time.time()
+    assert err.value.rank == 1
+    assert err.value.cause == f"RuntimeError: injected fault ({FAULT_ENV}=raise:1:2)"
+    assert "rank 1 failed" in str(err.value)
+    assert "Traceback" in str(err.value) and "in inject" in str(err.value)  # rank 1's own
+    assert err.value.reported_at is not None
+    print(f"raise: surfaced on the driver {surfaced - err.value.reported_at:.1f} s after the fault")
+    assert surfaced - err.value.reported_at < 60
+    assert not _training_processes()
+    assert not (tmp_path / "summary.json").exists()
+    assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed on failure
+    assert _checkpoint_epoch(tmp_path / "checkpoints") == 1  # epoch 1 is kept for --resume
+    run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
+    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
+
+
+def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
+    spark: SparkSession, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 stops answering at epoch 2: rank 0's next collective times out after
+    distributed.timeout_seconds, the run fails naming it, and the hung rank is stopped."""
+    timeout = 20
+    cfg = _fault_config(photos, tmp_path, f"distributed.timeout_seconds={timeout}")
+    ingest(spark, cfg)
+    monkeypatch.setenv(FAULT_ENV, "hang:1:2")
+    t0 = time.time()
+    with pytest.raises(TrainingError) as err:
+        run_training(spark, cfg)
+    surfaced = time.time()
+    assert err.value.rank == 0
+    assert err.value.cause is not None
+    assert err.value.cause.startswith("CollectiveTimeoutError: rank 0: a collective waited")
+    assert f"distributed.timeout_seconds={float(timeout)} s" in str(err.value)
+    assert err.value.reported_at is not None
+    print(
+        f"hang: rank 0 timed out, surfaced {surfaced - err.value.reported_at:.1f} s later; "
+        f"run_training took {surfaced - t0:.0f} s"
+    )
+    assert surfaced - err.value.reported_at < 60
+    assert not _training_processes()
+    assert not list((tmp_path / "petastorm_cache").glob("run-*"))
+
+
+def _start_cli(
+    photos: Path, out: Path, mark: str, log: Path, *args: str, fault: str = ""
+) -> subprocess.Popen[bytes]:
+    sets = [a for s in [*FAST, "train.epochs=3"] for a in ("--set", s)]
+    env = {**os.environ, MARK_ENV: mark, FAULT_ENV: fault}
+    cmd = [sys.executable, "-m", "flowers_job", "run", "--images", str(photos)]
+    with log.open("ab") as sink:
+        return subprocess.Popen(
+            [*cmd, "--output-dir", str(out), *sets, *args], env=env, stdout=sink, stderr=sink
+        )
+
+
+def _kill_driver(proc: subprocess.Popen[bytes], mark: str) -> float:
+    """SIGKILL the driver only; return the seconds until all of its processes were gone."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    return _wait_for(lambda: not _marked_processes(mark), 90, "the killed driver's processes")
+
+
+def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
+    photos: Path, tmp_path: Path
+) -> None:
+    """SIGKILL the driver half-way through writing the epoch-2 checkpoint, resume, SIGKILL it
+    again during epoch 3, resume again: the run ends with epochs 1, 2, 3 in one MLflow run,
+    each epoch logged once, no process and no cache left behind."""
+    out, log, mark = tmp_path / "out", tmp_path / "driver.log", uuid.uuid4().hex
+    try:
+        _kill_and_resume(photos, out, log, mark)
+    finally:  # a failed assertion must not leave a driver running
+        for proc in _marked_processes(mark):
+            proc.kill()
+
+
+def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str) -> None:
+    ckpt, cache = out / "checkpoints", out / "petastorm_cache"
+
+    # 1. Killed while rank 0 is half-way through writing the epoch-2 checkpoint.
+    proc = _start_cli(photos, out, mark, log, fault="pause_checkpoint:0:2")
+    _wait_for(
+        lambda: _checkpoint_epoch(ckpt) == 1 and any(ckpt.glob(f".{CHECKPOINT_NAME}.*.tmp")),
+        600,
+        "the epoch-2 checkpoint write",
+    )
+    gone = _kill_driver(proc, mark)
+    print(f"driver killed mid-checkpoint: all its processes gone after {gone:.1f} s")
+    # SIGTERM from torchrun may have let rank 0 delete its half-written file; either way
+    # last.pt is still the whole epoch-1 checkpoint (test_checkpoint covers a torn file).
+    assert _checkpoint_epoch(ckpt) == 1
+    orphans = list(cache.glob("run-*"))
+    assert len(orphans) == 1  # the killed run could not clean up its cache
+    run_id = json.loads((ckpt / RUN_FILE_NAME).read_text())["mlflow_run_id"]
+
+    # 2. Resumed, then killed during epoch 3 (right after the epoch-2 checkpoint).
+    proc = _start_cli(photos, out, mark, log, "--resume")
+    _wait_for(lambda: _checkpoint_epoch(ckpt) == 2, 600, "the epoch-2 checkpoint")
+    assert not orphans[0].exists()  # swept at the start of the resumed run
+    gone = _kill_driver(proc, mark)
+    print(f"driver killed during training: all its processes gone after {gone:.1f} s")
+
+    # 3. Resumed to the end.
+    proc = _start_cli(photos, out, mark, log, "--resume")
+    assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
+    assert summary["epochs_this_run"] == 1 and summary["epochs_completed"] == 3
+    assert summary["mlflow_run_id"] == run_id  # one MLflow run across the three drivers
+    client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
+    experiment = client.get_experiment_by_name("flowers_job")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for key in ("train_loss", "val_loss", "val_accuracy", "epoch_seconds"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3], key
+    logged = {m.step: m.value for m in client.get_metric_history(run_id, "val_loss")}
+    assert logged == {h["epoch"]: pytest.approx(h["val_loss"]) for h in summary["history"]}
+    assert not list(cache.glob("run-*"))
+    assert not list(ckpt.glob("*.tmp")) and not list(ckpt.glob(".*.tmp"))
+    assert not _marked_processes(mark)
+
+
+@contextmanager
+def _small_volume(path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``path`` (root only: CI and dev machines are)."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], timeout=30, check=False)
+
+
+def test_no_space_for_the_cache_is_a_clear_error_and_leaves_nothing(
+    spark: SparkSession, photos: Path, tmp_path: Path
+) -> None:
+    """A cache volume too small for the train table: DataError naming the directory, before
+    any worker starts, and nothing of this run's cache left on the volume."""
+    with _small_volume(tmp_path / "small", "512k") as volume:
+        cfg = _fault_config(
+            photos, tmp_path / "out", f"paths.petastorm_cache_url={volume.as_uri()}"
+        )
+        ingest(spark, cfg)
+        with (
+            pytest.raises(DataError, match="no space for the Petastorm cache") as err,
+            prepare_data(spark, cfg),
+        ):
+            pytest.fail("prepare_data must not succeed")
+        assert str(volume) in str(err.value) and "MiB free" in str(err.value)
+        assert not list(volume.iterdir())
+
+
+def test_a_volume_that_fills_up_during_the_write_is_named(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The free-space check passed but the volume fills up anyway (another writer, say):
+    Spark's "No space left on device" becomes a DataError naming the directory."""
+    with _small_volume(tmp_path / "small", "256k") as volume:
+        noise = "unhex(concat_ws('', transform(sequence(1, 512), i -> sha2(concat(id, i), 256))))"
+        df = spark.range(64).select(F.col("id").alias("row_id"), F.expr(noise).alias("image"))
+        # 64 rows of 16 KiB of hash output (no dictionary or compression can shrink it): 1 MiB
+        spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", volume.as_uri())
+        with pytest.raises(DataError, match="no space left for the Petastorm cache") as err:
+            make_cache(df, volume.as_uri(), "a test table")
+        assert str(volume) in str(err.value)
