@@ -5,8 +5,9 @@
 =================== ======================================================================
 kind                what that rank does at that epoch
 =================== ======================================================================
-``raise``           raises ``RuntimeError`` at the start of the epoch (a bug in user code)
-``hang``            sleeps at the start of the epoch, for at most :data:`HANG_SECONDS` (a
+``raise``           raises ``RuntimeError`` half-way through the epoch's training steps (a
+                    bug, a corrupt batch)
+``hang``            sleeps half-way through the epoch, for at most :data:`HANG_SECONDS` (a
                     stuck reader or a deadlock): the other ranks' next collective times out
 ``pause_checkpoint`` stops half-way through writing the epoch's checkpoint (rank 0 writes
                     it), for at most :data:`HANG_SECONDS`, so a test can kill the driver there
@@ -21,8 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
-__all__ = ["FAULT_ENV", "HANG_SECONDS", "inject"]
+__all__ = ["FAULT_ENV", "HANG_SECONDS", "inject", "mid_epoch"]
+
+T = TypeVar("T")
 
 FAULT_ENV = "FLOWERS_JOB_FAULT"
 HANG_SECONDS = 900.0
@@ -44,3 +49,12 @@ def inject(kind: str, rank: int | None, epoch: int) -> None:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
     log.warning("injected fault %s:%s:%s: sleeping up to %.0f s", kind, rank, epoch, HANG_SECONDS)
     time.sleep(HANG_SECONDS)
+
+
+def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterator[T]:
+    """Yield ``batches``, acting out ``raise`` and ``hang`` faults before batch ``step``."""
+    for i, batch in enumerate(batches):
+        if i == step:
+            inject("raise", rank, epoch)
+            inject("hang", rank, epoch)
+        yield batch

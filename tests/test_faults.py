@@ -100,7 +100,7 @@ def test_a_failing_rank_is_named_with_its_exception(
     and traceback, within 60 s of the fault, and leave no training process behind."""
     cfg = _fault_config(photos, tmp_path)
     ingest(spark, cfg)
-    monkeypatch.setenv(FAULT_ENV, "raise:1:2")  # rank 1 raises at the start of epoch 2
+    monkeypatch.setenv(FAULT_ENV, "raise:1:2")  # rank 1 raises half-way through epoch 2
     with pytest.raises(TrainingError) as err:
         run_training(spark, cfg)
     surfaced = time.time()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -423,10 +424,10 @@ def fit(
         if stop_reason is not None:
             break
         torch.manual_seed(cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
-        faults.inject("raise", ctx.rank, epoch)
-        faults.inject("hang", ctx.rank, epoch)
         t0 = time.perf_counter()
         batches = epoch_batches(train_plan, train_tf, shuffle=True, seed=cfg.train.seed + epoch)
+        if os.environ.get(faults.FAULT_ENV):  # test-only
+            batches = faults.mid_epoch(batches, ctx.rank, epoch, train_plan.steps_per_epoch // 2)
         if ctx.is_main:
             batches = tqdm(
                 batches,
