@@ -7,16 +7,23 @@ validated once, on the driver, before Spark starts; workers receive
 
 Precedence (lowest to highest): field defaults, the YAML file, command-line
 flags (``--images``, ``--output-dir``), ``--set`` overrides.
+
+Secrets (``tracking.password``, ``tracking.token``) are :class:`~pydantic.SecretStr` fields
+excluded from every dump: they print as ``'**********'``, never reach the workers' job,
+MLflow params or checkpoints, and travel to the training processes only through the
+environment (``MLFLOW_TRACKING_PASSWORD``/``MLFLOW_TRACKING_TOKEN``, see
+:func:`flowers_job.tracking.use_credentials`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 __all__ = [
     "ConfigError",
@@ -147,6 +154,26 @@ class EarlyStoppingConfig(_Section):
     restore_best_weights: bool = True
     """At the end, load the weights of the best epoch (what is logged and registered)."""
 
+    @model_validator(mode="after")
+    def _check(self) -> EarlyStoppingConfig:
+        if self.monitor == "val_accuracy":
+            if self.min_delta >= 1.0:
+                raise ValueError(
+                    f"min_delta: {self.min_delta} >= 1 means val_accuracy (a fraction in [0, 1]) "
+                    "can never improve"
+                )
+            if self.stopping_threshold is not None and not 0.0 < self.stopping_threshold <= 1.0:
+                raise ValueError(
+                    f"stopping_threshold: {self.stopping_threshold} is outside (0, 1], where "
+                    "val_accuracy lies"
+                )
+        elif self.stopping_threshold is not None and self.stopping_threshold <= 0.0:
+            raise ValueError(
+                f"stopping_threshold: {self.stopping_threshold} can never be reached: val_loss "
+                "(cross-entropy) is > 0"
+            )
+        return self
+
     @property
     def mode(self) -> Literal["min", "max"]:
         """'min' for losses, 'max' for accuracies."""
@@ -178,6 +205,15 @@ class TrainConfig(_Section):
     early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
     resume: bool = False
     """Continue from the last complete checkpoint in ``<output_dir>/checkpoints``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(
+                f"warmup_epochs: {self.warmup_epochs:g} must be less than train.epochs "
+                f"({self.epochs}), or the scaled learning rate is never reached"
+            )
+        return self
 
     def learning_rate(self, world_size: int) -> float:
         """Learning rate for ``world_size`` processes.
@@ -222,6 +258,20 @@ class TrackingConfig(_Section):
     registered_model_name: str | None = Field("flowers_classifier", min_length=1)
     """Name in the MLflow model registry; None = log the model without registering it."""
     run_name: str | None = None
+    username: str | None = None
+    """User name for a tracking server with basic auth (exported as MLFLOW_TRACKING_USERNAME)."""
+    password: SecretStr | None = Field(None, exclude=True)
+    """Password for basic auth. Secret: never dumped, logged or sent to the workers in the job;
+    exported as MLFLOW_TRACKING_PASSWORD for this process and the training processes it
+    starts. Prefer setting MLFLOW_TRACKING_PASSWORD yourself (MLflow reads it)."""
+    token: SecretStr | None = Field(None, exclude=True)
+    """Bearer token for the tracking server, handled like ``password`` (MLFLOW_TRACKING_TOKEN)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrackingConfig:
+        if self.password is not None and not self.username:
+            raise ValueError("username: required with tracking.password (basic auth)")
+        return self
 
 
 class PathsConfig(_Section):
@@ -347,11 +397,18 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_NAMED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
+"""A cross-field check's message starts with the field it blames: ``"weights_path: ..."``."""
+
+
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"])
+        loc = [str(p) for p in e["loc"]]
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "value_error" and (named := _NAMED.match(msg)):
+            loc, msg = [*loc, named[1]], named[2]  # "model" + "weights_path: ..."
+        field = ".".join(loc)
         got = "" if e["type"] in ("missing", "value_error") else f" (got {e.get('input')!r})"
         lines.append(f"  {field}: {msg}{got}" if field else f"  {msg}")
     return "invalid configuration:\n" + "\n".join(lines)

@@ -66,11 +66,70 @@ def test_invalid_values_name_the_field(tmp_path: Path, override: str, field: str
         (["model.weights=package", "model.architecture=resnet18"], "model.weights"),
         (["model.weights=none"], "model.freeze_backbone"),
         (["model.architecture=not_a_net"], "model.architecture"),
+        (["data.extensions=[]"], "data.extensions"),
+        (["train.epochs=3", "train.warmup_epochs=3"], "train.warmup_epochs"),
+        (
+            ["train.early_stopping.monitor=val_accuracy", "train.early_stopping.min_delta=1"],
+            "train.early_stopping.min_delta",
+        ),
+        (
+            [
+                "train.early_stopping.monitor=val_accuracy",
+                "train.early_stopping.stopping_threshold=90",
+            ],
+            "train.early_stopping.stopping_threshold",
+        ),
+        (["train.early_stopping.stopping_threshold=0"], "train.early_stopping.stopping_threshold"),
+        (["tracking.password=pw"], "tracking.username"),
     ],
 )
-def test_cross_field_checks(tmp_path: Path, overrides: list[str], field: str) -> None:
-    with pytest.raises(ConfigError, match=field.rsplit(".", maxsplit=1)[-1]):
+def test_cross_field_checks_name_the_dotted_field(
+    tmp_path: Path, overrides: list[str], field: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
         load_config(None, overrides, **{"paths.output_dir": tmp_path})
+    assert f"\n  {field}: " in str(err.value)
+
+
+def test_valid_neighbours_of_the_cross_field_checks(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "train.epochs=3",
+            "train.warmup_epochs=2.5",
+            "train.early_stopping.monitor=val_accuracy",
+            "train.early_stopping.stopping_threshold=0.95",
+            "tracking.username=ann",
+            "tracking.password=pw",
+        ],
+        **{"paths.output_dir": tmp_path},
+    )
+    assert cfg.train.early_stopping.mode == "max"
+
+
+def test_secrets_are_masked_and_left_out_of_every_dump(tmp_path: Path) -> None:
+    """tracking.password/token: SecretStr, excluded from model_dump (the workers' job, MLflow
+    params, checkpoints) and masked in repr/str."""
+    f = tmp_path / "job.yaml"
+    f.write_text("tracking:\n  username: ann\n  password: pw-SENTINEL\n  token: tk-SENTINEL\n")
+    cfg = load_config(f, None, **{"paths.output_dir": tmp_path})
+    assert cfg.tracking.password is not None and cfg.tracking.token is not None
+    assert cfg.tracking.password.get_secret_value() == "pw-SENTINEL"
+    assert cfg.tracking.token.get_secret_value() == "tk-SENTINEL"
+    dumps = [
+        repr(cfg),
+        str(cfg),
+        str(cfg.model_dump()),
+        str(cfg.model_dump(mode="json")),
+        cfg.model_dump_json(),
+    ]
+    for text in dumps:
+        assert "SENTINEL" not in text
+    dumped = cfg.model_dump(mode="json")
+    assert dumped["tracking"]["username"] == "ann"
+    assert "password" not in dumped["tracking"] and "token" not in dumped["tracking"]
+    rebuilt = type(cfg).model_validate(dumped)  # what a worker rebuilds: no secrets at all
+    assert rebuilt.tracking.password is None and rebuilt.tracking.token is None
 
 
 def test_output_dir_is_required() -> None:
