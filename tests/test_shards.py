@@ -6,6 +6,7 @@ exactly once per epoch.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import load_config
 from flowers_job.data.ingest import ingest
 from flowers_job.data.prepare import prepare_data
+from flowers_job.data.shards import DataError, plan_shards
 from flowers_job.models import preprocessing_for
 from flowers_job.train.loader import DecodeTransform, ShardError, rebatch, shard_batches
 
@@ -118,3 +120,55 @@ def test_rebatch_cuts_exact_sizes_and_detects_short_or_long_shards() -> None:
         list(rebatch(stream, [4, 4, 4]))
     with pytest.raises(ShardError, match="holds 11 rows"):
         list(rebatch(stream, [4, 4]))
+
+
+def _parquet_files(folder: Path, row_groups: list[int]) -> list[str]:
+    """One real Parquet file per row group, ``row_id`` numbered from 0, as ``file://`` URLs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    urls, start = [], 0
+    for i, n in enumerate(row_groups):
+        path = folder / f"part-{i:05d}.parquet"
+        pq.write_table(pa.table({"row_id": pa.array(range(start, start + n), pa.int64())}), path)
+        urls.append(path.resolve().as_uri())
+        start += n
+    return urls
+
+
+def test_a_train_shard_smaller_than_one_batch_is_refused_with_the_sizes(tmp_path: Path) -> None:
+    """Read by Petastorm's own row-group listing: shard 0 holds 5 rows, shard 1 holds 3."""
+    urls = _parquet_files(tmp_path, [5, 3])
+    with pytest.raises(DataError) as err:
+        plan_shards(urls, 2, 4, full_batches=True)
+    message = str(err.value)
+    for part in ("train.per_device_batch_size=4", "global batch size 8", "world_size 2", "[5, 3]"):
+        assert part in message
+    assert "<= 3" in message  # what would work
+    # Validation has no optimizer step: a shard smaller than a batch is evaluated as it is.
+    assert plan_shards(urls, 2, 4) == ([5, 3], [0 + 1 + 2 + 3 + 4, 5 + 6 + 7], 2)
+    assert plan_shards(urls, 2, 3, full_batches=True)[2] == 2  # every shard holds a batch
+
+
+def test_training_refuses_too_large_a_batch_before_any_worker_starts(
+    spark: SparkSession, tables: Path
+) -> None:
+    """The real path: Delta -> Petastorm cache -> shard plan, then no TorchDistributor."""
+    import mlflow
+
+    from flowers_job.pipeline import run_training
+
+    cfg = load_config(
+        None,
+        ["data.image_size=32", "train.per_device_batch_size=64", "train.epochs=1"],
+        **{"paths.output_dir": tables},
+    )
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match=r"train\.per_device_batch_size=64 \(global batch size 128"):
+        run_training(spark, cfg)
+    print(f"batch larger than a shard: DataError after {time.perf_counter() - t0:.1f} s")
+    assert not cfg.paths.checkpoint_dir.exists()  # no rank ever ran
+    client = mlflow.MlflowClient(tracking_uri=cfg.tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    assert experiment is not None and not client.search_runs([experiment.experiment_id])
+    assert not list((tables / "petastorm_cache").glob("run-*"))  # cache removed

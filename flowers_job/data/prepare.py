@@ -241,7 +241,11 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
             file_urls = list(converter.file_urls)
             rows, checksum, steps = plan_shards(
-                file_urls, cfg.world_size, cfg.train.per_device_batch_size
+                file_urls,
+                cfg.world_size,
+                cfg.train.per_device_batch_size,
+                full_batches=split == "train",
+                split=split,
             )
             plans[split] = ShardPlan(
                 cache_dir_url=converter.cache_dir_url,

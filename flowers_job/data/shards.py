@@ -75,19 +75,36 @@ class ShardPlan:
 
 
 def plan_shards(
-    file_urls: list[str], world_size: int, per_device_batch_size: int
+    file_urls: list[str],
+    world_size: int,
+    per_device_batch_size: int,
+    *,
+    full_batches: bool = False,
+    split: str = "train",
 ) -> tuple[list[int], list[int], int]:
     """Rows and row checksum per Petastorm shard, and the common steps per epoch.
 
     Uses Petastorm's own row-group listing (``load_row_groups``) and its shard rule
     (row group ``i`` goes to shard ``i % world_size``).
 
+    Args:
+        file_urls: the split's Parquet files (``file://`` URLs), in Petastorm's order.
+        world_size: number of ranks (shards).
+        per_device_batch_size: images per rank per step.
+        full_batches: require every shard to hold at least one full batch, as training does:
+            a rank with fewer rows than ``per_device_batch_size`` would take smaller optimizer
+            steps than configured, every step of every epoch. Validation needs no such thing
+            (its sums are exact whatever the batches), so it passes False.
+        split: the split's name, for messages.
+
     Returns:
         ``(rows_per_shard, checksum_per_shard, steps_per_epoch)``.
 
     Raises:
-        DataError: fewer row groups than ranks, or shards so uneven that the smallest cannot
-            fill ``steps_per_epoch`` batches.
+        DataError: fewer row groups than ranks; with ``full_batches``, a shard smaller than
+            ``per_device_batch_size`` (the message names ``train.per_device_batch_size``, the
+            global batch size, ``world_size`` and the rows per shard); or shards so uneven
+            that the smallest cannot fill ``steps_per_epoch`` batches.
     """
     import pyarrow.parquet as pq
     from petastorm.etl.dataset_metadata import load_row_groups
@@ -111,6 +128,14 @@ def plan_shards(
         ids = table.column("row_id").to_pylist()
         rows[i % world_size] += len(ids)
         checksum[i % world_size] += sum(x % CHECKSUM_MODULUS for x in ids)
+    if full_batches and min(rows) < per_device_batch_size:
+        raise DataError(
+            f"train.per_device_batch_size={per_device_batch_size} (global batch size "
+            f"{per_device_batch_size * world_size} over world_size {world_size}) is larger than "
+            f"the smallest {split} shard: rows per shard {rows}; every rank needs at least one "
+            f"full batch per epoch: set train.per_device_batch_size <= {min(rows)}, or fewer "
+            "distributed.num_processes, or train on more images"
+        )
     steps = max(math.ceil(n / per_device_batch_size) for n in rows)
     if min(rows) < steps:
         raise DataError(
