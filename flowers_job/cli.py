@@ -1,7 +1,9 @@
 """Command line: ``flowers-job {ingest,train,run}`` (also ``python -m flowers_job``).
 
 Configuration is parsed and validated before Spark starts: an invalid value exits
-with status 2 and a message naming the field, within a second or two.
+with status 2 and a message naming the field, within a second or two. ``train`` and
+``run`` then check the MLflow store, still before Spark starts (an unusable store exits
+with status 1 within seconds), and the cluster right after it starts (status 2).
 """
 
 from __future__ import annotations
@@ -86,16 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.data.ingest import IngestError
     from flowers_job.data.prepare import DataError
     from flowers_job.spark import get_spark
-    from flowers_job.tracking import TrackingError
+    from flowers_job.tracking import TrackingError, preflight
 
-    spark = get_spark()
     try:
+        if args.command != "ingest":
+            preflight(cfg)  # seconds, and no JVM yet
+        spark = get_spark()
         if args.command == "ingest":
             result: object = pipeline.run_ingest(spark, cfg).to_dict()
         elif args.command == "train":
             result = pipeline.run_training(spark, cfg)
         else:
             result = pipeline.run_job(spark, cfg)
+    except ConfigError as exc:  # the configuration does not fit this cluster
+        print(f"flowers-job: {exc}", file=sys.stderr)
+        return 2
     except (IngestError, DataError, TrackingError, pipeline.TrainingError) as exc:
         print(f"flowers-job {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

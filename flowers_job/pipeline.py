@@ -17,14 +17,21 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-from flowers_job.config import JobConfig
+from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
-from flowers_job.data.prepare import DataError, prepare_data
+from flowers_job.data.prepare import prepare_data
 from flowers_job.distributed import driver_identity
 from flowers_job.spark import task_slots
 from flowers_job.tracking import preflight
 
-__all__ = ["TrainingError", "run_ingest", "run_job", "run_training", "write_summary"]
+__all__ = [
+    "TrainingError",
+    "check_cluster",
+    "run_ingest",
+    "run_job",
+    "run_training",
+    "write_summary",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,43 @@ def _use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
 
         return torch.cuda.is_available()
     return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
+
+
+def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
+    """Check ``distributed`` against this Spark cluster; cheap, before any data is touched.
+
+    Raises:
+        ConfigError: barrier mode (``local_mode=false``) with more processes than the
+            cluster's task slots (:func:`~flowers_job.spark.task_slots`), or GPUs requested
+            in local mode with fewer CUDA devices on the driver than processes. The message
+            names ``distributed.num_processes`` or ``distributed.use_gpu``.
+    """
+    d = cfg.distributed
+    problem = None
+    if not d.local_mode:
+        slots = task_slots(spark)
+        if d.num_processes > slots:
+            problem = (
+                f"distributed.num_processes: {d.num_processes} processes, but this Spark cluster "
+                f"({spark.sparkContext.master}) has {slots} task slots; barrier mode "
+                "(distributed.local_mode=false) runs one task per process, all at once"
+            )
+    elif _use_gpu(spark, cfg):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            problem = (
+                "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
+                "(local mode runs every process on the driver)"
+            )
+        elif d.num_processes > gpus:
+            problem = (
+                f"distributed.num_processes: {d.num_processes} processes, but the driver has "
+                f"{gpus} CUDA devices (local mode on GPUs: one device per process)"
+            )
+    if problem:
+        raise ConfigError(f"invalid configuration:\n  {problem}")
 
 
 def _threads_per_process(spark: SparkSession, cfg: JobConfig) -> int:
@@ -124,6 +168,8 @@ def run_training(
         The summary (also written to ``<output_dir>/summary.json``).
 
     Raises:
+        ConfigError: ``distributed`` does not fit this cluster (:func:`check_cluster`), before
+            any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
         TrackingError: the MLflow store is unusable (before any worker starts).
         TrainingError: a rank failed; the message names the rank and its exception.
@@ -133,11 +179,7 @@ def run_training(
     from flowers_job.train.worker import train_worker
 
     d = cfg.distributed
-    if not d.local_mode and d.num_processes > task_slots(spark):
-        raise DataError(
-            f"distributed.num_processes={d.num_processes} exceeds the cluster's "
-            f"{task_slots(spark)} task slots (barrier mode needs one slot per process)"
-        )
+    check_cluster(spark, cfg)
     use_gpu = _use_gpu(spark, cfg)
     preflight(cfg)
     with (
@@ -194,8 +236,14 @@ def run_training(
 
 
 def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
-    """Ingest, then train: the whole Databricks "flowers" pipeline."""
+    """Ingest, then train: the whole Databricks "flowers" pipeline.
+
+    The cluster and the MLflow store are checked before the ingest, so that a job bound to
+    fail does no work (errors as for :func:`run_training`, plus ``IngestError``).
+    """
     t0 = time.perf_counter()
+    check_cluster(spark, cfg)
+    preflight(cfg)
     report = run_ingest(spark, cfg)
     summary = run_training(spark, cfg, report)
     summary["job_seconds"] = time.perf_counter() - t0

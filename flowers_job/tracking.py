@@ -1,7 +1,7 @@
 """MLflow: experiment preflight on the driver; run, metrics and model from rank 0 only.
 
 The driver checks the store and creates the experiment before any worker starts
-(:func:`preflight`). Rank 0 then owns one MLflow run (:class:`RunTracker`): params
+(:func:`preflight`), failing within seconds when the store cannot be used. Rank 0 then owns one MLflow run (:class:`RunTracker`): params
 once, metrics per epoch with ``step=epoch``, and at the end the model as a pyfunc
 (:class:`~flowers_job.serving.FlowersClassifierModel`) with signature and input example,
 registered under ``tracking.registered_model_name``. A resumed run continues the same
@@ -12,21 +12,36 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import mlflow
 import pandas as pd
 import torch
+from mlflow import environment_variables as mlflow_env
 from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
 
-__all__ = ["EPOCH_KEY", "RunTracker", "TrackingError", "end_failed_run", "flatten", "preflight"]
+__all__ = [
+    "EPOCH_KEY",
+    "PREFLIGHT_TIMEOUT_SECONDS",
+    "RunTracker",
+    "TrackingError",
+    "end_failed_run",
+    "flatten",
+    "preflight",
+    "use_credentials",
+]
 
 EPOCH_KEY = "val_loss"
 """The metric whose steps say which epochs a run has logged (every epoch logs it)."""
+PREFLIGHT_TIMEOUT_SECONDS = 10
+"""Per-request timeout of the preflight's HTTP calls, seconds (MLflow's default is 120)."""
 
 log = logging.getLogger(__name__)
 
@@ -47,30 +62,114 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def preflight(cfg: JobConfig) -> str:
+def use_credentials(cfg: JobConfig) -> None:
+    """Export the configured tracking credentials to this process's environment.
+
+    ``tracking.username``/``password``/``token`` become MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN,
+    which MLflow reads, and which the training processes inherit: TorchDistributor's local
+    mode starts them with this environment, and so does a local Spark master started after
+    this call (barrier mode on ``local[n]``). Executors of a real cluster do not inherit the
+    driver's environment: give them the variables there (``spark.executorEnv.*``, cluster
+    secrets). Values not configured are left as they are. The secrets never enter the job
+    sent to the workers (they are excluded from ``JobConfig.model_dump``).
+    """
+    t = cfg.tracking
+    values = {
+        mlflow_env.MLFLOW_TRACKING_USERNAME: t.username,
+        mlflow_env.MLFLOW_TRACKING_PASSWORD: t.password.get_secret_value() if t.password else None,
+        mlflow_env.MLFLOW_TRACKING_TOKEN: t.token.get_secret_value() if t.token else None,
+    }
+    for var, value in values.items():
+        if value:
+            var.set(value)
+
+
+@contextmanager
+def _fail_fast(timeout_seconds: int) -> Iterator[None]:
+    """MLflow's HTTP client within the block: one retry without back-off, ``timeout_seconds``
+    per request. Its defaults (7 retries with exponential back-off, 120 s per request,
+    ``mlflow.environment_variables``) take minutes to give up on an unreachable server. The
+    environment is restored on exit: the training run keeps MLflow's patient defaults."""
+    settings: dict[Any, object] = {
+        mlflow_env.MLFLOW_HTTP_REQUEST_MAX_RETRIES: 1,
+        mlflow_env.MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR: 0,
+        mlflow_env.MLFLOW_HTTP_REQUEST_BACKOFF_JITTER: 0.0,
+        mlflow_env.MLFLOW_HTTP_REQUEST_TIMEOUT: timeout_seconds,
+        mlflow_env.MLFLOW_DATABRICKS_ENDPOINT_HTTP_RETRY_TIMEOUT: timeout_seconds,
+    }
+    saved = {var: var.get_raw() for var in settings}
+    try:
+        for var, value in settings.items():
+            var.set(value)
+        yield
+    finally:
+        for var, raw in saved.items():
+            if raw is None:
+                var.unset()
+            else:
+                var.set(raw)
+
+
+def _probe_database(uri: str) -> None:
+    """Connect once to a database store (sqlite, postgresql, mysql, mssql).
+
+    MLflow's own store retries a failed connection 10 times with exponential back-off,
+    about 100 s (``mlflow.store.db.utils.create_sqlalchemy_engine_with_retry``); one attempt
+    with the same engine factory fails at once.
+    """
+    import sqlalchemy
+    from mlflow.store.db.utils import create_sqlalchemy_engine
+
+    path = uri.removeprefix("sqlite:///")
+    if path != uri and path not in ("", ":memory:"):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as MLflow's store does
+    engine = create_sqlalchemy_engine(uri)
+    try:
+        sqlalchemy.inspect(engine)
+    finally:
+        engine.dispose()
+
+
+def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) -> str:
     """Check the tracking store and get or create the experiment; runs on the driver.
+
+    Fails fast: a database store is connected to once, and HTTP requests (a tracking server,
+    Databricks) are retried once, without back-off, with ``timeout_seconds`` per request, so
+    an unreachable store surfaces within about ``2 x timeout_seconds`` (a refused connection
+    or an unusable sqlite file: well under a second) instead of after minutes of MLflow's
+    retries. The configured credentials are exported first (:func:`use_credentials`).
 
     Returns:
         The experiment id.
 
     Raises:
-        TrackingError: the store cannot be reached or the experiment cannot be created.
+        TrackingError: the store cannot be reached or used, or the experiment cannot be
+            created; the message names ``tracking.tracking_uri`` and MLflow's error.
     """
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    use_credentials(cfg)
     if not cfg.tracking.tracking_uri:
         cfg.paths.output_dir.mkdir(parents=True, exist_ok=True)
     uri = cfg.tracking_uri
     try:
-        client = mlflow.MlflowClient(tracking_uri=uri)
-        exp = client.get_experiment_by_name(cfg.tracking.experiment_name)
-        if exp is not None:
-            return str(exp.experiment_id)
-        return str(
-            client.create_experiment(
-                cfg.tracking.experiment_name, artifact_location=cfg.artifact_location
+        with _fail_fast(timeout_seconds):
+            if urlparse(uri).scheme.partition("+")[0] in DATABASE_ENGINES:
+                _probe_database(uri)
+            client = mlflow.MlflowClient(tracking_uri=uri)
+            exp = client.get_experiment_by_name(cfg.tracking.experiment_name)
+            if exp is not None:
+                return str(exp.experiment_id)
+            return str(
+                client.create_experiment(
+                    cfg.tracking.experiment_name, artifact_location=cfg.artifact_location
+                )
             )
-        )
     except Exception as exc:
-        raise TrackingError(f"tracking.tracking_uri {uri}: MLflow store unusable: {exc}") from exc
+        raise TrackingError(
+            f"tracking.tracking_uri: the MLflow store {uri} cannot be used: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _pip_requirements() -> list[str]:

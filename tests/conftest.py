@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,20 @@ LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+def run_cli(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m flowers_job ARGS`` as a user runs it; output captured, never raises on exit."""
+    return subprocess.run(
+        [sys.executable, "-m", "flowers_job", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
 
 
 def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flowers_job.config import ConfigError, load_config, parse_overrides
+
+from .conftest import run_cli
 
 
 def test_defaults_are_valid_and_derived_values_follow(tmp_path: Path) -> None:
@@ -161,23 +161,15 @@ def test_learning_rate_scaling(tmp_path: Path, scaling: str, factor: float) -> N
 
 
 def test_cli_rejects_bad_config_before_spark_starts(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flowers_job",
-            "run",
-            "--images",
-            str(tmp_path),
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--set",
-            "train.per_device_batch_size=0",
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_cli(
+        "run",
+        "--images",
+        str(tmp_path),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--set",
+        "train.per_device_batch_size=0",
         timeout=120,
-        check=False,
     )
     assert proc.returncode == 2
     assert "train.per_device_batch_size" in proc.stderr
