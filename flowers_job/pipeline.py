@@ -19,7 +19,7 @@ from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
-from flowers_job.data.prepare import prepare_data
+from flowers_job.data.prepare import PreparedData, prepare_data
 from flowers_job.distributed import driver_identity
 from flowers_job.spark import task_slots
 from flowers_job.tracking import preflight
@@ -30,6 +30,7 @@ __all__ = [
     "run_ingest",
     "run_job",
     "run_training",
+    "training_job",
     "write_summary",
 ]
 
@@ -159,6 +160,27 @@ def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> Training
     )
 
 
+def training_job(
+    spark: SparkSession, cfg: JobConfig, data: PreparedData, failure_dir: str, use_gpu: bool
+) -> dict[str, Any]:
+    """The plain data every rank receives: ``TorchDistributor.run(train_worker, job)``.
+
+    ``config`` is ``cfg.model_dump(mode="json")``, which leaves out the secret fields
+    (``tracking.password``/``token``): the workers get those from the environment only
+    (:func:`flowers_job.tracking.use_credentials`).
+    """
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "train": data.train.to_dict(),
+        "val": data.val.to_dict(),
+        "label_names": data.label_names,
+        "use_gpu": use_gpu,
+        "threads_per_process": _threads_per_process(spark, cfg),
+        "failure_dir": failure_dir,
+        "driver": driver_identity(),
+    }
+
+
 def run_training(
     spark: SparkSession, cfg: JobConfig, ingest_report: IngestReport | None = None
 ) -> dict[str, Any]:
@@ -188,16 +210,7 @@ def run_training(
             prefix="flowers-failures-", dir=cfg.paths.output_dir
         ) as failure_dir,
     ):
-        job = {
-            "config": cfg.model_dump(mode="json"),
-            "train": data.train.to_dict(),
-            "val": data.val.to_dict(),
-            "label_names": data.label_names,
-            "use_gpu": use_gpu,
-            "threads_per_process": _threads_per_process(spark, cfg),
-            "failure_dir": failure_dir,
-            "driver": driver_identity(),
-        }
+        job = training_job(spark, cfg, data, failure_dir, use_gpu)
         distributor = TorchDistributor(
             num_processes=d.num_processes, local_mode=d.local_mode, use_gpu=use_gpu
         )

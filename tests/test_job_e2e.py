@@ -1,13 +1,13 @@
 """The whole job on a class-balanced sample of the real photos, with real components:
 local Spark + Delta, Petastorm, TorchDistributor with 2 gloo processes, an MLflow sqlite
-store in a temp dir, and the registered pyfunc model predicting.
+store in a temp dir, and the registered pyfunc model predicting. The CLI run also carries
+secrets and checks that they end up nowhere.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,10 @@ import pandas as pd
 import pytest
 from pyspark.sql import SparkSession
 
-from flowers_job.config import load_config
-from flowers_job.pipeline import run_job, run_training
+from flowers_job.config import JobConfig, load_config
+from flowers_job.pipeline import run_job, run_training, training_job
 
-from .conftest import LABELS, PHOTOS
+from .conftest import LABELS, PHOTOS, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -29,6 +29,19 @@ FAST = [
     "train.base_learning_rate=0.003",
     "distributed.timeout_seconds=300",
 ]
+SENTINEL = "SENTINEL"
+"""Part of every secret below: no byte string the job writes or prints may contain it."""
+SECRET_ENV = {"DATABRICKS_TOKEN": f"dapi-{SENTINEL}-env-0a1b2c"}
+SECRET_CONFIG = f"""tracking:
+  username: ann
+  password: pw-{SENTINEL}-cfg-3d4e5f
+  token: tk-{SENTINEL}-cfg-6a7b8c
+"""
+MLFLOW_CREDENTIALS = (
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+)
 CONTRACT_KEYS = {
     "val_accuracy",
     "val_loss",
@@ -89,44 +102,90 @@ def _check_model_predicts(summary: dict[str, Any]) -> None:
     assert ((out >= 0) & (out <= 1)).all().all()
 
 
-def test_cli_run_local_mode_then_resume(spark: SparkSession, photos: Path, tmp_path: Path) -> None:
-    """`flowers-job run` as a user runs it, then `train --resume` continues the same run."""
+def _assert_no_secret(where: str, data: bytes) -> None:
+    assert SENTINEL.encode() not in data, f"a secret leaked into {where}"
+
+
+def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path) -> None:
+    """The bytes TorchDistributor ships to the ranks: ``cloudpickle((train_worker, (job,),
+    {}))`` written by its own ``FunctionPickler``, the job built as ``run_training`` does."""
+    from pyspark.ml.dl_util import FunctionPickler
+
+    from flowers_job.data.prepare import prepare_data
+    from flowers_job.train.worker import train_worker
+
+    with prepare_data(spark, cfg) as data:
+        job = training_job(spark, cfg, data, str(folder), use_gpu=False)
+        pickled = FunctionPickler.pickle_fn_and_save(train_worker, "", str(folder), job)
+    _assert_no_secret("the pickled (train_worker, job)", Path(pickled).read_bytes())
+
+
+def test_cli_run_local_mode_then_resume(
+    spark: SparkSession,
+    photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """`flowers-job run` as a user runs it, then `train --resume` continues the same run.
+
+    Both carry secrets: DATABRICKS_TOKEN in the environment, tracking.password/token in the
+    config file. None appears in any output, file under the output dir (tables, MLflow's
+    sqlite file and artifacts, checkpoints, summary) or the job shipped to the ranks.
+    """
     out = tmp_path / "out"
+    secrets = tmp_path / "secrets.yaml"
+    secrets.write_text(SECRET_CONFIG)
     sets = [a for s in [*FAST, "train.epochs=1"] for a in ("--set", s)]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flowers_job",
-            "run",
-            "--images",
-            str(photos),
-            "--output-dir",
-            str(out),
-            *sets,
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_cli(
+        "run",
+        "--images",
+        str(photos),
+        "--output-dir",
+        str(out),
+        "--config",
+        str(secrets),
+        *sets,
         timeout=800,
-        check=False,
+        env={**os.environ, **SECRET_ENV},
     )
     assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-3000:]
+    _assert_no_secret("the output of `flowers-job run`", (proc.stdout + proc.stderr).encode())
     first = json.loads((out / "summary.json").read_text())
     _check_summary(first, spark, images=60)
     assert first["epochs_completed"] == 1 and first["stop_reason"] == "max_epochs"
     assert first["local_mode"] is True
     _check_model_predicts(first)
 
+    for name, value in SECRET_ENV.items():
+        monkeypatch.setenv(name, value)
+    for name in MLFLOW_CREDENTIALS:  # the preflight exports them; restored after the test
+        monkeypatch.delenv(name, raising=False)
     cfg = load_config(
-        None, [*FAST, "train.epochs=2"], **{"paths.output_dir": out, "train.resume": True}
+        secrets, [*FAST, "train.epochs=2"], **{"paths.output_dir": out, "train.resume": True}
     )
+    assert cfg.tracking.password is not None and cfg.tracking.token is not None
+    capfd.readouterr()
     second = run_training(spark, cfg)
+    _assert_no_secret("the output of the resumed run", "".join(capfd.readouterr()).encode())
     assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run continues
     assert second["epochs_completed"] == 2 and second["epochs_this_run"] == 1
     assert [h["epoch"] for h in second["history"]] == [1, 2]
     assert second["history"][0] == first["history"][0]  # epoch 1 restored, not re-run
     _check_mlflow(second, epochs=2)
     assert second["registered_model_version"] == first["registered_model_version"] + 1
+
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert out / "mlflow.db" in files and out / "checkpoints" / "last.pt" in files
+    for path in files:
+        _assert_no_secret(str(path), path.read_bytes())
+    run = mlflow.MlflowClient(cfg.tracking_uri).get_run(second["mlflow_run_id"])
+    assert not {"tracking.password", "tracking.token"} & run.data.params.keys()
+    assert run.data.params["tracking.username"] == "ann"
+    # rank 0 got the credentials from the environment it inherited: MLflow tags the run
+    # with MLFLOW_TRACKING_USERNAME (the job itself carries no credentials)
+    assert run.data.tags["mlflow.user"] == "ann"
+    _assert_no_secret_shipped(spark, cfg, tmp_path)
 
 
 def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path) -> None:
