@@ -56,19 +56,25 @@ def ingested(spark: SparkSession, dirty_photos: Path, tmp_path_factory: pytest.T
 
 def test_every_file_is_in_a_table_or_quarantined(spark: SparkSession, ingested) -> None:
     cfg, report = ingested
-    assert report.files == 60 + 4
-    assert report.images_rows == 61 and report.quarantined_rows == 3
+    assert report.files == 60 + 5
+    assert report.images_rows == 61 and report.quarantined_rows == 4
     assert report.train_rows + report.val_rows == report.images_rows
-    assert report.quarantine_reasons == {"empty_file": 1, "not_an_image": 1, "corrupt": 1}
-    assert report.ignored_top_level_files == ["README.txt"]
+    assert report.quarantine_reasons == {
+        "empty_file": 1,
+        "not_an_image": 1,
+        "corrupt": 1,
+        "not_in_label_folder": 1,
+    }
     images = {r[0] for r in _rows(spark, report.tables["images"], "relative_path")}
     bad = _rows(spark, report.tables["quarantine"], "relative_path", "reason_code")
     assert bad == [
+        ("README.txt", "not_in_label_folder"),
         ("daisy/truncated.jpg", "corrupt"),
         ("roses/empty.jpg", "empty_file"),
         ("tulips/notes.jpg", "not_an_image"),
     ]
-    on_disk = {str(p.relative_to(cfg.data.images)) for p in Path(cfg.data.images).glob("*/*")}
+    on_disk = {str(p.relative_to(cfg.data.images)) for p in Path(cfg.data.images).rglob("*")}
+    on_disk -= set(LABELS)
     assert images | {b[0] for b in bad} == on_disk
     assert not images & {b[0] for b in bad}
 
@@ -143,8 +149,12 @@ def test_too_many_bad_files_fails_before_writing(
     spark: SparkSession, dirty_photos: Path, tmp_path: Path
 ) -> None:
     cfg = _cfg(dirty_photos, tmp_path, "data.max_bad_fraction=0.01")
-    with pytest.raises(IngestError, match=r"3 of 64 files"):
+    with pytest.raises(IngestError, match=r"4 of 65 files") as err:
         ingest(spark, cfg)
+    message = str(err.value)
+    assert "corrupt 1, empty_file 1, not_an_image 1, not_in_label_folder 1" in message
+    assert "README.txt: lies directly in the images root" in message
+    assert "Nothing was written" in message and "data.max_bad_fraction=0.01" in message
     assert not (tmp_path / "tables").exists()
 
 
