@@ -165,3 +165,22 @@ def test_missing_root_and_empty_root(spark: SparkSession, tmp_path: Path) -> Non
     with pytest.raises(IngestError, match="no label folders"):
         ingest(spark, _cfg(tmp_path / "empty", tmp_path / "out"))
     assert PHOTOS.is_dir()
+
+
+def test_changed_clean_input_is_reingested_consistently(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Both ingests have an empty quarantine. Delta skips an empty overwrite of an empty
+    table by default, which would leave the first run's metadata on the quarantine table and
+    tables that training refuses however often ingest is re-run."""
+    from flowers_job.data.prepare import _check_tables
+
+    images = sample_photos(tmp_path / "images", per_label=1)
+    cfg = _cfg(images, tmp_path / "out")
+    first = ingest(spark, cfg)
+    sample_photos(images, per_label=1, offset=1)  # one more photo per label
+    second = ingest(spark, cfg)
+    assert second.written and second.fingerprint != first.fingerprint
+    assert (second.images_rows, second.quarantined_rows) == (10, 0)
+    assert _version(spark, second.tables["quarantine"]) == 1
+    assert _check_tables(spark, cfg) == sorted(LABELS)

@@ -350,14 +350,34 @@ def tables_mismatch(metas: Mapping[str, Mapping[str, object] | None]) -> str | N
     return "; ".join(f"{name}: fingerprint {fp[:12]} run {run}" for name, (fp, run) in runs.items())
 
 
-def _write(df: DataFrame, path: Path, meta: dict[str, object]) -> None:
-    (
-        df.write.format("delta")
-        .mode("overwrite")
-        .option("overwriteSchema", "true")
-        .option("userMetadata", json.dumps({_META_KEY: meta}, sort_keys=True))
-        .save(str(path))
-    )
+def _write(spark: SparkSession, df: DataFrame, path: Path, meta: dict[str, object]) -> None:
+    """Overwrite the Delta table at ``path`` with ``df``, committing ``meta``.
+
+    Delta skips the commit of an empty overwrite of an empty table (for example a clean
+    quarantine), which would leave the previous run's metadata in place; that is switched off
+    for the write, and the commit is checked.
+
+    Raises:
+        IngestError: the latest commit does not carry ``meta['run_id']``.
+    """
+    skip_empty = "spark.databricks.delta.skipRecordingEmptyCommits"
+    before = spark.conf.get(skip_empty, None)
+    spark.conf.set(skip_empty, "false")
+    try:
+        (
+            df.write.format("delta")
+            .mode("overwrite")
+            .option("overwriteSchema", "true")
+            .option("userMetadata", json.dumps({_META_KEY: meta}, sort_keys=True))
+            .save(str(path))
+        )
+    finally:
+        if before is None:
+            spark.conf.unset(skip_empty)
+        else:
+            spark.conf.set(skip_empty, before)
+    if (read_table_metadata(spark, path) or {}).get("run_id") != meta["run_id"]:
+        raise IngestError(f"the commit to {path} does not carry this ingest's metadata")
 
 
 def _fault_point(table: str) -> None:
@@ -552,9 +572,9 @@ def _ingest_tables(
         )
         quarantine = decoded.where(F.col("reason_code").isNotNull())
         t0 = time.perf_counter()
-        _write(_conform(quarantine, "quarantine"), tables["quarantine"], meta)
+        _write(spark, _conform(quarantine, "quarantine"), tables["quarantine"], meta)
         _fault_point("quarantine")
-        _write(_conform(images, "images"), tables["images"], meta)
+        _write(spark, _conform(images, "images"), tables["images"], meta)
         _fault_point("images")
         # Derive the splits from exactly the images commit just written.
         from delta.tables import DeltaTable
@@ -567,7 +587,7 @@ def _ingest_tables(
             .load(str(tables["images"]))
         )
         for split in ("train", "val"):
-            _write(written.where(F.col("split") == split), tables[split], meta)
+            _write(spark, written.where(F.col("split") == split), tables[split], meta)
             _fault_point(split)
         log.info(
             "wrote 4 Delta tables in %.1f s: %d images, %d quarantined",
