@@ -142,8 +142,11 @@ def open_rgb(
             img.load()
     except ImageRejected:
         raise
-    except UnidentifiedImageError as exc:
-        raise ImageRejected("not_an_image", str(exc)) from None
+    except UnidentifiedImageError:
+        # Pillow's own message names the BytesIO object's address: not reproducible.
+        raise ImageRejected(
+            "not_an_image", "Pillow cannot identify the file as an image (JPEG, PNG, ...)"
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageRejected("too_many_pixels", str(exc)) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
