@@ -139,7 +139,7 @@ def open_rgb(
             if w * h > max_pixels:
                 raise ImageRejected(
                     "too_many_pixels",
-                    f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}",
+                    f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (data.max_image_pixels)",
                 )
             if draft_short_side and img.format == "JPEG":
                 img.draft(None, (draft_short_side, draft_short_side))
