@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
@@ -28,13 +29,17 @@ _LOCAL_DEFAULTS = {
 }
 
 
-def get_spark(app_name: str = "flowers_job", master: str | None = None) -> SparkSession:
+def get_spark(
+    app_name: str = "flowers_job", master: str | None = None, conf: Mapping[str, str] | None = None
+) -> SparkSession:
     """Return the active SparkSession, or build a local one with Delta Lake.
 
     Args:
         app_name: Spark application name.
         master: Spark master URL for a new session (default ``$FLOWERS_SPARK_MASTER`` or
             ``local[*]``). Ignored when a session already exists (spark-submit, Databricks).
+        conf: Spark settings for a new local session, over the local defaults (e.g.
+            ``{"spark.driver.memory": "1g"}``). Ignored when a session already exists.
 
     Returns:
         A session whose ``spark_catalog`` is Delta's.
@@ -64,7 +69,7 @@ def get_spark(app_name: str = "flowers_job", master: str | None = None) -> Spark
     builder = SparkSession.builder.appName(app_name).master(
         master or os.environ.get("FLOWERS_SPARK_MASTER", "local[*]")
     )
-    for key, value in _LOCAL_DEFAULTS.items():
+    for key, value in {**_LOCAL_DEFAULTS, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))

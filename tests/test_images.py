@@ -106,3 +106,24 @@ def test_pixel_limit_rejects_before_decoding(tmp_path: Path) -> None:
         normalize_image(_encode(_gradient(400, 300), "PNG"), short_side=64, max_pixels=100_000)
     assert err.value.code == "too_many_pixels"
     assert "120000" in err.value.message
+
+
+def test_ingest_does_not_load_torch() -> None:
+    """Ingest's driver and decode workers import this module; torch and torchvision (about
+    600 MB resident per process) load only with the transforms."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, flowers_job.data.ingest, flowers_job.data.prepare; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == "[]"

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.ingest import IngestError, ingest
+from flowers_job.data import ingest as ingest_module
+from flowers_job.data.ingest import TABLE_NAMES, IngestError, ingest
 
 from .conftest import LABELS, PHOTOS, sample_photos
 
@@ -35,6 +41,17 @@ def _rows(spark: SparkSession, path: str, *cols: str) -> list[tuple[object, ...]
     return sorted(tuple(r) for r in spark.read.format("delta").load(path).select(*cols).collect())
 
 
+def _contents(spark: SparkSession, path: str) -> list[tuple[object, ...]]:
+    """Every row and column of a Delta table, binary columns as SHA-256, in a fixed order."""
+    df = spark.read.format("delta").load(path)
+    cols = [F.sha2(c, 256).alias(c) if t == "binary" else F.col(c) for c, t in df.dtypes]
+    return sorted((tuple(r) for r in df.select(*cols).collect()), key=repr)
+
+
+def _history_lengths(spark: SparkSession, tables: dict[str, str]) -> dict[str, int]:
+    return {n: DeltaTable.forPath(spark, p).history().count() for n, p in tables.items()}
+
+
 @pytest.fixture(scope="module")
 def dirty_photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """12 real photos per label plus three bad files and a byte-identical duplicate."""
@@ -56,19 +73,25 @@ def ingested(spark: SparkSession, dirty_photos: Path, tmp_path_factory: pytest.T
 
 def test_every_file_is_in_a_table_or_quarantined(spark: SparkSession, ingested) -> None:
     cfg, report = ingested
-    assert report.files == 60 + 4
-    assert report.images_rows == 61 and report.quarantined_rows == 3
+    assert report.files == 60 + 5
+    assert report.images_rows == 61 and report.quarantined_rows == 4
     assert report.train_rows + report.val_rows == report.images_rows
-    assert report.quarantine_reasons == {"empty_file": 1, "not_an_image": 1, "corrupt": 1}
-    assert report.ignored_top_level_files == ["README.txt"]
+    assert report.quarantine_reasons == {
+        "empty_file": 1,
+        "not_an_image": 1,
+        "corrupt": 1,
+        "not_in_label_folder": 1,
+    }
     images = {r[0] for r in _rows(spark, report.tables["images"], "relative_path")}
     bad = _rows(spark, report.tables["quarantine"], "relative_path", "reason_code")
     assert bad == [
+        ("README.txt", "not_in_label_folder"),
         ("daisy/truncated.jpg", "corrupt"),
         ("roses/empty.jpg", "empty_file"),
         ("tulips/notes.jpg", "not_an_image"),
     ]
-    on_disk = {str(p.relative_to(cfg.data.images)) for p in Path(cfg.data.images).glob("*/*")}
+    on_disk = {str(p.relative_to(cfg.data.images)) for p in Path(cfg.data.images).rglob("*")}
+    on_disk -= set(LABELS)
     assert images | {b[0] for b in bad} == on_disk
     assert not images & {b[0] for b in bad}
 
@@ -96,18 +119,20 @@ def test_images_table_schema_and_pixels(spark: SparkSession, ingested) -> None:
 
 
 def test_split_is_deterministic_whatever_the_partitioning(
-    spark: SparkSession, ingested, dirty_photos: Path, tmp_path: Path
+    spark: SparkSession,
+    ingested,
+    dirty_photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Another ingest of the same files, decoded in many more partitions, writes the same
+    tables: every row, every column, the image bytes included."""
     _, report = ingested
     before = _rows(spark, report.tables["images"], "relative_path", "split")
-    spark.conf.set("spark.sql.files.maxPartitionBytes", "1m")  # many more input partitions
-    spark.conf.set("spark.sql.files.openCostInBytes", "1")
-    try:
-        again = ingest(spark, _cfg(dirty_photos, tmp_path, "data.max_bad_fraction=0.1"))
-    finally:
-        spark.conf.unset("spark.sql.files.maxPartitionBytes")
-        spark.conf.unset("spark.sql.files.openCostInBytes")
-    assert _rows(spark, again.tables["images"], "relative_path", "split") == before
+    monkeypatch.setattr(ingest_module, "FILES_PER_PARTITION", 5)  # 13 partitions, not 4
+    again = ingest(spark, _cfg(dirty_photos, tmp_path, "data.max_bad_fraction=0.1"))
+    for name in TABLE_NAMES:
+        assert _contents(spark, again.tables[name]) == _contents(spark, report.tables[name]), name
     splits: dict[object, object] = dict(before)  # type: ignore[arg-type]
     # byte-identical photos share a split: no leakage from train into val
     assert (
@@ -126,25 +151,27 @@ def test_split_tables_partition_the_images_table(spark: SparkSession, ingested) 
 
 
 def test_reingest_of_unchanged_input_writes_nothing(spark: SparkSession, ingested) -> None:
+    """A second run on the same input: no new Delta commit anywhere, identical tables."""
     cfg, report = ingested
-    versions = {n: _version(spark, p) for n, p in report.tables.items()}
+    history = _history_lengths(spark, report.tables)
+    contents = {n: _contents(spark, p) for n, p in report.tables.items()}
     again = ingest(spark, cfg)
     assert again.written is False
-    assert again.fingerprint == report.fingerprint
-    assert (again.images_rows, again.quarantined_rows) == (
-        report.images_rows,
-        report.quarantined_rows,
-    )
-    after = {n: _version(spark, p) for n, p in report.tables.items()}
-    assert after == versions
+    assert again.to_dict() == {**report.to_dict(), "written": False}
+    assert _history_lengths(spark, report.tables) == history
+    assert {n: _contents(spark, p) for n, p in report.tables.items()} == contents
 
 
 def test_too_many_bad_files_fails_before_writing(
     spark: SparkSession, dirty_photos: Path, tmp_path: Path
 ) -> None:
     cfg = _cfg(dirty_photos, tmp_path, "data.max_bad_fraction=0.01")
-    with pytest.raises(IngestError, match=r"3 of 64 files"):
+    with pytest.raises(IngestError, match=r"4 of 65 files") as err:
         ingest(spark, cfg)
+    message = str(err.value)
+    assert "corrupt 1, empty_file 1, not_an_image 1, not_in_label_folder 1" in message
+    assert "README.txt: lies directly in the images root" in message
+    assert "Nothing was written" in message and "data.max_bad_fraction=0.01" in message
     assert not (tmp_path / "tables").exists()
 
 
@@ -155,3 +182,83 @@ def test_missing_root_and_empty_root(spark: SparkSession, tmp_path: Path) -> Non
     with pytest.raises(IngestError, match="no label folders"):
         ingest(spark, _cfg(tmp_path / "empty", tmp_path / "out"))
     assert PHOTOS.is_dir()
+
+
+def test_changed_clean_input_is_reingested_consistently(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Both ingests have an empty quarantine. Delta skips an empty overwrite of an empty
+    table by default, which would leave the first run's metadata on the quarantine table and
+    tables that training refuses however often ingest is re-run."""
+    from flowers_job.data.prepare import _check_tables
+
+    images = sample_photos(tmp_path / "images", per_label=1)
+    cfg = _cfg(images, tmp_path / "out")
+    first = ingest(spark, cfg)
+    sample_photos(images, per_label=1, offset=1)  # one more photo per label
+    second = ingest(spark, cfg)
+    assert second.written and second.fingerprint != first.fingerprint
+    assert (second.images_rows, second.quarantined_rows) == (10, 0)
+    assert _version(spark, second.tables["quarantine"]) == 1
+    assert _check_tables(spark, cfg) == sorted(LABELS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """`flowers-job ingest` is killed with SIGKILL (with its JVM) after writing three of the
+    four tables over those of an earlier input: the fourth is unchanged, training refuses
+    the mix, and a re-run writes the same tables as a fresh ingest."""
+    from flowers_job.data.prepare import DataError, _check_tables
+
+    images = sample_photos(tmp_path / "images", per_label=2)
+    (images / "roses" / "notes.jpg").write_text("not an image\n")  # a non-empty quarantine
+    overrides = ("data.max_bad_fraction=0.2",)
+    cfg = _cfg(images, tmp_path / "out", *overrides)
+    first = ingest(spark, cfg)
+    val_before = (_version(spark, first.tables["val"]), _contents(spark, first.tables["val"]))
+    sample_photos(images, per_label=1, offset=2)  # the input changes: one more photo per label
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "FLOWERS_JOB_INGEST_FAULT": "pause_after:train",
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = ["--images", str(images), "--output-dir", str(cfg.paths.output_dir)]
+    for item in ("data.image_size=64", *overrides):
+        args += ["--set", item]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowers_job", "ingest", *args],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group: the JVM and Python workers too
+    )
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:
+            if "ingest paused after writing the train table" in line:
+                break
+        else:
+            pytest.fail(f"ingest ended (status {proc.wait()}) without pausing")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+    assert (_version(spark, first.tables["val"]), _contents(spark, first.tables["val"])) == (
+        val_before
+    )
+    with pytest.raises(DataError, match="come from different ingests"):
+        _check_tables(spark, cfg)
+
+    again = ingest(spark, cfg)
+    assert again.written and (again.images_rows, again.quarantined_rows) == (15, 1)
+    assert _check_tables(spark, cfg) == sorted(LABELS)
+    fresh = ingest(spark, _cfg(images, tmp_path / "fresh", *overrides))
+    for name in TABLE_NAMES:
+        assert _contents(spark, again.tables[name]) == _contents(spark, fresh.tables[name]), name

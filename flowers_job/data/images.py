@@ -2,7 +2,9 @@
 
 Pure Python (Pillow, torchvision), no Spark: used by the ingest UDF on executors,
 by the Petastorm ``TransformSpec`` on workers, and by the served MLflow model, so
-all three see exactly the same pixels.
+all three see exactly the same pixels. torch and torchvision are imported by the
+transforms only: ingest's driver and decode workers never load them (about 600 MB of
+resident memory per process).
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import io
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
-from torchvision.transforms import v2 as T
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ImageRejected",
@@ -135,15 +139,18 @@ def open_rgb(
             if w * h > max_pixels:
                 raise ImageRejected(
                     "too_many_pixels",
-                    f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}",
+                    f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (data.max_image_pixels)",
                 )
             if draft_short_side and img.format == "JPEG":
                 img.draft(None, (draft_short_side, draft_short_side))
             img.load()
     except ImageRejected:
         raise
-    except UnidentifiedImageError as exc:
-        raise ImageRejected("not_an_image", str(exc)) from None
+    except UnidentifiedImageError:
+        # Pillow's own message names the BytesIO object's address: not reproducible.
+        raise ImageRejected(
+            "not_an_image", "Pillow cannot identify the file as an image (JPEG, PNG, ...)"
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageRejected("too_many_pixels", str(exc)) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
@@ -190,6 +197,9 @@ def normalize_image(
 
 
 def _normalize(mean: tuple[float, ...], std: tuple[float, ...]) -> list[Callable[..., object]]:
+    import torch
+    from torchvision.transforms import v2 as T
+
     return [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(mean, std)]
 
 
@@ -201,6 +211,8 @@ def train_transform(
     RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
     classification recipe, with a milder crop scale suited to a frozen backbone.
     """
+    from torchvision.transforms import v2 as T
+
     return T.Compose(
         [
             T.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
@@ -217,6 +229,8 @@ def eval_transform(
 
     PIL RGB -> ``[3, image_size, image_size]`` float32, normalised.
     """
+    from torchvision.transforms import v2 as T
+
     return T.Compose(
         [T.Resize(resize_size, antialias=True), T.CenterCrop(image_size), *_normalize(mean, std)]
     )

@@ -38,9 +38,15 @@ from urllib.parse import urlparse
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from flowers_job.config import JobConfig
-from flowers_job.data.ingest import TABLE_NAMES, read_table_metadata
+from flowers_job.data.ingest import (
+    TABLE_NAMES,
+    TABLE_SCHEMAS,
+    read_table_metadata,
+    tables_mismatch,
+)
 from flowers_job.data.shards import DataError, ShardPlan, plan_shards, quiet_petastorm
 from flowers_job.distributed import driver_identity, process_alive
 
@@ -84,22 +90,103 @@ class PreparedData:
 
 
 def _check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
-    metas = {name: read_table_metadata(spark, cfg.paths.table(name)) for name in TABLE_NAMES}
-    missing = [cfg.paths.table(n) for n, m in metas.items() if m is None]
+    """Check that the four tables are one complete ingest that training can read.
+
+    Runs before any Petastorm cache is written. Checks, in order: every table is a
+    flowers_job Delta table; all four come from the same ingest run (:func:`tables_mismatch`);
+    each has the expected columns and types; ``images``, ``train`` and ``val`` have rows; and
+    the labels in ``train`` and ``val`` are the ``label_names`` recorded at ingest, with
+    their recorded indices.
+
+    Returns:
+        The recorded label names; a label's index is its position.
+
+    Raises:
+        DataError: naming the table path and the problem (missing tables, tables from
+            different ingests, missing/extra/wrongly typed columns, an empty table, or labels
+            that differ from the recorded ones, naming both sets).
+    """
+    paths = {name: cfg.paths.table(name) for name in TABLE_NAMES}
+    metas = {name: read_table_metadata(spark, path) for name, path in paths.items()}
+    missing = [paths[n] for n, m in metas.items() if m is None]
     if missing:
         raise DataError(
             f"no flowers_job Delta table at {', '.join(map(str, missing))}; run `flowers-job "
             "ingest` (or `run`) first"
         )
-    fingerprints = {str(m["fingerprint"]) for m in metas.values() if m}
-    if len(fingerprints) != 1:
+    mismatch = tables_mismatch(metas)
+    if mismatch:
         raise DataError(
-            f"the tables under {cfg.paths.tables_dir} come from different ingests (an interrupted "
-            "ingest?); run `flowers-job ingest` again"
+            f"the tables under {cfg.paths.tables_dir} come from different ingests ({mismatch}); "
+            "an ingest was interrupted or another one wrote since: run `flowers-job ingest` "
+            "again, it rewrites all four"
         )
+    tables = {name: spark.read.format("delta").load(str(path)) for name, path in paths.items()}
+    for name, df in tables.items():
+        _check_schema(name, paths[name], df.schema)
+    for name in ("images", "train", "val"):
+        if tables[name].isEmpty():
+            raise DataError(
+                f"the {name} table {paths[name]} is empty; training needs rows in images, "
+                "train and val: add photos (or change data.val_fraction) and ingest again"
+            )
     meta = metas["images"]
     assert meta is not None
-    return [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
+    label_names = [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
+    _check_labels(tables["train"], tables["val"], label_names, cfg.paths.tables_dir)
+    return label_names
+
+
+def _check_schema(name: str, path: Path, schema: StructType) -> None:
+    """Raise ``DataError`` naming the missing, extra and wrongly typed columns of a table."""
+    expected = {f.name: f.dataType for f in TABLE_SCHEMAS[name].fields}
+    actual = {f.name: f.dataType for f in schema.fields}
+    problems = []
+    if missing := [c for c in expected if c not in actual]:
+        problems.append(f"missing columns {missing}")
+    if extra := [c for c in actual if c not in expected]:
+        problems.append(f"extra columns {extra}")
+    if wrong := [
+        f"{c} is {actual[c].simpleString()}, expected {t.simpleString()}"
+        for c, t in expected.items()
+        if c in actual and actual[c] != t
+    ]:
+        problems.append("wrong types: " + ", ".join(wrong))
+    if problems:
+        raise DataError(
+            f"the {name} table {path} does not have the expected schema: "
+            + "; ".join(problems)
+            + "; run `flowers-job ingest` again to rewrite it"
+        )
+
+
+def _check_labels(train: DataFrame, val: DataFrame, label_names: list[str], where: Path) -> None:
+    """Raise ``DataError`` if the (label, label_index) pairs in train and val differ from
+    ``label_names`` (a label's index is its position), naming both label sets."""
+    pairs = {
+        (r["label"], r["label_index"])
+        for df in (train, val)
+        for r in df.select("label", "label_index").distinct().limit(10_000).collect()
+    }
+    found = sorted({str(label) for label, _ in pairs})
+    if found != sorted(label_names):
+        raise DataError(
+            f"the labels in the train and val tables under {where}, {found}, differ from the "
+            f"label_names recorded at ingest, {label_names} (missing "
+            f"{sorted(set(label_names) - set(found))}, unexpected "
+            f"{sorted(set(found) - set(label_names))}); run `flowers-job ingest` again"
+        )
+    wrong = sorted(
+        f"{label}: {index} (expected {label_names.index(label)})"
+        for label, index in pairs
+        if index != label_names.index(label)
+    )
+    if wrong:
+        raise DataError(
+            f"label_index in the train and val tables under {where} does not match the "
+            f"label_names recorded at ingest, {label_names}: {', '.join(wrong)}; run "
+            "`flowers-job ingest` again"
+        )
 
 
 def _local_dir(url: str) -> Path | None:

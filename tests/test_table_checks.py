@@ -1,0 +1,142 @@
+"""Training from existing tables: bad tables are refused, naming the problem, before any
+Petastorm cache is written. Each test damages a copy of one real ingest's tables."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from flowers_job.config import JobConfig, load_config
+from flowers_job.data.ingest import ingest, read_table_metadata
+from flowers_job.data.prepare import DataError, _check_tables, prepare_data
+
+from .conftest import sample_photos
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _cfg(out: Path, images: Path | None = None) -> JobConfig:
+    return load_config(
+        None, ["data.image_size=32"], **{"data.images": images, "paths.output_dir": out}
+    )
+
+
+@pytest.fixture(scope="module")
+def source(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(images root, output dir) of one ingest of 4 real photos per label."""
+    images = sample_photos(tmp_path_factory.mktemp("checks") / "images", per_label=4)
+    out = images.parent / "out"
+    ingest(spark, _cfg(out, images))
+    return images, out
+
+
+@pytest.fixture
+def tables(source: tuple[Path, Path], tmp_path: Path) -> JobConfig:
+    """A config whose output dir holds a private copy of the ingested tables."""
+    shutil.copytree(source[1] / "tables", tmp_path / "tables")
+    return _cfg(tmp_path)
+
+
+def _rewrite(spark: SparkSession, cfg: JobConfig, name: str, df: DataFrame) -> None:
+    """Overwrite a table with ``df``, keeping its flowers_job commit metadata (so that only
+    the damage done here is wrong)."""
+    path = cfg.paths.table(name)
+    meta = read_table_metadata(spark, path)
+    (
+        df.localCheckpoint()
+        .write.format("delta")
+        .mode("overwrite")
+        .option("overwriteSchema", "true")
+        .option("userMetadata", json.dumps({"flowers_job": meta}))
+        .save(str(path))
+    )
+
+
+def _read(spark: SparkSession, cfg: JobConfig, name: str) -> DataFrame:
+    return spark.read.format("delta").load(str(cfg.paths.table(name)))
+
+
+def test_intact_tables_pass(spark: SparkSession, tables: JobConfig) -> None:
+    assert _check_tables(spark, tables) == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+
+
+def test_a_label_set_that_differs_from_the_recorded_one(
+    spark: SparkSession, tables: JobConfig
+) -> None:
+    train = _read(spark, tables, "train")
+    relabelled = train.withColumn(
+        "label", F.when(F.col("label") == "tulips", "orchids").otherwise(F.col("label"))
+    )
+    _rewrite(spark, tables, "train", relabelled)
+    _rewrite(spark, tables, "val", _read(spark, tables, "val").where("label != 'tulips'"))
+    with pytest.raises(DataError) as err:
+        _check_tables(spark, tables)
+    message = str(err.value)
+    assert "['daisy', 'dandelion', 'orchids', 'roses', 'sunflowers']" in message
+    assert "['daisy', 'dandelion', 'roses', 'sunflowers', 'tulips']" in message
+    assert "missing ['tulips'], unexpected ['orchids']" in message
+
+
+def test_a_label_index_that_differs_from_the_recorded_one(
+    spark: SparkSession, tables: JobConfig
+) -> None:
+    val = _read(spark, tables, "val")
+    _rewrite(spark, tables, "val", val.withColumn("label_index", (F.col("label_index") + 1) % 5))
+    with pytest.raises(
+        DataError, match=r"label_index in the train and val tables .*: \w+: \d \(expected \d\)"
+    ):
+        _check_tables(spark, tables)
+
+
+def test_an_empty_table(spark: SparkSession, tables: JobConfig) -> None:
+    _rewrite(spark, tables, "val", _read(spark, tables, "val").limit(0))
+    with pytest.raises(DataError, match=rf"the val table {tables.paths.table('val')} is empty"):
+        _check_tables(spark, tables)
+
+
+def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -> None:
+    train = _read(spark, tables, "train")
+    damaged = (
+        train.drop("notes")
+        .withColumn("extra", F.lit(1))
+        .withColumn("width", F.col("width").cast("string"))
+    )
+    _rewrite(spark, tables, "train", damaged)
+    with pytest.raises(DataError) as err:
+        _check_tables(spark, tables)
+    message = str(err.value)
+    assert f"the train table {tables.paths.table('train')} does not have" in message
+    assert "missing columns ['notes']" in message
+    assert "extra columns ['extra']" in message
+    assert "wrong types: width is string, expected int" in message
+
+
+def test_tables_written_by_different_runs(
+    spark: SparkSession, source: tuple[Path, Path], tables: JobConfig, tmp_path: Path
+) -> None:
+    """Same input, same fingerprint, but the val table comes from another ingest run (a
+    concurrent writer): refused; ingesting again rewrites all four and training accepts."""
+    other = tmp_path / "other"
+    ingest(spark, _cfg(other, source[0]))
+    shutil.rmtree(tables.paths.table("val"))
+    shutil.copytree(other / "tables" / "val", tables.paths.table("val"))
+    with pytest.raises(DataError, match=r"come from different ingests .* run `flowers-job ingest`"):
+        _check_tables(spark, tables)
+    assert ingest(spark, _cfg(tables.paths.output_dir, source[0])).written
+    assert len(_check_tables(spark, tables)) == 5
+
+
+def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: JobConfig) -> None:
+    _rewrite(spark, tables, "train", _read(spark, tables, "train").drop("image"))
+    with (
+        pytest.raises(DataError, match="missing columns \\['image'\\]"),
+        prepare_data(spark, tables),
+    ):
+        pass
+    cache = tables.paths.output_dir / "petastorm_cache"
+    assert not cache.exists() or not any(cache.glob("run-*/*.parquet"))
