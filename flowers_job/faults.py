@@ -14,7 +14,8 @@ kind                what that rank does at that epoch
 =================== ======================================================================
 
 The tests in ``tests/test_faults.py`` use it with real TorchDistributor processes;
-workers inherit the variable from the driver's environment.
+workers inherit the variable from the driver's environment. Ingest has its own test-only
+pause, ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>`` (:mod:`flowers_job.data.ingest`).
 """
 
 from __future__ import annotations

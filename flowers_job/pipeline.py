@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
-from flowers_job.distributed import driver_identity
+from flowers_job.processes import driver_identity
 from flowers_job.spark import task_slots
 from flowers_job.tracking import preflight
 

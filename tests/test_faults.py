@@ -224,7 +224,7 @@ def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str) -> None:
     assert logged == {h["epoch"]: pytest.approx(h["val_loss"]) for h in summary["history"]}
     assert not list(cache.glob("run-*"))
     assert not list(ckpt.glob("*.tmp")) and not list(ckpt.glob(".*.tmp"))
-    assert not _marked_processes(mark)
+    _wait_for(lambda: not _marked_processes(mark), 60, "the finished driver's JVM to exit")
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import pytest
 
 from flowers_job.config import load_config
 from flowers_job.data.prepare import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
-from flowers_job.distributed import driver_identity, process_alive, watch_driver
+from flowers_job.processes import driver_identity, process_alive, watch_driver
 from flowers_job.tracking import RunTracker
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,7 +38,7 @@ def test_a_rank_and_its_children_exit_when_the_driver_dies(tmp_path: Path) -> No
     driver = subprocess.Popen(["sleep", "600"])
     code = (
         "import json, subprocess, sys, time\n"
-        "from flowers_job.distributed import watch_driver\n"
+        "from flowers_job.processes import watch_driver\n"
         "assert watch_driver(json.loads(sys.argv[1]), interval_seconds=0.2)\n"
         "child = subprocess.Popen(['sleep', '600'])\n"
         "open(sys.argv[2], 'w').write(str(child.pid))\n"

@@ -48,7 +48,7 @@ from flowers_job.data.ingest import (
     tables_mismatch,
 )
 from flowers_job.data.shards import DataError, ShardPlan, plan_shards, quiet_petastorm
-from flowers_job.distributed import driver_identity, process_alive
+from flowers_job.processes import driver_identity, process_alive
 
 if TYPE_CHECKING:
     from petastorm.spark import SparkDatasetConverter

@@ -39,9 +39,9 @@ from flowers_job.distributed import (
     env_rank,
     init_distributed,
     shutdown_distributed,
-    watch_driver,
 )
 from flowers_job.models import build_model, preprocessing_for
+from flowers_job.processes import watch_driver
 from flowers_job.train.checkpoint import (
     load_checkpoint,
     read_run_id,
@@ -63,7 +63,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         job: plain data from the driver: ``config`` (``JobConfig.model_dump(mode="json")``),
             ``train``/``val`` (:meth:`ShardPlan.to_dict`), ``label_names``, ``use_gpu``,
             ``threads_per_process``, ``failure_dir`` and ``driver``
-            (:func:`~flowers_job.distributed.driver_identity`; this rank exits if the
+            (:func:`~flowers_job.processes.driver_identity`; this rank exits if the
             driver dies).
 
     Returns:
