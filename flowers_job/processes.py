@@ -49,8 +49,8 @@ def process_alive(identity: dict[str, Any]) -> bool:
 def watch_driver(driver: dict[str, Any] | None, interval_seconds: float = 2.0) -> bool:
     """Exit this process (and its children) soon after the driver dies.
 
-    A daemon thread checks every ``interval_seconds`` that the driver process still exists and, once it
-    does not, kills this process's children and ends it with ``os._exit(70)``.
+    A daemon thread checks every ``interval_seconds`` that the driver process still exists
+    and, once it does not, kills this process's children and ends it with ``os._exit(70)``.
 
     Args:
         driver: :func:`driver_identity` of the driver, or None to watch nothing.

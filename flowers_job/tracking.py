@@ -1,11 +1,12 @@
 """MLflow: experiment preflight on the driver; run, metrics and model from rank 0 only.
 
 The driver checks the store and creates the experiment before any worker starts
-(:func:`preflight`), failing within seconds when the store cannot be used. Rank 0 then owns one MLflow run (:class:`RunTracker`): params
-once, metrics per epoch with ``step=epoch``, and at the end the model as a pyfunc
+(:func:`preflight`), failing within seconds when the store cannot be used. Rank 0 then
+owns one MLflow run (:class:`RunTracker`): params once, metrics per epoch with
+``step=epoch``, and at the end the model as a pyfunc
 (:class:`~flowers_job.serving.FlowersClassifierModel`) with signature and input example,
 registered under ``tracking.registered_model_name``. A resumed run continues the same
-MLflow run and logs no param twice.
+MLflow run and logs no param and no epoch twice.
 """
 
 from __future__ import annotations
