@@ -9,8 +9,10 @@ kind                what that rank does at that epoch
                     bug, a corrupt batch)
 ``hang``            sleeps half-way through the epoch, for at most :data:`HANG_SECONDS` (a
                     stuck reader or a deadlock): the other ranks' next collective times out
-``pause_checkpoint`` stops half-way through writing the epoch's checkpoint (rank 0 writes
-                    it), for at most :data:`HANG_SECONDS`, so a test can kill the driver there
+``pause_checkpoint`` stops while writing the epoch's checkpoint (rank 0 writes it): the
+                    temporary file is written, not yet synced nor renamed over
+                    ``last.pt``; for at most :data:`HANG_SECONDS`, so a test can kill
+                    the driver there
 =================== ======================================================================
 
 The tests in ``tests/test_faults.py`` use it with real TorchDistributor processes;

@@ -67,9 +67,9 @@ def test_malicious_checkpoint_does_not_execute_code(tmp_path: Path) -> None:
 
 
 def test_a_writer_killed_mid_write_leaves_last_pt_whole(tmp_path: Path) -> None:
-    """SIGKILL the writer half-way through the epoch-2 checkpoint (a real process, paused
-    there by the test-only fault setting): last.pt is still epoch 1, and the torn
-    temporary file is removed by the next load."""
+    """SIGKILL the writer while it writes the epoch-2 checkpoint (a real process, paused
+    there by the test-only fault setting, before fsync and rename): last.pt is still
+    epoch 1, and the unfinished temporary file is removed by the next load."""
     save_checkpoint({"epoch": 1, "w": torch.ones(1000)}, tmp_path)
     code = (
         "import sys, torch; from pathlib import Path; "

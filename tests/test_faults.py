@@ -1,5 +1,5 @@
 """Faults with real processes: a rank that raises or hangs, a driver killed with SIGKILL
-(during training and half-way through a checkpoint) and resumed, an orphaned Petastorm
+(during training and while writing a checkpoint) and resumed, an orphaned Petastorm
 cache, a full cache volume.
 
 Faults are injected with the test-only ``FLOWERS_JOB_FAULT`` setting
@@ -168,7 +168,7 @@ def _kill_driver(proc: subprocess.Popen[bytes], mark: str) -> float:
 def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
     photos: Path, tmp_path: Path
 ) -> None:
-    """SIGKILL the driver half-way through writing the epoch-2 checkpoint, resume, SIGKILL it
+    """SIGKILL the driver while it writes the epoch-2 checkpoint, resume, SIGKILL it
     again during epoch 3, resume again: the run ends with epochs 1, 2, 3 in one MLflow run,
     each epoch logged once, no process and no cache left behind."""
     out, log, mark = tmp_path / "out", tmp_path / "driver.log", uuid.uuid4().hex
@@ -182,7 +182,7 @@ def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
 def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str) -> None:
     ckpt, cache = out / "checkpoints", out / "petastorm_cache"
 
-    # 1. Killed while rank 0 is half-way through writing the epoch-2 checkpoint.
+    # 1. Killed while rank 0 is writing the epoch-2 checkpoint.
     proc = _start_cli(photos, out, mark, log, fault="pause_checkpoint:0:2")
     _wait_for(
         lambda: _checkpoint_epoch(ckpt) == 1 and any(ckpt.glob(f".{CHECKPOINT_NAME}.*.tmp")),
@@ -191,7 +191,7 @@ def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str) -> None:
     )
     gone = _kill_driver(proc, mark)
     print(f"driver killed mid-checkpoint: all its processes gone after {gone:.1f} s")
-    # SIGTERM from torchrun may have let rank 0 delete its half-written file; either way
+    # SIGTERM from torchrun may have let rank 0 delete its unfinished file; either way
     # last.pt is still the whole epoch-1 checkpoint (test_checkpoint covers a torn file).
     assert _checkpoint_epoch(ckpt) == 1
     orphans = list(cache.glob("run-*"))

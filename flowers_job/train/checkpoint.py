@@ -2,7 +2,8 @@
 
 A checkpoint holds the model, optimizer and scheduler state, the epoch just
 completed, the early-stopping state and the best weights so far, the per-epoch
-history, the MLflow run id and the configuration (the torchvision reference layout).
+history and the configuration (the torchvision reference layout); the MLflow run id
+lives next to it in ``mlflow_run.json`` (:func:`write_run_id`).
 It is written to a temporary file in the same directory, flushed to disk and renamed
 over ``last.pt``, so a crash mid-write never leaves a torn ``last.pt``. Loading uses
 ``torch.load(weights_only=True)``: a checkpoint can hold tensors and plain data only,
@@ -11,7 +12,6 @@ never code.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -55,17 +55,12 @@ def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _remove_partial_writes(directory)  # only rank 0 of one job writes here
     target = directory / CHECKPOINT_NAME
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
     fd, tmp = tempfile.mkstemp(prefix=f".{CHECKPOINT_NAME}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data[: len(data) // 2])
+            torch.save(state, f)
             f.flush()
             faults.inject("pause_checkpoint", 0, int(state.get("epoch", 0)))
-            f.write(data[len(data) // 2 :])
-            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:

@@ -127,12 +127,17 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective waited longer than ``distributed.timeout_seconds`` for another rank."""
 
 
+_TIMEOUT_MESSAGES = ("timed out waiting", "application timeout", "collective operation timeout")
+"""How gloo and NCCL word a process-group timeout (lower case); other errors that merely
+mention a timeout (an HTTP call to MLflow, say) are left as they are."""
+
+
 def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeoutError | None:
     """gloo says "Timed out waiting 20000ms for recv" or "Application timeout caused pair
     closure", NCCL's watchdog "Watchdog caught collective operation timeout"; say which
     setting and why."""
     text = str(exc).lower()
-    if not isinstance(exc, RuntimeError) or not ("timed out" in text or "timeout" in text):
+    if not isinstance(exc, RuntimeError) or not any(m in text for m in _TIMEOUT_MESSAGES):
         return None
     seconds = job.get("config", {}).get("distributed", {}).get("timeout_seconds")
     return CollectiveTimeoutError(
@@ -346,7 +351,6 @@ def fit(
     history: list[dict[str, float]] = []
     best_state: dict[str, torch.Tensor] | None = None
     stop_reason: str | None = None
-    run_id: str | None = None
     start_epoch = 1
     state = load_checkpoint(cfg.paths.checkpoint_dir) if cfg.train.resume else None
     if state is not None:
@@ -356,7 +360,7 @@ def fit(
         scheduler.load_state_dict(state["scheduler"])
         stopper.load_state_dict(state["early_stopping"])
         history, best_state = list(state["history"]), state["best_model"]
-        stop_reason, run_id = state["stop_reason"], state["mlflow_run_id"]
+        stop_reason = state["stop_reason"]
         start_epoch = int(state["epoch"]) + 1
         log.info("resumed from %s at epoch %d", cfg.paths.checkpoint_dir, start_epoch)
 
@@ -364,8 +368,9 @@ def fit(
     if ctx.is_main:
         from flowers_job.tracking import RunTracker, flatten
 
-        if cfg.train.resume and run_id is None:  # killed before its first checkpoint
-            run_id = read_run_id(cfg.paths.checkpoint_dir)
+        # The run id is recorded as soon as the run exists: a run killed even before its
+        # first checkpoint resumes into the same MLflow run.
+        run_id = read_run_id(cfg.paths.checkpoint_dir) if cfg.train.resume else None
         tracker = RunTracker(cfg, run_id)
         write_run_id(cfg.paths.checkpoint_dir, tracker.run_id)
         for done in history:  # epochs checkpointed before a kill, not yet logged
@@ -483,7 +488,6 @@ def fit(
                     "best_model": best_state,
                     "history": history,
                     "stop_reason": stop_reason,
-                    "mlflow_run_id": tracker.run_id,
                     "label_names": label_names,
                     "config": cfg.model_dump(mode="json"),
                 },
