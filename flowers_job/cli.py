@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = _config(args)
+        if args.command != "ingest":
+            from flowers_job.data.stack import resolve_loader
+
+            cfg = resolve_loader(cfg)  # the wrong stack stops here, before Spark starts
     except ConfigError as exc:
         print(f"flowers-job: {exc}", file=sys.stderr)
         return 2
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "best_epoch",
             "epochs_completed",
             "stop_reason",
+            "loader",
             "world_size",
             "global_batch_size",
             "train_rows",

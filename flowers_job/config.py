@@ -73,10 +73,17 @@ class DataConfig(_Section):
     """Decompression-bomb guard (Pillow's default): larger images are quarantined."""
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Ingest fails, writing nothing, when more than this fraction of files is quarantined."""
+    loader: Literal["auto", "petastorm", "streaming"] = "auto"
+    """How the ranks read their shards: 'petastorm' (Parquet cache, the local pinned stack;
+    needs pyarrow < 15 and NumPy < 2), 'streaming' (Mosaic Streaming MDS shards, shipped with
+    Databricks Runtime ML 15.2+ and the only one that runs on 16.4+), or 'auto' = petastorm
+    where it can run, else streaming. Checked before Spark starts
+    (:func:`flowers_job.data.stack.resolve_loader`)."""
     reader_pool_type: Literal["dummy", "process"] = "dummy"
     """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md trap 1)."""
     shuffle_buffer_rows: int = Field(256, ge=0)
-    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
+    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle).
+    Streaming shuffles the whole split every epoch and ignores it."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -280,9 +287,9 @@ class PathsConfig(_Section):
     output_dir: Path
     """Holds ``tables/``, ``checkpoints/``, ``petastorm_cache/`` and ``summary.json``."""
     petastorm_cache_url: str | None = None
-    """Parent of the per-run Petastorm cache; must be visible to every worker (a ``file://`` URL
-    on shared storage, e.g. ``file:///dbfs/tmp/petastorm`` on Databricks). None =
-    ``<output_dir>/petastorm_cache``."""
+    """Parent of the per-run loader cache (Petastorm's Parquet files or Streaming's MDS shards);
+    must be visible to every worker (a ``file://`` URL on shared storage, e.g.
+    ``file:///dbfs/tmp/petastorm`` on Databricks). None = ``<output_dir>/petastorm_cache``."""
 
     @property
     def tables_dir(self) -> Path:

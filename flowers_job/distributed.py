@@ -8,6 +8,7 @@ Every collective here runs on *all* ranks; none may be called from a rank-0-only
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +21,7 @@ __all__ = [
     "DistContext",
     "all_reduce_sum",
     "broadcast_object",
+    "describe_hosts",
     "env_rank",
     "init_distributed",
     "shutdown_distributed",
@@ -120,3 +122,31 @@ def env_rank() -> int | None:
     """This process's global rank from the torchrun environment, or None outside torchrun."""
     value = os.environ.get("RANK")
     return int(value) if value is not None else None
+
+
+def describe_hosts(ctx: DistContext) -> int | None:
+    """Make ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` describe the ranks that share this host.
+
+    A collective (every rank calls it). torchrun sets them per torchrun "node", and
+    TorchDistributor's barrier mode starts one torchrun per Spark task, so two ranks on one
+    executor host both claim ``LOCAL_RANK=0, LOCAL_WORLD_SIZE=1``. Mosaic Streaming reads
+    these variables to decide which processes share its shared memory and local files; two
+    "local leaders" on one host would collide. The host names are all-gathered and the
+    variables rewritten (torch itself no longer reads them once the group is up).
+
+    Returns:
+        The number of hosts, when every host runs the same number of ranks with consecutive
+        global ranks (the layout Streaming can describe); None otherwise (variables unchanged).
+    """
+    hosts: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    order = list(dict.fromkeys(hosts))
+    per_host = ctx.world_size // len(order)
+    regular = per_host * len(order) == ctx.world_size and all(
+        hosts[r] == order[r // per_host] for r in range(ctx.world_size)
+    )
+    if not regular:
+        return None
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
+    os.environ["LOCAL_RANK"] = str(ctx.rank % per_host)
+    return len(order)

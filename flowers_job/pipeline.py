@@ -20,6 +20,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
+from flowers_job.data.stack import resolve_loader
 from flowers_job.processes import driver_identity
 from flowers_job.spark import task_slots
 from flowers_job.tracking import preflight
@@ -174,6 +175,7 @@ def training_job(
         "train": data.train.to_dict(),
         "val": data.val.to_dict(),
         "label_names": data.label_names,
+        "example_images": data.example_images,
         "use_gpu": use_gpu,
         "threads_per_process": _threads_per_process(spark, cfg),
         "failure_dir": failure_dir,
@@ -190,8 +192,8 @@ def run_training(
         The summary (also written to ``<output_dir>/summary.json``).
 
     Raises:
-        ConfigError: ``distributed`` does not fit this cluster (:func:`check_cluster`), before
-            any work.
+        ConfigError: ``distributed`` does not fit this cluster (:func:`check_cluster`), or
+            ``data.loader`` cannot run on this stack (:func:`resolve_loader`), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
         TrackingError: the MLflow store is unusable (before any worker starts).
         TrainingError: a rank failed; the message names the rank and its exception.
@@ -200,6 +202,7 @@ def run_training(
 
     from flowers_job.train.worker import train_worker
 
+    cfg = resolve_loader(cfg)
     d = cfg.distributed
     check_cluster(spark, cfg)
     use_gpu = _use_gpu(spark, cfg)
@@ -255,6 +258,7 @@ def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
     fail does no work (errors as for :func:`run_training`, plus ``IngestError``).
     """
     t0 = time.perf_counter()
+    cfg = resolve_loader(cfg)
     check_cluster(spark, cfg)
     preflight(cfg)
     report = run_ingest(spark, cfg)

@@ -15,13 +15,25 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
-__all__ = ["driver_identity", "process_alive", "watch_driver"]
+__all__ = ["at_driver_death", "driver_identity", "process_alive", "watch_driver"]
 
 log = logging.getLogger(__name__)
+
+_AT_DRIVER_DEATH: list[Callable[[], None]] = []
+
+
+def at_driver_death(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` (quick, no collectives) if the watchdog ends this process.
+
+    The watchdog ends the process with ``os._exit``, which runs no ``atexit`` handler and no
+    ``finally``; what must not outlive the rank (shared memory, lock files) registers here.
+    """
+    _AT_DRIVER_DEATH.append(cleanup)
 
 
 def driver_identity() -> dict[str, Any]:
@@ -67,6 +79,11 @@ def watch_driver(driver: dict[str, Any] | None, interval_seconds: float = 2.0) -
         while process_alive(driver):
             time.sleep(interval_seconds)
         log.error("the driver (pid %s) is gone: process %d exits", driver["pid"], os.getpid())
+        for cleanup in _AT_DRIVER_DEATH:
+            try:
+                cleanup()
+            except Exception:
+                log.exception("cleanup before exit failed")
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()

@@ -75,14 +75,3 @@ class FlowersClassifierModel(PythonModel):
             probs.append(torch.softmax(logits.float(), dim=1).double().numpy())
         data = np.concatenate(probs) if probs else np.zeros((0, len(self.label_names)))
         return pd.DataFrame(data, columns=self.label_names)
-
-
-def example_images(file_urls: list[str], n: int = 2) -> pd.DataFrame:
-    """Up to ``n`` real stored images from a Petastorm cache, as the model's input frame."""
-    import pyarrow.parquet as pq
-    from petastorm.fs_utils import get_filesystem_and_path_or_paths
-
-    fs, paths = get_filesystem_and_path_or_paths(file_urls[:1])
-    with fs.open(paths[0], "rb") as f:
-        table = pq.ParquetFile(f).read_row_group(0, columns=["image"]).slice(0, n)
-    return pd.DataFrame({"image": [bytes(b) for b in table.column("image").to_pylist()]})

@@ -181,6 +181,12 @@ def _pip_requirements() -> list[str]:
         try:
             reqs.append(f"{name}=={metadata.version(name).split('+')[0]}")
         except metadata.PackageNotFoundError:
+            if name == "mlflow":  # Databricks runtimes ship mlflow-skinny only
+                try:
+                    reqs.append(f"mlflow-skinny=={metadata.version('mlflow-skinny')}")
+                    continue
+                except metadata.PackageNotFoundError:
+                    pass
             reqs.append(name)
     return reqs
 

@@ -21,6 +21,15 @@ PHOTOS = Path(
     )
 )
 LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+LOADERS = ("petastorm", "streaming")
+SELECTED_LOADERS = tuple(
+    name.strip()
+    for name in os.environ.get("FLOWERS_TEST_LOADERS", ",".join(LOADERS)).split(",")
+    if name.strip()
+)
+"""Loaders the loader-parametrized tests run with: ``FLOWERS_TEST_LOADERS`` (comma-separated),
+all of them by default. CI runs petastorm in the local stack and streaming in the DBR 17.3
+environment, so that each loader's end-to-end and fault tests run once."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,3 +75,26 @@ def spark() -> Iterator[object]:
 def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A class-balanced sample of the real photos: 12 per label, 60 in all."""
     return sample_photos(tmp_path_factory.mktemp("photos"), per_label=12)
+
+
+def loader_skip_reason(name: str) -> str | None:
+    """Why the tests of loader ``name`` do not run here (None: they do)."""
+    from flowers_job.data.stack import loader_problem
+
+    problem = loader_problem(name)
+    if problem is not None:
+        return f"data.loader={name} cannot run on this stack: {problem}"
+    if name not in SELECTED_LOADERS:
+        return f"FLOWERS_TEST_LOADERS={','.join(SELECTED_LOADERS)} leaves out {name}"
+    return None
+
+
+@pytest.fixture(params=LOADERS)
+def loader(request: pytest.FixtureRequest) -> str:
+    """Each loader in turn (``data.loader=...``), skipped with the reason where it cannot run
+    on this stack or is not selected."""
+    name = str(request.param)
+    reason = loader_skip_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    return name

@@ -1,10 +1,12 @@
 """Faults with real processes: a rank that raises or hangs, a driver killed with SIGKILL
-(during training and while writing a checkpoint) and resumed, an orphaned Petastorm
-cache, a full cache volume.
+(during training and while writing a checkpoint) and resumed, an orphaned loader cache, a
+full cache volume; with each loader (``data.loader``).
 
 Faults are injected with the test-only ``FLOWERS_JOB_FAULT`` setting
 (:mod:`flowers_job.faults`); everything else is the real job: local Spark + Delta,
-Petastorm, TorchDistributor with 2 gloo processes and an MLflow sqlite store.
+Petastorm or Mosaic Streaming, TorchDistributor with 2 gloo processes and an MLflow sqlite
+store. Besides processes and the cache, nothing of Streaming's may outlive a run: its
+shared-memory blocks (``/dev/shm``) and lock files (the temp dir).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +32,7 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.ingest import ingest
+from flowers_job.data.mds import write_mds
 from flowers_job.data.prepare import DataError, make_cache, prepare_data
 from flowers_job.faults import FAULT_ENV
 from flowers_job.pipeline import TrainingError, run_training
@@ -42,6 +46,13 @@ FAST = [
     "train.base_learning_rate=0.003",
 ]
 MARK_ENV = "FLOWERS_JOB_TEST_MARK"
+
+
+def _streaming_state() -> set[str]:
+    """Mosaic Streaming's shared-memory blocks and lock files on this host (``000001_...``)."""
+    blocks = {p.name for p in Path("/dev/shm").glob("[0-9][0-9][0-9][0-9][0-9][0-9]_*")}
+    locks = {p.name for p in Path(tempfile.gettempdir()).glob("[0-9][0-9][0-9][0-9][0-9][0-9]_*")}
+    return blocks | locks
 
 
 def _training_processes() -> list[psutil.Process]:
@@ -87,18 +98,25 @@ def _checkpoint_epoch(directory: Path) -> int | None:
         return None
 
 
-def _fault_config(photos: Path, out: Path, *extra: str) -> JobConfig:
+def _fault_config(photos: Path, out: Path, loader: str, *extra: str) -> JobConfig:
     return load_config(
-        None, [*FAST, "train.epochs=2", *extra], **{"data.images": photos, "paths.output_dir": out}
+        None,
+        [*FAST, "train.epochs=2", f"data.loader={loader}", *extra],
+        **{"data.images": photos, "paths.output_dir": out},
     )
 
 
 def test_a_failing_rank_is_named_with_its_exception(
-    spark: SparkSession, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    spark: SparkSession,
+    photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
 ) -> None:
     """TorchDistributor only says "failed during training"; we name the rank, its exception
     and traceback, within 60 s of the fault, and leave no training process behind."""
-    cfg = _fault_config(photos, tmp_path)
+    before = _streaming_state()
+    cfg = _fault_config(photos, tmp_path, loader)
     ingest(spark, cfg)
     monkeypatch.setenv(FAULT_ENV, "raise:1:2")  # rank 1 raises half-way through epoch 2
     with pytest.raises(TrainingError) as err:
@@ -114,18 +132,24 @@ def test_a_failing_rank_is_named_with_its_exception(
     assert not _training_processes()
     assert not (tmp_path / "summary.json").exists()
     assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed on failure
+    assert _streaming_state() <= before  # no shared memory or lock file left
     assert _checkpoint_epoch(tmp_path / "checkpoints") == 1  # epoch 1 is kept for --resume
     run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
     assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
 
 
 def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
-    spark: SparkSession, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    spark: SparkSession,
+    photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
 ) -> None:
     """Rank 1 stops answering at epoch 2: rank 0's next collective times out after
     distributed.timeout_seconds, the run fails naming it, and the hung rank is stopped."""
     timeout = 20
-    cfg = _fault_config(photos, tmp_path, f"distributed.timeout_seconds={timeout}")
+    before = _streaming_state()
+    cfg = _fault_config(photos, tmp_path, loader, f"distributed.timeout_seconds={timeout}")
     ingest(spark, cfg)
     monkeypatch.setenv(FAULT_ENV, "hang:1:2")
     t0 = time.time()
@@ -144,12 +168,13 @@ def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
     assert surfaced - err.value.reported_at < 60
     assert not _training_processes()
     assert not list((tmp_path / "petastorm_cache").glob("run-*"))
+    assert _streaming_state() <= before
 
 
 def _start_cli(
-    photos: Path, out: Path, mark: str, log: Path, *args: str, fault: str = ""
+    photos: Path, out: Path, mark: str, log: Path, loader: str, *args: str, fault: str = ""
 ) -> subprocess.Popen[bytes]:
-    sets = [a for s in [*FAST, "train.epochs=3"] for a in ("--set", s)]
+    sets = [a for s in [*FAST, "train.epochs=3", f"data.loader={loader}"] for a in ("--set", s)]
     env = {**os.environ, MARK_ENV: mark, FAULT_ENV: fault}
     cmd = [sys.executable, "-m", "flowers_job", "run", "--images", str(photos)]
     with log.open("ab") as sink:
@@ -166,24 +191,25 @@ def _kill_driver(proc: subprocess.Popen[bytes], mark: str) -> float:
 
 
 def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
-    photos: Path, tmp_path: Path
+    photos: Path, tmp_path: Path, loader: str
 ) -> None:
     """SIGKILL the driver while it writes the epoch-2 checkpoint, resume, SIGKILL it
     again during epoch 3, resume again: the run ends with epochs 1, 2, 3 in one MLflow run,
     each epoch logged once, no process and no cache left behind."""
     out, log, mark = tmp_path / "out", tmp_path / "driver.log", uuid.uuid4().hex
     try:
-        _kill_and_resume(photos, out, log, mark)
+        _kill_and_resume(photos, out, log, mark, loader)
     finally:  # a failed assertion must not leave a driver running
         for proc in _marked_processes(mark):
             proc.kill()
 
 
-def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str) -> None:
+def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str, loader: str) -> None:
     ckpt, cache = out / "checkpoints", out / "petastorm_cache"
+    before = _streaming_state()
 
     # 1. Killed while rank 0 is writing the epoch-2 checkpoint.
-    proc = _start_cli(photos, out, mark, log, fault="pause_checkpoint:0:2")
+    proc = _start_cli(photos, out, mark, log, loader, fault="pause_checkpoint:0:2")
     _wait_for(
         lambda: _checkpoint_epoch(ckpt) == 1 and any(ckpt.glob(f".{CHECKPOINT_NAME}.*.tmp")),
         600,
@@ -198,15 +224,17 @@ def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str) -> None:
     assert len(orphans) == 1  # the killed run could not clean up its cache
     run_id = json.loads((ckpt / RUN_FILE_NAME).read_text())["mlflow_run_id"]
 
-    # 2. Resumed, then killed during epoch 3 (right after the epoch-2 checkpoint).
-    proc = _start_cli(photos, out, mark, log, "--resume")
+    # 2. Resumed, then killed during epoch 3 (right after the epoch-2 checkpoint): rank 1
+    # stalls half-way through epoch 3, so a fast epoch cannot finish before the kill.
+    proc = _start_cli(photos, out, mark, log, loader, "--resume", fault="hang:1:3")
     _wait_for(lambda: _checkpoint_epoch(ckpt) == 2, 600, "the epoch-2 checkpoint")
     assert not orphans[0].exists()  # swept at the start of the resumed run
     gone = _kill_driver(proc, mark)
     print(f"driver killed during training: all its processes gone after {gone:.1f} s")
+    assert _streaming_state() <= before  # the watchdog removed Streaming's state
 
     # 3. Resumed to the end.
-    proc = _start_cli(photos, out, mark, log, "--resume")
+    proc = _start_cli(photos, out, mark, log, loader, "--resume")
     assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
@@ -247,17 +275,17 @@ def _small_volume(path: Path, size: str) -> Iterator[Path]:
 
 
 def test_no_space_for_the_cache_is_a_clear_error_and_leaves_nothing(
-    spark: SparkSession, photos: Path, tmp_path: Path
+    spark: SparkSession, photos: Path, tmp_path: Path, loader: str
 ) -> None:
     """A cache volume too small for the train table: DataError naming the directory, before
     any worker starts, and nothing of this run's cache left on the volume."""
     with _small_volume(tmp_path / "small", "512k") as volume:
         cfg = _fault_config(
-            photos, tmp_path / "out", f"paths.petastorm_cache_url={volume.as_uri()}"
+            photos, tmp_path / "out", loader, f"paths.petastorm_cache_url={volume.as_uri()}"
         )
         ingest(spark, cfg)
         with (
-            pytest.raises(DataError, match="no space for the Petastorm cache") as err,
+            pytest.raises(DataError, match="no space for the loader cache") as err,
             prepare_data(spark, cfg),
         ):
             pytest.fail("prepare_data must not succeed")
@@ -266,15 +294,30 @@ def test_no_space_for_the_cache_is_a_clear_error_and_leaves_nothing(
 
 
 def test_a_volume_that_fills_up_during_the_write_is_named(
-    spark: SparkSession, tmp_path: Path
+    spark: SparkSession, tmp_path: Path, loader: str
 ) -> None:
     """The free-space check passed but the volume fills up anyway (another writer, say):
     Spark's "No space left on device" becomes a DataError naming the directory."""
     with _small_volume(tmp_path / "small", "256k") as volume:
         noise = "unhex(concat_ws('', transform(sequence(1, 512), i -> sha2(concat(id, i), 256))))"
-        df = spark.range(64).select(F.col("id").alias("row_id"), F.expr(noise).alias("image"))
+        df = spark.range(64).select(
+            F.col("id").alias("row_id"),
+            F.expr(noise).alias("image"),
+            F.lit(0).cast("long").alias("label_index"),
+        )
         # 64 rows of 16 KiB of hash output (no dictionary or compression can shrink it): 1 MiB
-        spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", volume.as_uri())
-        with pytest.raises(DataError, match="no space left for the Petastorm cache") as err:
-            make_cache(df, volume.as_uri(), "a test table")
+        with pytest.raises(DataError, match="no space left for the loader cache") as err:
+            if loader == "petastorm":
+                spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", volume.as_uri())
+                make_cache(df, volume.as_uri(), "a test table")
+            else:
+                write_mds(
+                    df,
+                    volume / "mds-train",
+                    world_size=2,
+                    num_partitions=2,
+                    per_device_batch_size=8,
+                    full_batches=True,
+                    split="train",
+                )
         assert str(volume) in str(err.value)

@@ -124,6 +124,7 @@ def test_cli_run_local_mode_then_resume(
     spark: SparkSession,
     photos: Path,
     tmp_path: Path,
+    loader: str,
     monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -136,7 +137,7 @@ def test_cli_run_local_mode_then_resume(
     out = tmp_path / "out"
     secrets = tmp_path / "secrets.yaml"
     secrets.write_text(SECRET_CONFIG)
-    sets = [a for s in [*FAST, "train.epochs=1"] for a in ("--set", s)]
+    sets = [a for s in [*FAST, "train.epochs=1", f"data.loader={loader}"] for a in ("--set", s)]
     proc = run_cli(
         "run",
         "--images",
@@ -153,6 +154,7 @@ def test_cli_run_local_mode_then_resume(
     _assert_no_secret("the output of `flowers-job run`", (proc.stdout + proc.stderr).encode())
     first = json.loads((out / "summary.json").read_text())
     _check_summary(first, spark, images=60)
+    assert first["loader"] == loader
     assert first["epochs_completed"] == 1 and first["stop_reason"] == "max_epochs"
     assert first["local_mode"] is True
     _check_model_predicts(first)
@@ -162,7 +164,9 @@ def test_cli_run_local_mode_then_resume(
     for name in MLFLOW_CREDENTIALS:  # the preflight exports them; restored after the test
         monkeypatch.delenv(name, raising=False)
     cfg = load_config(
-        secrets, [*FAST, "train.epochs=2"], **{"paths.output_dir": out, "train.resume": True}
+        secrets,
+        [*FAST, "train.epochs=2", f"data.loader={loader}"],
+        **{"paths.output_dir": out, "train.resume": True},
     )
     assert cfg.tracking.password is not None and cfg.tracking.token is not None
     capfd.readouterr()
@@ -188,16 +192,16 @@ def test_cli_run_local_mode_then_resume(
     _assert_no_secret_shipped(spark, cfg, tmp_path)
 
 
-def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path) -> None:
+def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path, loader: str) -> None:
     """local_mode=False: TorchDistributor runs the ranks as a Spark barrier stage."""
     cfg = load_config(
         None,
-        [*FAST, "train.epochs=2", "distributed.local_mode=false"],
+        [*FAST, "train.epochs=2", "distributed.local_mode=false", f"data.loader={loader}"],
         **{"data.images": photos, "paths.output_dir": tmp_path},
     )
     summary = run_job(spark, cfg)
     _check_summary(summary, spark, images=60)
-    assert summary["local_mode"] is False
+    assert summary["local_mode"] is False and summary["loader"] == loader
     assert summary["epochs_completed"] == 2
     _check_mlflow(summary, epochs=2)
     _check_model_predicts(summary)

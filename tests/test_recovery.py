@@ -1,14 +1,17 @@
 """The pieces that make a killed run recoverable, each with real processes or a real store:
-ranks that exit when their driver dies, the sweep of orphaned Petastorm caches, and an
+ranks that exit when their driver dies, the sweep of orphaned loader caches and of a killed
+rank's Streaming shared memory, and an
 MLflow run that a resume continues without logging anything twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,3 +132,42 @@ def test_a_resumed_run_logs_no_param_and_no_epoch_twice(tmp_path: Path) -> None:
     for key in ("val_loss", "train_loss"):
         assert [m.step for m in client.get_metric_history(first.run_id, key)] == [1, 2, 3]
     assert run.info.status == "FINISHED"
+
+
+def test_the_shared_memory_of_a_killed_runs_streaming_datasets_is_swept(tmp_path: Path) -> None:
+    """Real POSIX shared memory and lock files, named and laid out as Mosaic Streaming does
+    (its own ``_pack_locals`` writes the registry block); only the blocks whose registry names
+    a folder under the run's cache go."""
+    pytest.importorskip("streaming", reason="the streaming loader is not installed")
+    from multiprocessing import shared_memory
+
+    from streaming.base.shared.prefix import _pack_locals
+
+    from flowers_job.data.mds import remove_streaming_state
+
+    ours, other = tmp_path / "run-a", tmp_path / "run-b"
+    blocks = []
+    for prefix, folder in ((990001, ours / "mds-train"), (990002, other / "mds-train")):
+        data = _pack_locals([str(folder.resolve())], prefix)
+        registry = shared_memory.SharedMemory(f"{prefix:06}_locals", create=True, size=len(data))
+        assert registry.buf is not None
+        registry.buf[: len(data)] = data
+        blocks += [
+            registry,
+            shared_memory.SharedMemory(f"{prefix:06}_barrier", create=True, size=8),
+        ]
+        (Path(tempfile.gettempdir()) / f"{prefix:06}_barrier_filelock").touch()
+    try:
+        removed = remove_streaming_state(ours)
+        assert sorted(removed) == ["990001_barrier", "990001_barrier_filelock", "990001_locals"]
+        assert not list(Path("/dev/shm").glob("990001_*"))
+        assert sorted(p.name for p in Path("/dev/shm").glob("990002_*")) == [
+            "990002_barrier",
+            "990002_locals",
+        ]
+    finally:
+        for block in blocks:
+            block.close()
+            with contextlib.suppress(FileNotFoundError):
+                block.unlink()
+        (Path(tempfile.gettempdir()) / "990002_barrier_filelock").unlink(missing_ok=True)

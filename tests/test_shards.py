@@ -1,7 +1,7 @@
-"""Repartitioning and Petastorm shards, read with real Petastorm readers.
+"""Repartitioning and Petastorm shards, read with real Petastorm readers in this process.
 
 Every rank must run the same number of steps and, over all ranks, read every row
-exactly once per epoch.
+exactly once per epoch. Both loaders, with real processes: ``test_loaders.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ from flowers_job.data.shards import DataError, plan_shards
 from flowers_job.models import preprocessing_for
 from flowers_job.train.loader import DecodeTransform, ShardError, rebatch, shard_batches
 
+from .conftest import loader_skip_reason
+
 pytestmark = pytest.mark.timeout(600)
+_PETASTORM = loader_skip_reason("petastorm")
+petastorm_only = pytest.mark.skipif(_PETASTORM is not None, reason=str(_PETASTORM))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,7 @@ def _read_epoch(
     )
 
 
+@petastorm_only
 @pytest.mark.parametrize(("world_size", "per_process", "batch"), [(2, 2, 8), (3, 1, 5), (2, 3, 4)])
 def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
     spark: SparkSession, tables: Path, world_size: int, per_process: int, batch: int
@@ -55,6 +60,7 @@ def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
         None,
         [
             "data.image_size=32",
+            "data.loader=petastorm",
             f"distributed.num_processes={world_size}",
             f"data.partitions_per_process={per_process}",
             f"train.per_device_batch_size={batch}",
@@ -87,10 +93,11 @@ def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
     assert not cache.exists()  # the per-run cache is removed when the run ends
 
 
+@petastorm_only
 def test_every_epoch_reads_the_same_rows_in_a_new_order(spark: SparkSession, tables: Path) -> None:
     cfg = load_config(
         None,
-        ["data.image_size=32", "train.per_device_batch_size=4"],
+        ["data.image_size=32", "data.loader=petastorm", "train.per_device_batch_size=4"],
         **{"paths.output_dir": tables},
     )
     with prepare_data(spark, cfg) as data:
@@ -136,6 +143,7 @@ def _parquet_files(folder: Path, row_groups: list[int]) -> list[str]:
     return urls
 
 
+@petastorm_only
 def test_a_train_shard_smaller_than_one_batch_is_refused_with_the_sizes(tmp_path: Path) -> None:
     """Read by Petastorm's own row-group listing: shard 0 holds 5 rows, shard 1 holds 3."""
     urls = _parquet_files(tmp_path, [5, 3])
@@ -151,16 +159,21 @@ def test_a_train_shard_smaller_than_one_batch_is_refused_with_the_sizes(tmp_path
 
 
 def test_training_refuses_too_large_a_batch_before_any_worker_starts(
-    spark: SparkSession, tables: Path
+    spark: SparkSession, tables: Path, loader: str
 ) -> None:
-    """The real path: Delta -> Petastorm cache -> shard plan, then no TorchDistributor."""
+    """The real path: Delta -> the loader's cache -> shard plan, then no TorchDistributor."""
     import mlflow
 
     from flowers_job.pipeline import run_training
 
     cfg = load_config(
         None,
-        ["data.image_size=32", "train.per_device_batch_size=64", "train.epochs=1"],
+        [
+            "data.image_size=32",
+            f"data.loader={loader}",
+            "train.per_device_batch_size=64",
+            "train.epochs=1",
+        ],
         **{"paths.output_dir": tables},
     )
     t0 = time.perf_counter()

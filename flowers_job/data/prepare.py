@@ -1,9 +1,10 @@
-"""Prepare (driver side): Delta tables -> repartitioned Petastorm caches and a shard plan.
+"""Prepare (driver side): Delta tables -> a per-run loader cache and a shard plan per split.
 
 Each split is read from its Delta table, repartitioned to ``num_partitions`` (a
-multiple of ``world_size``; the guides use ``2 x devices``) and materialised by
-Petastorm's ``make_spark_converter`` into a per-run cache directory that is removed
-when the run ends.
+multiple of ``world_size``; the guides use ``2 x devices``) and materialised into a per-run
+cache directory that is removed when the run ends: by Petastorm's ``make_spark_converter``
+(``data.loader=petastorm``) or as Mosaic Streaming MDS shards (``data.loader=streaming``,
+:mod:`flowers_job.data.mds`).
 
 Petastorm shards by row group: shard ``r`` of ``world_size`` reads the row groups
 whose index ``i`` satisfies ``i % world_size == r`` (petastorm ``Reader._partition_row_groups``).
@@ -48,6 +49,7 @@ from flowers_job.data.ingest import (
     tables_mismatch,
 )
 from flowers_job.data.shards import DataError, ShardPlan, plan_shards, quiet_petastorm
+from flowers_job.data.stack import resolve_loader
 from flowers_job.processes import driver_identity, process_alive
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ class PreparedData:
     num_partitions: int
     label_names: list[str]
     cache_dir_url: str
+    example_images: list[bytes]
+    """A few stored val images: the registered model's input example."""
 
 
 def _check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
@@ -227,6 +231,10 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Path]:
                 owner.get("host"),
             )
             shutil.rmtree(folder, ignore_errors=True)
+            if here:
+                from flowers_job.data.mds import remove_streaming_state
+
+                remove_streaming_state(folder)  # a killed run's Streaming shared memory
             removed.append(folder)
     return removed
 
@@ -256,7 +264,7 @@ def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
         raise DataError(
-            f"no space for the Petastorm cache of {what} in {folder}: needs about "
+            f"no space for the loader cache of {what} in {folder}: needs about "
             f"{needed_bytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; free some space or "
             "set paths.petastorm_cache_url to a larger volume"
         )
@@ -281,15 +289,94 @@ def make_cache(df: DataFrame, cache_dir_url: str, what: str) -> SparkDatasetConv
         if "No space left on device" in str(exc):
             folder = _local_dir(cache_dir_url) or cache_dir_url
             raise DataError(
-                f"no space left for the Petastorm cache of {what} in {folder}; free some space "
+                f"no space left for the loader cache of {what} in {folder}; free some space "
                 "or set paths.petastorm_cache_url to a larger volume"
             ) from exc
         raise
 
 
+def _petastorm_plan(
+    spark: SparkSession, df: DataFrame, cache_url: str, cfg: JobConfig, split: str
+) -> tuple[ShardPlan, SparkDatasetConverter]:
+    """Materialise ``df`` with Petastorm and plan its shards (row group ``i`` -> rank
+    ``i % world_size``)."""
+    converter = make_cache(df, cache_url, f"the {split} table")
+    if len(converter) == 0:
+        raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
+    file_urls = sorted(converter.file_urls)  # part-00000, ...: the same order on every run
+    rows, checksum, steps = plan_shards(
+        file_urls,
+        cfg.world_size,
+        cfg.train.per_device_batch_size,
+        full_batches=split == "train",
+        split=split,
+    )
+    log.info(
+        "%s: %d rows in %d partitions, rows per shard %s, %d steps per epoch",
+        split,
+        len(converter),
+        cfg.num_partitions,
+        rows,
+        steps,
+    )
+    plan = ShardPlan(
+        loader="petastorm",
+        cache_dir_url=converter.cache_dir_url,
+        dataset_size=len(converter),
+        checksum=sum(checksum),
+        rows_per_shard=rows,
+        checksum_per_shard=checksum,
+        steps_per_epoch=steps,
+        per_device_batch_size=cfg.train.per_device_batch_size,
+        file_urls=file_urls,
+    )
+    return plan, converter
+
+
+def _streaming_plan(df: DataFrame, cache_url: str, cfg: JobConfig, split: str) -> ShardPlan:
+    """Write ``df`` as Mosaic Streaming MDS shards under the run's cache and plan them."""
+    from flowers_job.data.mds import write_mds
+
+    folder = _local_dir(cache_url)
+    if folder is None:
+        raise DataError(
+            f"paths.petastorm_cache_url: {cache_url} is not a local or mounted path; "
+            "data.loader=streaming writes its MDS shards to a file:// URL (a FUSE mount such as "
+            "/Volumes or /dbfs on Databricks)"
+        )
+    return write_mds(
+        df,
+        folder / f"mds-{split}",
+        world_size=cfg.world_size,
+        num_partitions=cfg.num_partitions,
+        per_device_batch_size=cfg.train.per_device_batch_size,
+        full_batches=split == "train",
+        split=split,
+    )
+
+
+def example_images(spark: SparkSession, cfg: JobConfig, n: int = 2) -> list[bytes]:
+    """Up to ``n`` stored images of the val table (the smallest ``row_id`` first): the
+    registered model's input example. Bytes of re-encoded JPEGs, a few kB each."""
+    rows = (
+        spark.read.format("delta")
+        .load(str(cfg.paths.table("val")))
+        .orderBy("row_id")
+        .select("image")
+        .limit(n)
+        .collect()
+    )
+    return [bytes(r["image"]) for r in rows]
+
+
 @contextmanager
 def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
-    """Materialise the train and val splits for Petastorm; remove the cache on exit.
+    """Materialise the train and val splits for the configured loader; remove the cache on exit.
+
+    The loader is ``cfg.data.loader``, resolved by :func:`flowers_job.data.stack.resolve_loader`
+    ('auto' becomes the one that runs here). Each split is read from its Delta table,
+    repartitioned to ``num_partitions`` and written into this run's cache folder: Petastorm's
+    Parquet files, or Streaming's MDS shards.
 
     Yields:
         :class:`PreparedData` with one :class:`ShardPlan` per split.
@@ -297,8 +384,12 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     Raises:
         DataError: missing or inconsistent tables, an empty split, unworkable shards, or no
             space for the cache (naming the directory; nothing of the cache is left).
+        ConfigError: ``data.loader`` cannot run on this stack.
     """
-    quiet_petastorm()
+    cfg = resolve_loader(cfg)
+    loader = cfg.data.loader
+    if loader == "petastorm":
+        quiet_petastorm()
     label_names = _check_tables(spark, cfg)
     num_partitions = cfg.num_partitions
     sweep_orphaned_caches(cfg.paths.cache_parent_url)
@@ -317,46 +408,35 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 .load(str(cfg.paths.table(split)))
                 .select(*LOADER_COLUMNS)
                 .withColumn("label_index", F.col("label_index").cast("long"))
-                .repartition(num_partitions)
             )
             check_cache_space(
                 cache_url, cache_bytes_needed(spark, cfg.paths.table(split)), f"the {split} table"
             )
-            converter = make_cache(df, cache_url, f"the {split} table")
-            converters.append(converter)
-            if len(converter) == 0:
-                raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
-            file_urls = list(converter.file_urls)
-            rows, checksum, steps = plan_shards(
-                file_urls,
-                cfg.world_size,
-                cfg.train.per_device_batch_size,
-                full_batches=split == "train",
-                split=split,
-            )
-            plans[split] = ShardPlan(
-                cache_dir_url=converter.cache_dir_url,
-                file_urls=file_urls,
-                dataset_size=len(converter),
-                rows_per_shard=rows,
-                checksum_per_shard=checksum,
-                steps_per_epoch=steps,
-                per_device_batch_size=cfg.train.per_device_batch_size,
-            )
-            log.info(
-                "%s: %d rows in %d partitions, rows per shard %s, %d steps per epoch",
-                split,
-                len(converter),
-                num_partitions,
-                rows,
-                steps,
-            )
-        yield PreparedData(plans["train"], plans["val"], num_partitions, label_names, cache_url)
+            if loader == "petastorm":
+                plans[split], converter = _petastorm_plan(
+                    spark, df.repartition(num_partitions), cache_url, cfg, split
+                )
+                converters.append(converter)
+            else:
+                plans[split] = _streaming_plan(df, cache_url, cfg, split)
+        yield PreparedData(
+            plans["train"],
+            plans["val"],
+            num_partitions,
+            label_names,
+            cache_url,
+            example_images(spark, cfg),
+        )
     finally:
         for converter in converters:
             try:
                 converter.delete()
             except OSError as exc:  # pragma: no cover - best effort, the rmtree follows
                 log.warning("could not delete Petastorm cache %s: %s", converter.cache_dir_url, exc)
-        if local_cache is not None and local_cache.exists():
-            shutil.rmtree(local_cache, ignore_errors=True)
+        if local_cache is not None:
+            if loader == "streaming":
+                from flowers_job.data.mds import remove_streaming_state
+
+                remove_streaming_state(local_cache)
+            if local_cache.exists():
+                shutil.rmtree(local_cache, ignore_errors=True)

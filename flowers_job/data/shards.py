@@ -1,7 +1,8 @@
 """Shard plans: which rows each rank reads, and how many steps an epoch has.
 
-No Spark here: the driver builds a :class:`ShardPlan` (``flowers_job.data.prepare``) and the
-workers read with it (``flowers_job.train.loader``).
+No Spark here: the driver builds a :class:`ShardPlan` (``flowers_job.data.prepare`` for
+Petastorm, ``flowers_job.data.mds`` for Streaming) and the workers read with it
+(``flowers_job.train.loader``).
 
 Petastorm shards by row group: shard ``r`` of ``world_size`` reads the row groups whose
 index ``i`` satisfies ``i % world_size == r`` (petastorm ``Reader._partition_row_groups``).
@@ -15,10 +16,17 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CHECKSUM_MODULUS", "DataError", "ShardPlan", "plan_shards", "quiet_petastorm"]
+__all__ = [
+    "CHECKSUM_MODULUS",
+    "DataError",
+    "ShardPlan",
+    "check_batch_fits",
+    "plan_shards",
+    "quiet_petastorm",
+]
 
 CHECKSUM_MODULUS = 2**31
 """Row checksum = sum of ``row_id mod 2**31``: exact in float64 up to 2**22 rows per shard."""
@@ -41,28 +49,40 @@ class ShardPlan:
     """How one split is read by ``world_size`` ranks. Plain data: it is sent to the workers.
 
     Attributes:
-        cache_dir_url: Petastorm cache directory of this split (``file://`` URL).
-        file_urls: Parquet files of the cache, in Petastorm's order.
+        loader: 'petastorm' or 'streaming': who wrote the cache and reads it.
+        cache_dir_url: the split's cache directory (``file://`` URL): Petastorm's Parquet
+            files, or Streaming's MDS shards with their ``index.json``.
         dataset_size: rows in the split.
-        rows_per_shard: rows read by each rank per epoch (index = rank).
-        checksum_per_shard: sum of ``row_id mod CHECKSUM_MODULUS`` over each shard's rows.
+        checksum: sum of ``row_id mod CHECKSUM_MODULUS`` over every row of the split.
+        rows_per_shard: rows each rank reads per epoch (index = rank), padding included.
+        checksum_per_shard: per-rank row checksums when a rank reads the same rows every epoch
+            (Petastorm); None when the ranks' rows change every epoch (Streaming shuffles the
+            whole split across ranks): then only the all-reduced totals are checked.
         steps_per_epoch: batches per epoch, the same on every rank:
-            ``max_r ceil(rows_per_shard[r] / per_device_batch_size)``. Rank ``r`` splits its
-            rows into that many batches of ``floor`` or ``ceil(rows_r / steps_per_epoch)``
-            rows, so no rank pads, drops or repeats a row.
+            ``max_r ceil(rows_per_shard[r] / per_device_batch_size)``.
         per_device_batch_size: nominal images per rank per step (the largest batch).
+        file_urls: Petastorm only: the cache's Parquet files, in Petastorm's order.
+        padding_rows: Streaming only: rows appended with ``valid = 0`` so that the written
+            count divides by ``world_size`` (masked out of loss, metrics and checksum).
     """
 
+    loader: str
     cache_dir_url: str
-    file_urls: list[str]
     dataset_size: int
+    checksum: int
     rows_per_shard: list[int]
-    checksum_per_shard: list[int]
+    checksum_per_shard: list[int] | None
     steps_per_epoch: int
     per_device_batch_size: int
+    file_urls: list[str] = field(default_factory=list)
+    padding_rows: int = 0
 
     def batch_sizes(self, rank: int) -> list[int]:
-        """Per-step batch sizes of ``rank``: ``steps_per_epoch`` numbers summing to its rows."""
+        """Per-step batch sizes of ``rank``: ``steps_per_epoch`` numbers summing to its rows.
+
+        Rank ``r`` splits its rows into batches of ``floor`` or ``ceil(rows_r /
+        steps_per_epoch)`` rows, so no rank pads, drops or repeats a row (Petastorm's re-cut).
+        """
         q, r = divmod(self.rows_per_shard[rank], self.steps_per_epoch)
         return [q + 1] * r + [q] * (self.steps_per_epoch - r)
 
@@ -72,6 +92,29 @@ class ShardPlan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardPlan:
         return cls(**d)
+
+
+def check_batch_fits(
+    rows: list[int], per_device_batch_size: int, world_size: int, split: str, full_batches: bool
+) -> None:
+    """With ``full_batches``, require every shard to hold at least one full batch.
+
+    A rank with fewer rows than ``per_device_batch_size`` would take smaller optimizer steps
+    than configured, every step of every epoch. Validation needs no such thing (its sums are
+    exact whatever the batches), so it passes ``full_batches=False``.
+
+    Raises:
+        DataError: naming ``train.per_device_batch_size``, the global batch size,
+            ``world_size`` and the rows per shard, and the largest batch that would work.
+    """
+    if full_batches and min(rows) < per_device_batch_size:
+        raise DataError(
+            f"train.per_device_batch_size={per_device_batch_size} (global batch size "
+            f"{per_device_batch_size * world_size} over world_size {world_size}) is larger than "
+            f"the smallest {split} shard: rows per shard {rows}; every rank needs at least one "
+            f"full batch per epoch: set train.per_device_batch_size <= {min(rows)}, or fewer "
+            "distributed.num_processes, or train on more images"
+        )
 
 
 def plan_shards(
@@ -128,14 +171,7 @@ def plan_shards(
         ids = table.column("row_id").to_pylist()
         rows[i % world_size] += len(ids)
         checksum[i % world_size] += sum(x % CHECKSUM_MODULUS for x in ids)
-    if full_batches and min(rows) < per_device_batch_size:
-        raise DataError(
-            f"train.per_device_batch_size={per_device_batch_size} (global batch size "
-            f"{per_device_batch_size * world_size} over world_size {world_size}) is larger than "
-            f"the smallest {split} shard: rows per shard {rows}; every rank needs at least one "
-            f"full batch per epoch: set train.per_device_batch_size <= {min(rows)}, or fewer "
-            "distributed.num_processes, or train on more images"
-        )
+    check_batch_fits(rows, per_device_batch_size, world_size, split, full_batches)
     steps = max(math.ceil(n / per_device_batch_size) for n in rows)
     if min(rows) < steps:
         raise DataError(

@@ -1,15 +1,37 @@
-"""Worker side: one rank's shard of a split, as exactly ``steps_per_epoch`` batches.
+"""Worker side: the loader boundary. One rank's part of a split, as ``steps_per_epoch`` batches.
 
-Petastorm reads shard ``rank`` of ``world_size`` from the per-run cache; a
-``TransformSpec`` decodes the JPEG bytes and augments them in the loader; the
-batches are then re-cut to the sizes of :meth:`ShardPlan.batch_sizes`, so every rank
-runs the same number of steps and reads each of its rows exactly once.
+:func:`open_loader` gives the training loop a :class:`ShardLoader` whatever wrote the
+cache; the loop never asks which one it has. Every batch is a dict of tensors:
+
+- ``image``: float32 ``[B, 3, S, S]``, decoded, augmented (train) and normalised;
+- ``label_index``: int64 ``[B]``; ``row_id``: int64 ``[B]``;
+- ``valid``: bool ``[B]``: False for padding rows, which count in no loss, metric or checksum.
+
+Two implementations:
+
+- :class:`PetastormShardLoader` (``data.loader=petastorm``): Petastorm reads shard ``rank``
+  of ``world_size`` (row groups ``i % world_size == rank``) from the per-run Parquet cache; a
+  ``TransformSpec`` decodes and augments in the loader; the batches are re-cut to the sizes
+  of :meth:`ShardPlan.batch_sizes`. No padding: every ``valid`` is True.
+- :class:`StreamingShardLoader` (``data.loader=streaming``): Mosaic ``StreamingDataset`` and
+  ``StreamingDataLoader`` over the MDS shards; Streaming splits (and, for training,
+  shuffles) the whole split across the ranks every epoch, and each rank gets the same
+  number of rows, padding rows included (see :mod:`flowers_job.data.mds`).
+
+Shuffling is a function of ``(seed, epoch)`` for both, so an epoch run again after a
+resume reads the same rows in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
 
 import numpy as np
 import pandas as pd
@@ -18,8 +40,18 @@ from PIL import Image
 
 from flowers_job.data.images import eval_transform, train_transform
 from flowers_job.data.shards import ShardPlan
+from flowers_job.processes import at_driver_death
 
-__all__ = ["DecodeTransform", "ShardError", "rebatch", "shard_batches"]
+__all__ = [
+    "DecodeTransform",
+    "PetastormShardLoader",
+    "ShardError",
+    "ShardLoader",
+    "StreamingShardLoader",
+    "open_loader",
+    "rebatch",
+    "shard_batches",
+]
 
 Batch = dict[str, torch.Tensor]
 
@@ -29,9 +61,11 @@ class ShardError(RuntimeError):
 
 
 class DecodeTransform:
-    """Petastorm transform: a pandas batch of JPEG bytes -> float32 ``[3, S, S]`` arrays.
+    """Stored JPEG bytes -> float32 ``[3, S, S]`` tensors: :meth:`decode` for one image (the
+    Streaming loader), ``__call__`` for a pandas batch (Petastorm's ``TransformSpec``).
 
-    A picklable class (not a closure) so that the 'process' reader pool can ship it.
+    A picklable class (not a closure) so that Petastorm's 'process' reader pool and
+    DataLoader worker processes can ship it.
     """
 
     def __init__(
@@ -49,19 +83,22 @@ class DecodeTransform:
         self.std = std
         self._tf: Callable[[Image.Image], torch.Tensor] | None = None
 
-    def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
+    def decode(self, content: bytes) -> torch.Tensor:
+        """One stored JPEG -> float32 ``[3, S, S]``, augmented (train) and normalised."""
         if self._tf is None:
             self._tf = (
                 train_transform(self.image_size, self.mean, self.std)
                 if self.train
                 else eval_transform(self.image_size, self.resize_size, self.mean, self.std)
             )
-        tf = self._tf
-        images = []
-        for content in pdf["image"]:
-            with Image.open(io.BytesIO(content)) as img:
-                tensor = tf(img.convert("RGB"))
-            images.append(np.ascontiguousarray(tensor.numpy()))  # STACK.md trap 10
+        with Image.open(io.BytesIO(content)) as img:
+            return self._tf(img.convert("RGB"))
+
+    def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
+        images = [
+            np.ascontiguousarray(self.decode(content).numpy())  # STACK.md trap 10
+            for content in pdf["image"]
+        ]
         pdf = pdf.copy()
         pdf["image"] = images
         return pdf
@@ -142,3 +179,227 @@ def shard_batches(
         seed=seed,
     ) as loader:
         yield from rebatch(loader, plan.batch_sizes(rank))
+
+
+class ShardLoader(Protocol):
+    """What the training loop sees of a loader: one iterator of batches per epoch."""
+
+    steps_per_epoch: int
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """This rank's batches of ``epoch`` (1-based): exactly ``steps_per_epoch`` of them.
+
+        Raises:
+            ShardError: the loader yielded more or fewer batches or rows than planned.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the loader's resources (processes, shared memory)."""
+        ...
+
+
+def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    return (seed * 1_000_003 + epoch * 1_009 + rank) % 2**32
+
+
+class PetastormShardLoader:
+    """Petastorm: shard ``rank`` of ``world_size``, re-cut to the plan's batch sizes.
+
+    Shuffling (``shuffle=True``): row groups and rows within them are shuffled by
+    Petastorm with ``seed + epoch``; its shuffling buffer draws from NumPy's global
+    generator, which is seeded from ``(seed, epoch, rank)`` before each epoch, so the order
+    of an epoch is the same whenever it is run (with the 'dummy' reader pool).
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        rank: int,
+        world_size: int,
+        transform: DecodeTransform,
+        *,
+        shuffle: bool,
+        seed: int,
+        reader_pool_type: str = "dummy",
+        shuffle_buffer_rows: int = 0,
+    ) -> None:
+        self.plan, self.rank, self.world_size = plan, rank, world_size
+        self.transform, self.shuffle, self.seed = transform, shuffle, seed
+        self.reader_pool_type, self.shuffle_buffer_rows = reader_pool_type, shuffle_buffer_rows
+        self.steps_per_epoch = plan.steps_per_epoch
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        np.random.seed(_epoch_seed(self.seed, epoch, self.rank))  # Petastorm's shuffling buffer
+        for batch in shard_batches(
+            self.plan,
+            self.rank,
+            self.world_size,
+            self.transform,
+            shuffle=self.shuffle,
+            seed=self.seed + epoch,
+            reader_pool_type=self.reader_pool_type,
+            shuffle_buffer_rows=self.shuffle_buffer_rows,
+        ):
+            batch["valid"] = torch.ones(len(batch["row_id"]), dtype=torch.bool)
+            yield batch
+
+    def close(self) -> None:
+        pass
+
+
+class StreamingShardLoader:
+    """Mosaic Streaming: ``StreamingDataset`` + ``StreamingDataLoader`` over the MDS shards.
+
+    Built once per split and process (building it is a collective: every rank builds the
+    same datasets in the same order). Streaming partitions the epoch's sample ids over the
+    ranks (``partition_algo='orig'``); with the driver's padding every rank gets
+    ``rows_per_shard[rank]`` rows and no sample is repeated. The epoch is set through
+    Streaming's own resume state (``load_state_dict``) before each pass, so its shuffle
+    (``py1e``, seeded by ``shuffle_seed + epoch``) is a function of ``(seed, epoch)``.
+    ``StreamingDataset`` reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+    from the environment (:func:`flowers_job.distributed.describe_hosts_to_libraries`).
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        transform: DecodeTransform,
+        *,
+        shuffle: bool,
+        seed: int,
+        num_nodes: int,
+        num_workers: int = 0,
+    ) -> None:
+        from streaming import StreamingDataLoader
+
+        self.plan, self.steps_per_epoch, self.seed = plan, plan.steps_per_epoch, seed
+        self.num_nodes = num_nodes
+        self.dataset = _decoding_dataset(
+            local=str(_local_path(plan.cache_dir_url)),
+            transform=transform,
+            batch_size=plan.per_device_batch_size,
+            shuffle=shuffle,
+            shuffle_seed=seed,
+            num_canonical_nodes=num_nodes,
+        )
+        at_driver_death(self.close)  # os._exit skips atexit: no shared memory is left behind
+        self.loader = StreamingDataLoader(
+            self.dataset,
+            batch_size=plan.per_device_batch_size,
+            num_workers=num_workers,
+            persistent_workers=False,
+            drop_last=False,
+        )
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        self.dataset.load_state_dict(
+            {
+                "epoch": epoch - 1,
+                "sample_in_epoch": 0,
+                "num_canonical_nodes": self.num_nodes,
+                "shuffle_seed": self.seed,
+                "initial_physical_nodes": self.num_nodes,
+            }
+        )
+        steps = 0
+        for batch in self.loader:
+            steps += 1
+            if steps > self.steps_per_epoch:
+                raise ShardError(
+                    f"Streaming yielded more than the planned {self.steps_per_epoch} batches"
+                )
+            yield {
+                "image": batch["image"],
+                "label_index": batch["label_index"].long(),
+                "row_id": batch["row_id"].long(),
+                "valid": batch["valid"].bool(),
+            }
+        if steps != self.steps_per_epoch:
+            raise ShardError(
+                f"Streaming yielded {steps} batches, the plan expects {self.steps_per_epoch}"
+            )
+
+    def close(self) -> None:
+        """Remove what Streaming keeps outside the process: its shared-memory blocks and the
+        lock files in the temp dir. Streaming unlinks the blocks only at normal interpreter
+        exit and never removes the lock files (every later run on the host then skips their
+        prefix). Safe to call more than once, and from the driver watchdog."""
+        from multiprocessing import shared_memory
+
+        from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, SHM_TO_CLEAN
+
+        prefix = getattr(self.dataset, "_shm_prefix_int", None)
+        if prefix is None:
+            return
+        for name in SHM_TO_CLEAN:
+            with contextlib.suppress(OSError, ValueError):
+                block = shared_memory.SharedMemory(f"{prefix:06}_{name}")
+                block.close()
+                block.unlink()
+        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
+
+
+def _local_path(url: str) -> Path:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("file", ""):
+        raise ValueError(f"the loader cache {url} is not a local or mounted path")
+    return Path(parsed.path)
+
+
+def _decoding_dataset(transform: DecodeTransform, **kwargs: Any) -> Any:
+    """A ``StreamingDataset`` whose samples come out decoded: ``image`` float32 ``[3, S, S]``."""
+    from streaming import StreamingDataset
+
+    class DecodingDataset(StreamingDataset):
+        def get_item(self, sample_id: int, retry: int = 7) -> Any:
+            sample = super().get_item(sample_id, retry)
+            sample["image"] = transform.decode(sample["image"])
+            return sample
+
+    return DecodingDataset(partition_algo="orig", **kwargs)
+
+
+def open_loader(
+    plan: ShardPlan,
+    rank: int,
+    world_size: int,
+    num_nodes: int,
+    transform: DecodeTransform,
+    *,
+    shuffle: bool,
+    seed: int,
+    data: dict[str, Any],
+) -> ShardLoader:
+    """The loader that reads ``plan``'s cache (``plan.loader``), for this rank.
+
+    Args:
+        plan: the split's :class:`ShardPlan`, from the driver.
+        rank, world_size: this process's place; ``num_nodes``: hosts the ranks run on.
+        transform: decodes (and for training augments) one stored image.
+        shuffle: a new order every epoch (training) or the stored order (validation).
+        seed: the shuffle seed; the order of epoch ``e`` is a function of ``(seed, e)``.
+        data: the ``data`` config section as a dict (``reader_pool_type``,
+            ``shuffle_buffer_rows`` for Petastorm).
+
+    Raises:
+        ValueError: an unknown ``plan.loader``.
+    """
+    if plan.loader == "petastorm":
+        return PetastormShardLoader(
+            plan,
+            rank,
+            world_size,
+            transform,
+            shuffle=shuffle,
+            seed=seed,
+            reader_pool_type=str(data.get("reader_pool_type", "dummy")),
+            shuffle_buffer_rows=int(data.get("shuffle_buffer_rows", 0)),
+        )
+    if plan.loader == "streaming":
+        return StreamingShardLoader(
+            plan, transform, shuffle=shuffle, seed=seed, num_nodes=num_nodes
+        )
+    raise ValueError(f"unknown loader {plan.loader!r} in the shard plan")

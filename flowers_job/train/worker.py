@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,6 +37,7 @@ from flowers_job.distributed import (
     DistContext,
     all_reduce_sum,
     broadcast_object,
+    describe_hosts,
     env_rank,
     init_distributed,
     shutdown_distributed,
@@ -49,9 +51,17 @@ from flowers_job.train.checkpoint import (
     write_run_id,
 )
 from flowers_job.train.early_stopping import Decision, EarlyStopping
-from flowers_job.train.loader import DecodeTransform, ShardError, shard_batches
+from flowers_job.train.loader import DecodeTransform, ShardError, ShardLoader, open_loader
 
-__all__ = ["CollectiveTimeoutError", "evaluate", "fit", "train_one_epoch", "train_worker"]
+__all__ = [
+    "CollectiveTimeoutError",
+    "check_shard",
+    "check_totals",
+    "evaluate",
+    "fit",
+    "train_one_epoch",
+    "train_worker",
+]
 
 log = logging.getLogger("flowers_job.train")
 
@@ -77,6 +87,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
     quiet_petastorm()
+    logging.getLogger("streaming").setLevel(logging.WARNING)  # per-dataset INFO defaults
     watch_driver(job.get("driver"))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
@@ -95,6 +106,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
                 ShardPlan.from_dict(job["train"]),
                 ShardPlan.from_dict(job["val"]),
                 list(job["label_names"]),
+                [bytes(b) for b in job.get("example_images", [])],
             )
             result = broadcast_object(result, ctx)
         finally:
@@ -203,19 +215,39 @@ def _forward(
     criterion: nn.Module,
     device: torch.device,
     amp_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Move a batch to ``device`` (channels-last) and run the model under autocast.
 
+    ``criterion`` gives one loss per image (``reduction='none'``); padding rows
+    (``valid`` False) are masked out, and the loss is the mean over the valid rows (0 for a
+    batch of padding only, which then contributes zero gradients).
+
     Returns:
-        ``(labels [B] int64, logits [B, C], loss [] float32)``.
+        ``(labels [B] int64, logits [B, C], loss [] float32, valid [B] bool)``.
     """
     x = batch["image"].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
     y = batch["label_index"].to(device, non_blocking=True)
+    valid = batch["valid"].to(device, non_blocking=True)
     enabled = amp_dtype is not None
     with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=enabled):
         logits = model(x)
-        loss = criterion(logits.float(), y)
-    return y, logits, loss
+        per_image = criterion(logits.float(), y) * valid
+        loss = per_image.sum() / valid.sum().clamp(min=1)
+    return y, logits, loss, valid
+
+
+def _sums(
+    y: torch.Tensor,
+    logits: torch.Tensor,
+    loss: torch.Tensor,
+    valid: torch.Tensor,
+    row_id: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """A batch's ``(loss sum, correct, valid rows, row checksum, rows read)``, valid rows only."""
+    n = int(valid.sum())
+    correct = ((logits.detach().argmax(1) == y) & valid).sum()
+    checksum = int((row_id % CHECKSUM_MODULUS)[valid.cpu()].sum())
+    return loss.detach().double() * n, correct, n, checksum, len(y)
 
 
 def train_one_epoch(
@@ -228,31 +260,33 @@ def train_one_epoch(
     amp_dtype: torch.dtype | None,
     scaler: torch.amp.GradScaler,
 ) -> list[float]:
-    """One pass over this rank's training batches.
+    """One pass over this rank's training batches (see :mod:`flowers_job.train.loader`).
 
     ``batches`` yields dicts with ``image`` float32 ``[B, 3, S, S]``, ``label_index`` int64
-    ``[B]`` and ``row_id`` int64 ``[B]``.
+    ``[B]``, ``row_id`` int64 ``[B]`` and ``valid`` bool ``[B]`` (False: padding, masked out).
 
     Returns:
-        This rank's ``[loss_sum, correct, rows, row_checksum]`` (loss summed over images).
+        This rank's ``[loss_sum, correct, rows, row_checksum, rows_read]``: sums over the
+        valid rows (loss summed over images), and every row read, padding included.
     """
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    rows = 0
-    checksum = 0
+    rows = checksum = read = 0
     for batch in batches:
-        y, logits, loss = _forward(model, batch, criterion, device, amp_dtype)
+        y, logits, loss, valid = _forward(model, batch, criterion, device, amp_dtype)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
-        loss_sum += loss.detach().double() * len(y)
-        correct += (logits.detach().argmax(1) == y).sum()
-        rows += len(y)
-        checksum += int((batch["row_id"] % CHECKSUM_MODULUS).sum())
-    return [float(loss_sum), float(correct), float(rows), float(checksum)]
+        b_loss, b_correct, b_rows, b_checksum, b_read = _sums(
+            y, logits, loss, valid, batch["row_id"]
+        )
+        loss_sum += b_loss
+        correct += b_correct
+        rows, checksum, read = rows + b_rows, checksum + b_checksum, read + b_read
+    return [float(loss_sum), float(correct), float(rows), float(checksum), float(read)]
 
 
 @torch.inference_mode()
@@ -267,25 +301,59 @@ def evaluate(
     unwrapped model, not the DDP wrapper).
 
     Returns:
-        This rank's ``[loss_sum, correct, rows, row_checksum]``.
+        This rank's ``[loss_sum, correct, rows, row_checksum, rows_read]``, as
+        :func:`train_one_epoch`.
     """
     model.eval()
-    loss_sum, correct, rows, checksum = 0.0, 0, 0, 0
+    loss_sum, correct, rows, checksum, read = 0.0, 0, 0, 0, 0
     for batch in batches:
-        y, logits, loss = _forward(model, batch, criterion, device, amp_dtype)
-        loss_sum += float(loss) * len(y)
-        correct += int((logits.argmax(1) == y).sum())
-        rows += len(y)
-        checksum += int((batch["row_id"] % CHECKSUM_MODULUS).sum())
-    return [loss_sum, float(correct), float(rows), float(checksum)]
+        y, logits, loss, valid = _forward(model, batch, criterion, device, amp_dtype)
+        b_loss, b_correct, b_rows, b_checksum, b_read = _sums(
+            y, logits, loss, valid, batch["row_id"]
+        )
+        loss_sum += float(b_loss)
+        correct += int(b_correct)
+        rows, checksum, read = rows + b_rows, checksum + b_checksum, read + b_read
+    return [loss_sum, float(correct), float(rows), float(checksum), float(read)]
 
 
-def _check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> None:
-    rows, checksum = int(sums[2]), int(sums[3])
-    if rows != plan.rows_per_shard[rank] or checksum != plan.checksum_per_shard[rank]:
+SUMS = 5
+"""Entries of the sums :func:`train_one_epoch` and :func:`evaluate` return."""
+
+
+def check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> None:
+    """This rank's rows against the plan: how many it read (padding included), and, when a
+    rank reads the same rows every epoch (Petastorm), their count and checksum.
+
+    Raises:
+        ShardError: naming the rank, the split, what was read and what the plan expects.
+    """
+    rows, checksum, read = int(sums[2]), int(sums[3]), int(sums[4])
+    expected = plan.checksum_per_shard[rank] if plan.checksum_per_shard is not None else None
+    if read != plan.rows_per_shard[rank] or (
+        expected is not None and (rows != read or checksum != expected)
+    ):
         raise ShardError(
-            f"rank {rank}: the {split} shard read {rows} rows (checksum {checksum}); the plan "
-            f"expects {plan.rows_per_shard[rank]} rows (checksum {plan.checksum_per_shard[rank]})"
+            f"rank {rank}: the {split} shard read {read} rows ({rows} valid, checksum "
+            f"{checksum}); the plan expects {plan.rows_per_shard[rank]} rows"
+            + (f" (checksum {expected})" if expected is not None else "")
+        )
+
+
+def check_totals(split: str, plan: ShardPlan, totals: list[float]) -> None:
+    """All ranks together read every row of the split exactly once: the all-reduced count of
+    valid rows and their checksum equal the split's. The same on every rank, so every rank
+    raises together (no hang).
+
+    Raises:
+        ShardError: a row was dropped or read twice this epoch.
+    """
+    rows, checksum = int(totals[2]), int(totals[3])
+    if rows != plan.dataset_size or checksum != plan.checksum:
+        raise ShardError(
+            f"the ranks read {rows} valid {split} rows (checksum {checksum}) this epoch; the "
+            f"split has {plan.dataset_size} (checksum {plan.checksum}): a row was dropped or "
+            "read twice"
         )
 
 
@@ -311,8 +379,11 @@ def fit(
     train_plan: ShardPlan,
     val_plan: ShardPlan,
     label_names: list[str],
+    example_images: list[bytes],
 ) -> dict[str, Any] | None:
     """Train, validate, early-stop, checkpoint and (rank 0) log and register the model.
+
+    ``example_images`` (stored JPEG bytes) become the registered model's input example.
 
     Returns:
         On rank 0, the training summary: val_accuracy, val_loss, best_epoch,
@@ -344,7 +415,7 @@ def fit(
     )
     amp_dtype = _amp_dtype(cfg.train.amp, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp_dtype == torch.float16)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="none")
     es = cfg.train.early_stopping
     stopper = EarlyStopping(es.mode, es.min_delta, es.patience, es.stopping_threshold)
 
@@ -413,100 +484,120 @@ def fit(
     train_tf = DecodeTransform(True, size, resize, pre.mean, pre.std)
     val_tf = DecodeTransform(False, size, resize, pre.mean, pre.std)
 
-    def epoch_batches(plan: ShardPlan, tf: DecodeTransform, shuffle: bool, seed: int) -> Any:
-        return shard_batches(
+    num_nodes = describe_hosts(ctx)
+    if num_nodes is None and train_plan.loader == "streaming":
+        raise RuntimeError(
+            "data.loader=streaming: Mosaic Streaming needs the same number of ranks on every "
+            "host, with consecutive ranks; this run's layout is irregular (use "
+            "data.loader=petastorm, or one task slot per GPU on equal hosts)"
+        )
+
+    def loader(plan: ShardPlan, tf: DecodeTransform, shuffle: bool) -> ShardLoader:
+        return open_loader(
             plan,
             ctx.rank,
             ctx.world_size,
+            num_nodes or 1,
             tf,
             shuffle=shuffle,
-            seed=seed,
-            reader_pool_type=cfg.data.reader_pool_type,
-            shuffle_buffer_rows=cfg.data.shuffle_buffer_rows,
+            seed=cfg.train.seed,
+            data=cfg.data.model_dump(mode="json"),
         )
 
-    for epoch in range(start_epoch, cfg.train.epochs + 1):
-        if stop_reason is not None:
-            break
-        torch.manual_seed(cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
-        t0 = time.perf_counter()
-        batches = epoch_batches(train_plan, train_tf, shuffle=True, seed=cfg.train.seed + epoch)
-        if os.environ.get(faults.FAULT_ENV):  # test-only
-            batches = faults.mid_epoch(batches, ctx.rank, epoch, train_plan.steps_per_epoch // 2)
-        if ctx.is_main:
-            batches = tqdm(
-                batches,
-                file=_LineStream(sys.stderr),
-                total=train_plan.steps_per_epoch,
-                desc=f"epoch {epoch}",
-                unit="step",
-                mininterval=15.0,
-                ascii=True,
-                ncols=100,
+    train_loader, val_loader = loader(train_plan, train_tf, True), loader(val_plan, val_tf, False)
+
+    try:
+        for epoch in range(start_epoch, cfg.train.epochs + 1):
+            if stop_reason is not None:
+                break
+            torch.manual_seed(cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
+            t0 = time.perf_counter()
+            batches = train_loader.epoch(epoch)
+            if os.environ.get(faults.FAULT_ENV):  # test-only
+                batches = faults.mid_epoch(
+                    batches, ctx.rank, epoch, train_plan.steps_per_epoch // 2
+                )
+            if ctx.is_main:
+                batches = tqdm(
+                    batches,
+                    file=_LineStream(sys.stderr),
+                    total=train_plan.steps_per_epoch,
+                    desc=f"epoch {epoch}",
+                    unit="step",
+                    mininterval=15.0,
+                    ascii=True,
+                    ncols=100,
+                )
+            train_sums = train_one_epoch(
+                ddp, batches, optimizer, scheduler, criterion, ctx.device, amp_dtype, scaler
             )
-        train_sums = train_one_epoch(
-            ddp, batches, optimizer, scheduler, criterion, ctx.device, amp_dtype, scaler
-        )
-        t1 = time.perf_counter()
-        val_batches = epoch_batches(val_plan, val_tf, shuffle=False, seed=0)
-        val_sums = evaluate(model, val_batches, criterion, ctx.device, amp_dtype)
-        t2 = time.perf_counter()
-        _check_shard("train", train_plan, ctx.rank, train_sums)
-        _check_shard("val", val_plan, ctx.rank, val_sums)
-        tot = all_reduce_sum([*train_sums, *val_sums], ctx)
-        metrics = {
-            "train_loss": tot[0] / tot[2],
-            "train_accuracy": tot[1] / tot[2],
-            "val_loss": tot[4] / tot[6],
-            "val_accuracy": tot[5] / tot[6],
-            "learning_rate": float(optimizer.param_groups[0]["lr"]),
-            "epoch_seconds": t2 - t0,
-            "train_images_per_second": tot[2] / (t1 - t0),
-            "images_per_second": (tot[2] + tot[6]) / (t2 - t0),
-        }
-        # One decision, made by rank 0 and shared: ranks can never disagree about stopping.
-        decision = Decision(improved=False, stop=False)
-        if ctx.is_main:
-            decision = stopper.step(metrics[es.monitor], epoch)
-            if not es.enabled:  # still track the best epoch, never stop early
-                decision = Decision(decision.improved, stop=False)
-        decision = broadcast_object(decision, ctx)
-        if decision.improved:
-            best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        if decision.stop:
-            stop_reason = decision.reason
-        history.append({"epoch": epoch, **metrics})
-        if ctx.is_main:  # checkpoint first, then MLflow: see RunTracker
-            assert tracker is not None
-            save_checkpoint(
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "epoch": epoch,
-                    "early_stopping": stopper.state_dict(),
-                    "best_model": best_state,
-                    "history": history,
-                    "stop_reason": stop_reason,
-                    "label_names": label_names,
-                    "config": cfg.model_dump(mode="json"),
-                },
-                cfg.paths.checkpoint_dir,
-            )
-            tracker.log_epoch(metrics, epoch)
-            log.info(
-                "epoch %d/%d | train loss %.4f acc %.4f | val loss %.4f acc %.4f | %.1f s | "
-                "%.1f img/s%s",
-                epoch,
-                cfg.train.epochs,
-                metrics["train_loss"],
-                metrics["train_accuracy"],
-                metrics["val_loss"],
-                metrics["val_accuracy"],
-                metrics["epoch_seconds"],
-                metrics["images_per_second"],
-                f" | stop: {stop_reason}" if stop_reason else "",
-            )
+            t1 = time.perf_counter()
+            val_batches = val_loader.epoch(epoch)
+            val_sums = evaluate(model, val_batches, criterion, ctx.device, amp_dtype)
+            t2 = time.perf_counter()
+            check_shard("train", train_plan, ctx.rank, train_sums)
+            check_shard("val", val_plan, ctx.rank, val_sums)
+            tot = all_reduce_sum([*train_sums, *val_sums], ctx)
+            check_totals("train", train_plan, tot[:SUMS])
+            check_totals("val", val_plan, tot[SUMS:])
+            metrics = {
+                "train_loss": tot[0] / tot[2],
+                "train_accuracy": tot[1] / tot[2],
+                "val_loss": tot[SUMS] / tot[SUMS + 2],
+                "val_accuracy": tot[SUMS + 1] / tot[SUMS + 2],
+                "learning_rate": float(optimizer.param_groups[0]["lr"]),
+                "epoch_seconds": t2 - t0,
+                "train_images_per_second": tot[2] / (t1 - t0),
+                "images_per_second": (tot[2] + tot[SUMS + 2]) / (t2 - t0),
+            }
+            # One decision, made by rank 0 and shared: ranks can never disagree about stopping.
+            decision = Decision(improved=False, stop=False)
+            if ctx.is_main:
+                decision = stopper.step(metrics[es.monitor], epoch)
+                if not es.enabled:  # still track the best epoch, never stop early
+                    decision = Decision(decision.improved, stop=False)
+            decision = broadcast_object(decision, ctx)
+            if decision.improved:
+                best_state = {
+                    k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+                }
+            if decision.stop:
+                stop_reason = decision.reason
+            history.append({"epoch": epoch, **metrics})
+            if ctx.is_main:  # checkpoint first, then MLflow: see RunTracker
+                assert tracker is not None
+                save_checkpoint(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "epoch": epoch,
+                        "early_stopping": stopper.state_dict(),
+                        "best_model": best_state,
+                        "history": history,
+                        "stop_reason": stop_reason,
+                        "label_names": label_names,
+                        "config": cfg.model_dump(mode="json"),
+                    },
+                    cfg.paths.checkpoint_dir,
+                )
+                tracker.log_epoch(metrics, epoch)
+                log.info(
+                    "epoch %d/%d | train loss %.4f acc %.4f | val loss %.4f acc %.4f | %.1f s | "
+                    "%.1f img/s%s",
+                    epoch,
+                    cfg.train.epochs,
+                    metrics["train_loss"],
+                    metrics["train_accuracy"],
+                    metrics["val_loss"],
+                    metrics["val_accuracy"],
+                    metrics["epoch_seconds"],
+                    metrics["images_per_second"],
+                    f" | stop: {stop_reason}" if stop_reason else "",
+                )
+    finally:
+        train_loader.close()
+        val_loader.close()
 
     if stop_reason is None:
         stop_reason = "max_epochs"
@@ -515,8 +606,6 @@ def fit(
     if not ctx.is_main:
         return None
     assert tracker is not None
-    from flowers_job.serving import example_images
-
     best_epoch = stopper.best_epoch
     restored = es.restore_best_weights and best_state is not None
     final = next(h for h in history if h["epoch"] == best_epoch) if restored else history[-1]
@@ -531,7 +620,9 @@ def fit(
         "max_pixels": cfg.data.max_image_pixels,
         "batch_size": 64,
     }
-    model_uri, version = tracker.log_model(model, model_config, example_images(val_plan.file_urls))
+    model_uri, version = tracker.log_model(
+        model, model_config, pd.DataFrame({"image": example_images})
+    )
     tracker.log_epoch(
         {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]}, best_epoch
     )
@@ -545,6 +636,7 @@ def fit(
         "epochs_completed": len(history),
         "epochs_this_run": len(trained),
         "stop_reason": stop_reason,
+        "loader": train_plan.loader,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "device": ctx.device.type,
