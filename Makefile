@@ -1,27 +1,71 @@
-# flowers_job: one virtual environment, pinned by requirements/lock.txt.
+# flowers_job: two virtual environments, each pinned by a lock file.
 #   make run    set up (first time) and run the whole job on the real photos
-#   make test   set up (first time), lint, type-check and run the tests
-PYTHON ?= python3
-VENV   ?= .venv
-BIN    := $(VENV)/bin
-PHOTOS ?= ../shared/data/flower_photos
-OUT    ?= output/flowers
-ARGS   ?=
+#   make test   set up (first time), lint, type-check, then run the tests twice:
+#               test-local  the whole suite in .venv (requirements/lock.txt, both loaders,
+#                           the project installed editable)
+#               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
+#                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
+#                           [streaming] extra, with data.loader=streaming
+# Each part prints how long it took ("==> part: N s"); with TIMES_LOG=FILE the lines are
+# also appended to FILE (.ci/run prints them at the end).
+PYTHON   ?= python3
+VENV     ?= .venv
+BIN      := $(VENV)/bin
+DBR_VENV ?= .venv-dbr
+DBR_BIN  := $(abspath $(DBR_VENV))/bin
+PHOTOS   ?= ../shared/data/flower_photos
+OUT      ?= output/flowers
+ARGS     ?=
+TIMES_LOG ?=
+# Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way).
+WHEEL_DIR ?= dist
+# The test files that run in the DBR 17.3 environment.
+DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
+	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py
+# The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs. Both run
+# in .venv; CI gives petastorm to test-local and streaming to test-dbr, so that each
+# loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
+LOCAL_LOADERS ?= petastorm
 
-.PHONY: setup run test lint typecheck unit clean
+.PHONY: setup setup-dbr run test test-local test-dbr wheel-dbr lint typecheck clean
+
+# `t0=$$(date +%s)` at the start of a recipe's shell, then $(call took,PART) at its end.
+define took
+echo "==> $(1): $$(( $$(date +%s) - t0 )) s" | tee -a $(or $(TIMES_LOG),/dev/null)
+endef
+
+# pytest's exit status, with "no tests collected" (5) named as the failure it is.
+define pytest_status
+if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): failing" >&2; fi
+endef
 
 $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	@command -v java >/dev/null || { echo "Spark needs Java 17: installing openjdk-17-jre-headless"; \
 		apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements/lock.txt
-	# petastorm 0.13.1 pins setuptools<70, which conflicts with torch; its real needs are in the lock.
-	$(BIN)/pip install -q --no-deps petastorm==0.13.1
-	$(BIN)/pip install -q --no-deps -e .
+	@set -e; t0=$$(date +%s); set -x; \
+	$(PYTHON) -m venv $(VENV); \
+	$(BIN)/pip install -q --upgrade pip; \
+	$(BIN)/pip install -q -r requirements/lock.txt; \
+	: petastorm 0.13.1 pins setuptools'<70', which conflicts with torch: its real needs are in the lock.; \
+	$(BIN)/pip install -q --no-deps petastorm==0.13.1; \
+	$(BIN)/pip install -q --no-deps -e .; \
+	set +x; $(call took,install local)
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The DBR 17.3 LTS ML-like environment: the lock file only, no project (test-dbr installs
+# the built wheel into it).
+$(DBR_VENV)/.installed: requirements/dbr-17.3-ml.txt
+	@set -e; t0=$$(date +%s); set -x; \
+	rm -rf $(DBR_VENV); \
+	$(PYTHON) -m venv $(DBR_VENV); \
+	$(DBR_BIN)/pip install -q --upgrade pip; \
+	$(DBR_BIN)/pip install -q -r requirements/dbr-17.3-ml.txt; \
+	set +x; $(call took,install dbr)
+	touch $@
+
+setup-dbr: $(DBR_VENV)/.installed
 
 run: setup
 	$(BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) $(ARGS)
@@ -33,8 +77,42 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-test: lint typecheck
-	$(BIN)/python -m pytest
+test: lint typecheck test-local test-dbr
+
+test-local: setup
+	@t0=$$(date +%s); rc=0; set -x; \
+	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest || rc=$$?; \
+	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
+
+# Build the wheel (as the bundle's artifact does) and install it into .venv-dbr with its
+# [streaming] extra, from the lock file's packages only (--no-index): the wheel's
+# requirements must be met by the 17.3 versions without fetching or changing anything.
+wheel-dbr: setup-dbr
+	@set -e; t0=$$(date +%s); set -x; \
+	rm -rf $(WHEEL_DIR) build; \
+	$(DBR_BIN)/python -m build --wheel --outdir $(WHEEL_DIR) . >/dev/null; \
+	$(DBR_BIN)/pip uninstall -q -y flowers-job; \
+	$(DBR_BIN)/pip install -q --no-index "$$(ls $(WHEEL_DIR)/flowers_job-*.whl)[streaming]"; \
+	$(DBR_BIN)/pip check; \
+	set +x; $(call took,build and install wheel dbr)
+
+# The tests run from a copy of tests/ in a temp dir, so that neither pytest nor the
+# processes it starts (TorchDistributor's `python -m torch.distributed.run` children, the
+# CLI runs) can import the repo's flowers_job/ source instead of the installed wheel;
+# FLOWERS_REPO_ROOT points test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at
+# the wheel under test.
+test-dbr: wheel-dbr
+	@set -e; t0=$$(date +%s); rc=0; \
+	run=$$(mktemp -d); trap 'rm -rf "$$run"' EXIT; \
+	cp -r tests configs pyproject.toml "$$run"/; \
+	find "$$run" -name __pycache__ -prune -exec rm -rf {} +; \
+	cd "$$run"; set -x; \
+	$(DBR_BIN)/python -c "import flowers_job, pathlib, sysconfig; f = pathlib.Path(flowers_job.__file__).resolve(); site = pathlib.Path(sysconfig.get_paths()['purelib']).resolve(); assert site in f.parents, f'flowers_job is imported from {f}, not from the installed wheel in {site}'; print('flowers_job from', f)"; \
+	FLOWERS_TEST_LOADERS=streaming FLOWERS_EXPECT_WHEEL=1 \
+	FLOWERS_PHOTOS=$(abspath $(PHOTOS)) FLOWERS_REPO_ROOT=$(CURDIR) \
+	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" \
+	$(DBR_BIN)/python -m pytest -p no:cacheprovider $(addprefix tests/,$(DBR_TESTS)) || rc=$$?; \
+	set +x; $(call took,tests dbr); $(call pytest_status); exit $$rc
 
 clean:
-	rm -rf output .pytest_cache .mypy_cache .ruff_cache
+	rm -rf output .pytest_cache .mypy_cache .ruff_cache dist build

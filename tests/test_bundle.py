@@ -1,18 +1,36 @@
-"""Deployment files: the Databricks Asset Bundle (databricks.yml) and docker/Dockerfile.
+"""Deployment files: the Databricks Asset Bundle (databricks.yml), the wheel's requirements
+and docker/Dockerfile.
 
 databricks.yml is validated against the bundle JSON schema that the Databricks CLI
 publishes (kept in ../shared/schemas, see SOURCE.md there), then checked for the facts the
 schema cannot see: declared variables, the job's arguments, the targets' distributed mode.
 No Spark, no network: these run in well under a second.
+
+The wheel's requirements are checked against the versions Databricks Runtime 17.3 LTS ML
+ships (../shared/runtimes/dbr-17.3-lts-ml.txt): offline from pyproject.toml, then (marked
+``network``) by building the wheel and letting pip resolve what the bundle installs, against
+those versions and against this environment, which must not change.
+
+The repo's files are found next to this file, or under ``FLOWERS_REPO_ROOT`` when the tests
+run from a copy (``make test-dbr``). ``FLOWERS_WHEEL`` names an already built wheel to check
+instead of building one; ``FLOWERS_EXPECT_WHEEL=1`` requires ``flowers_job`` to be imported
+from site-packages (the installed wheel), not from a source checkout.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
 import tomllib
+import urllib.request
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +40,11 @@ from jsonschema import Draft202012Validator, ValidationError, validators
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("FLOWERS_REPO_ROOT") or Path(__file__).resolve().parents[1])
 BUNDLE = ROOT / "databricks.yml"
+PYPROJECT = ROOT / "pyproject.toml"
 SCHEMA = ROOT.parent / "shared" / "schemas" / "databricks-bundle.schema.json"
+RUNTIME = ROOT.parent / "shared" / "runtimes" / "dbr-17.3-lts-ml.txt"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
@@ -236,10 +256,15 @@ def test_tracking_goes_to_databricks_and_unity_catalog(bundle: dict[str, Any]) -
         assert len(name.split(".")) == 3, f"{target}: {name} is not catalog.schema.model"
 
 
+def test_task_reads_with_mosaic_streaming(bundle: dict[str, Any]) -> None:
+    for target in bundle["targets"]:
+        assert _settings(_task_args(bundle, target))["data.loader"] == "streaming", target
+
+
 def test_libraries_are_the_built_wheel_and_pins_that_match_pyproject(
     bundle: dict[str, Any],
 ) -> None:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    project = _project()
     wheel_prefix = canonicalize_name(project["name"]).replace("-", "_") + "-"
     (artifact,) = bundle["artifacts"].values()
     assert artifact["type"] == "whl"
@@ -248,17 +273,226 @@ def test_libraries_are_the_built_wheel_and_pins_that_match_pyproject(
     wheels = [lib["whl"] for lib in libraries if "whl" in lib]
     assert wheels and set(wheels) <= built, f"task wheels {wheels} are not the artifact {built}"
     assert all(Path(w).name.startswith(wheel_prefix) for w in wheels), wheels
+    # A `whl` library takes no extras: the [streaming] extra's packages are pypi libraries.
     wanted = {
-        canonicalize_name(Requirement(d).name): Requirement(d) for d in project["dependencies"]
+        canonicalize_name(r.name): r
+        for r in _requirements(project["dependencies"] + _extra(project, "streaming"))
     }
-    pins = [Requirement(lib["pypi"]["package"]) for lib in libraries if "pypi" in lib]
-    assert {canonicalize_name(p.name) for p in pins} >= {"petastorm"}
+    pins = _bundle_pins(bundle)
+    names = {canonicalize_name(p.name) for p in pins}
+    assert "petastorm" not in names, "the bundle installs petastorm, which 17.3 cannot run"
+    streaming = {canonicalize_name(r.name) for r in _requirements(_extra(project, "streaming"))}
+    assert streaming <= names, f"the [streaming] extra {sorted(streaming)} is not installed"
+    runtime = _runtime_versions()
     for pin in pins:
         (spec,) = pin.specifier
         assert spec.operator == "==", f"{pin} is not an exact pin"
-        dep = wanted.get(canonicalize_name(pin.name))
-        assert dep is not None, f"{pin.name} is not a dependency in pyproject.toml"
+        name = canonicalize_name(pin.name)
+        dep = wanted.get(name)
+        assert dep is not None, f"{pin.name} is not a requirement of the wheel or [streaming]"
         assert dep.specifier.contains(spec.version), f"{pin} does not satisfy pyproject's {dep}"
+        if name in runtime:  # a package the runtime ships: exactly its version, no change
+            assert spec.version == runtime[name], f"{pin}: 17.3 LTS ML ships {runtime[name]}"
+
+
+# --- the wheel's requirements against Databricks Runtime 17.3 LTS ML -----------------------
+
+
+def _project() -> dict[str, Any]:
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+    assert isinstance(project, dict)
+    return project
+
+
+def _extra(project: dict[str, Any], name: str) -> list[str]:
+    extras = project.get("optional-dependencies") or {}
+    assert name in extras, f"pyproject.toml has no [{name}] extra"
+    return list(extras[name])
+
+
+def _requirements(lines: list[str]) -> list[Requirement]:
+    return [Requirement(line) for line in lines]
+
+
+def _bundle_pins(bundle: dict[str, Any]) -> list[Requirement]:
+    return [
+        Requirement(lib["pypi"]["package"]) for lib in _task(bundle)["libraries"] if "pypi" in lib
+    ]
+
+
+def _runtime_versions() -> dict[str, str]:
+    """``{name: version}`` that Databricks Runtime 17.3 LTS ML ships (../shared/runtimes)."""
+    if not RUNTIME.is_file():
+        pytest.skip(f"the 17.3 LTS ML versions are not at {RUNTIME} (shared/runtimes is absent)")
+    pins: dict[str, str] = {}
+    for raw in RUNTIME.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            pins[canonicalize_name(req.name)] = spec.version
+    assert {"numpy", "pyarrow", "torch", "mlflow-skinny"} <= set(pins), pins
+    return pins
+
+
+def test_wheel_requirements_admit_the_runtime_versions() -> None:
+    """Offline: every requirement of the wheel and of [streaming] allows 17.3's version."""
+    project = _project()
+    runtime = _runtime_versions()
+    reqs = _requirements(project["dependencies"] + _extra(project, "streaming"))
+    names = {canonicalize_name(r.name) for r in reqs}
+    assert "petastorm" not in names, "petastorm is a requirement of the wheel, not an extra"
+    assert "mlflow" not in names, "the wheel needs mlflow-skinny (what runtimes ship), not mlflow"
+    assert "mlflow-skinny" in names
+    refused = [
+        f"{r} refuses {name}=={runtime[name]}"
+        for r in reqs
+        if (name := canonicalize_name(r.name)) in runtime
+        and not r.specifier.contains(runtime[name], prereleases=True)
+    ]
+    assert not refused, "the wheel would change Databricks Runtime 17.3 LTS ML:\n" + "\n".join(
+        refused
+    )
+    # The Petastorm bounds belong to its extra, and pyarrow 19 / NumPy 2 are outside them.
+    petastorm: dict[str, Requirement] = {
+        canonicalize_name(r.name): r for r in _requirements(_extra(project, "petastorm"))
+    }
+    assert "petastorm" in petastorm
+    assert not petastorm["pyarrow"].specifier.contains(runtime["pyarrow"])
+    assert not petastorm["numpy"].specifier.contains(runtime["numpy"])
+
+
+def test_flowers_job_is_the_installed_wheel_when_required() -> None:
+    if os.environ.get("FLOWERS_EXPECT_WHEEL") != "1":
+        pytest.skip("FLOWERS_EXPECT_WHEEL is not set (only `make test-dbr` tests the wheel)")
+    import flowers_job
+
+    module = Path(flowers_job.__file__).resolve()
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    assert site in module.parents, f"flowers_job comes from {module}, not the wheel in {site}"
+    dist = metadata.distribution("flowers-job")
+    assert dist.read_text("direct_url.json") is None or '"editable": true' not in (
+        dist.read_text("direct_url.json") or ""
+    ), "flowers-job is installed editable, not as a built wheel"
+
+
+def _index_url() -> str:
+    return os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+
+
+@pytest.fixture(scope="module")
+def pypi() -> None:
+    """Skip, naming why, when pip cannot reach its index (offline machine)."""
+    url = f"{_index_url()}/pip/"
+    try:
+        with urllib.request.urlopen(url, timeout=15) as response:
+            response.read(1)
+    except OSError as exc:
+        pytest.skip(f"the package index {url} cannot be reached: {exc}")
+
+
+@pytest.fixture(scope="module")
+def wheel(pypi: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel: FLOWERS_WHEEL, or built from a copy of the sources."""
+    given = os.environ.get("FLOWERS_WHEEL")
+    if given:
+        return Path(given).resolve()
+    src = tmp_path_factory.mktemp("wheel-src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(
+        ROOT / "flowers_job", src / "flowers_job", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    out = tmp_path_factory.mktemp("wheel")
+    _pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(src))
+    (built,) = out.glob("flowers_job-*.whl")
+    return built
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert proc.returncode == 0, f"pip {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _dry_run(tmp_path: Path, *args: str) -> list[tuple[str, str]]:
+    """``(name, version)`` of every package ``pip install --dry-run ARGS`` would install."""
+    report = tmp_path / "report.json"
+    _pip("install", "--dry-run", "--quiet", "--report", str(report), *args)
+    items = json.loads(report.read_text(encoding="utf-8"))["install"]
+    return [
+        (canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"]) for item in items
+    ]
+
+
+@pytest.mark.network
+@pytest.mark.timeout(600)
+def test_bundle_libraries_resolve_at_the_runtime_versions(
+    bundle: dict[str, Any], wheel: Path, tmp_path: Path
+) -> None:
+    """From scratch, constrained to 17.3's versions: pip finds a solution (or the wheel asks
+    for a version the runtime does not have) and installs the runtime's versions."""
+    runtime = _runtime_versions()
+    installs = _dry_run(
+        tmp_path,
+        "--ignore-installed",
+        "--constraint",
+        str(RUNTIME),
+        f"{wheel}[streaming]",
+        *(str(pin) for pin in _bundle_pins(bundle)),
+    )
+    got = dict(installs)
+    assert "flowers-job" in got, installs
+    assert "petastorm" not in got
+    assert "pyspark" not in got, "the wheel pulls pyspark (mosaicml-streaming's spark extra?)"
+    other = {n: (v, runtime[n]) for n, v in got.items() if n in runtime and v != runtime[n]}
+    assert not other, f"versions other than 17.3's: {other}"
+    for name in ("numpy", "pyarrow", "torch", "mlflow-skinny", "mosaicml-streaming"):
+        assert got.get(name) == runtime[name], f"{name}: {got.get(name)}"
+
+
+@pytest.mark.network
+@pytest.mark.timeout(600)
+def test_installing_the_bundle_libraries_changes_nothing_installed(
+    bundle: dict[str, Any], wheel: Path, tmp_path: Path
+) -> None:
+    """Installing into this environment would add or change no package but the project.
+
+    In an environment with the 17.3 versions (``make test-dbr``: requirements/dbr-17.3-ml.txt,
+    required there) that is everything the bundle installs: the wheel with [streaming] and
+    its pypi libraries. Elsewhere (the local stack) it is the wheel with [streaming] only: the
+    bundle's pins are the runtime's versions, not this environment's.
+    """
+    runtime = _runtime_versions()
+    have = {name: _installed(name) for name in runtime}
+    is_runtime = have == runtime
+    if os.environ.get("FLOWERS_EXPECT_WHEEL") == "1":
+        assert is_runtime, f"this is not the 17.3 environment: {have} != {runtime}"
+    pins = [str(pin) for pin in _bundle_pins(bundle)] if is_runtime else []
+    installs = _dry_run(tmp_path, f"{wheel}[streaming]", *pins)
+    changes = []
+    for name, version in installs:
+        if name == "flowers-job":
+            continue
+        installed = _installed(name)
+        if installed is None:
+            changes.append(f"{name}: not installed, would install {version}")
+        else:
+            changes.append(f"{name}: {installed} would become {version}")
+    assert not changes, f"installing into {sys.prefix} would change:\n" + "\n".join(changes)
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 # --- docker/Dockerfile --------------------------------------------------------------------
