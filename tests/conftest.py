@@ -98,3 +98,18 @@ def loader(request: pytest.FixtureRequest) -> str:
     if reason is not None:
         pytest.skip(reason)
     return name
+
+
+@pytest.fixture(autouse=True)
+def _restore_tracking_credentials() -> Iterator[None]:
+    """The MLflow preflight exports the configured credentials into this process's
+    environment (the training processes inherit them); every test starts from the
+    environment the previous one found, so that none sees another's credentials."""
+    names = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -52,11 +52,12 @@ def test_auto_is_petastorm_where_it_runs_else_streaming(tmp_path: Path) -> None:
 def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The DBR 17.3 versions, faked in the version lookup only (see the module docstring)."""
+    """The DBR 17.3 versions, with petastorm 0.13.1 installed by a user, faked in the version
+    lookup only (see the module docstring)."""
     if loader_problem("streaming") is not None:
         pytest.skip(f"needs the streaming loader: {loader_problem('streaming')}")
     real = stack._version
-    fake = {"pyarrow": Version("19.0.1"), "numpy": Version("2.1.3")}
+    fake = {"pyarrow": Version("19.0.1"), "numpy": Version("2.1.3"), "petastorm": Version("0.13.1")}
     monkeypatch.setattr(stack, "_version", lambda dist: fake.get(dist) or real(dist))
     with pytest.raises(ConfigError) as err:
         resolve_loader(_cfg(tmp_path, "petastorm"))
