@@ -29,6 +29,7 @@ import io
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -184,7 +185,10 @@ def shard_batches(
 class ShardLoader(Protocol):
     """What the training loop sees of a loader: one iterator of batches per epoch."""
 
-    steps_per_epoch: int
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch, the same on every rank."""
+        ...
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         """This rank's batches of ``epoch`` (1-based): exactly ``steps_per_epoch`` of them.
@@ -203,6 +207,7 @@ def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
     return (seed * 1_000_003 + epoch * 1_009 + rank) % 2**32
 
 
+@dataclass
 class PetastormShardLoader:
     """Petastorm: shard ``rank`` of ``world_size``, re-cut to the plan's batch sizes.
 
@@ -212,22 +217,18 @@ class PetastormShardLoader:
     of an epoch is the same whenever it is run (with the 'dummy' reader pool).
     """
 
-    def __init__(
-        self,
-        plan: ShardPlan,
-        rank: int,
-        world_size: int,
-        transform: DecodeTransform,
-        *,
-        shuffle: bool,
-        seed: int,
-        reader_pool_type: str = "dummy",
-        shuffle_buffer_rows: int = 0,
-    ) -> None:
-        self.plan, self.rank, self.world_size = plan, rank, world_size
-        self.transform, self.shuffle, self.seed = transform, shuffle, seed
-        self.reader_pool_type, self.shuffle_buffer_rows = reader_pool_type, shuffle_buffer_rows
-        self.steps_per_epoch = plan.steps_per_epoch
+    plan: ShardPlan
+    rank: int
+    world_size: int
+    transform: DecodeTransform
+    shuffle: bool
+    seed: int
+    reader_pool_type: str = "dummy"
+    shuffle_buffer_rows: int = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         np.random.seed(_epoch_seed(self.seed, epoch, self.rank))  # Petastorm's shuffling buffer
@@ -283,7 +284,7 @@ class StreamingShardLoader:
             shuffle_seed=seed,
             num_canonical_nodes=num_nodes,
         )
-        at_driver_death(self.close)  # os._exit skips atexit: no shared memory is left behind
+        at_driver_death(self._release)  # os._exit skips atexit: no shared memory left
         self.loader = StreamingDataLoader(
             self.dataset,
             batch_size=plan.per_device_batch_size,
@@ -321,25 +322,32 @@ class StreamingShardLoader:
             )
 
     def close(self) -> None:
-        """Remove what Streaming keeps outside the process: its shared-memory blocks and the
-        lock files in the temp dir. Streaming unlinks the blocks only at normal interpreter
-        exit and never removes the lock files (every later run on the host then skips their
-        prefix). Safe to call more than once, and from the driver watchdog."""
-        from multiprocessing import shared_memory
-
-        from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, SHM_TO_CLEAN
+        """Remove the lock files Streaming leaves in the temp dir: it never removes them, and
+        every later run on the host then skips their prefix. Its shared-memory blocks go
+        with Streaming's own ``atexit`` handlers when the process exits."""
+        from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
 
         prefix = getattr(self.dataset, "_shm_prefix_int", None)
         if prefix is None:
             return
-        for name in SHM_TO_CLEAN:
+        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
+
+    def _release(self) -> None:
+        """The watchdog's cleanup: ``os._exit`` skips the ``atexit`` handlers, so unlink
+        Streaming's shared-memory blocks here, then remove the lock files."""
+        from multiprocessing import shared_memory
+
+        from streaming.base.constant import SHM_TO_CLEAN
+
+        prefix = getattr(self.dataset, "_shm_prefix_int", None)
+        for name in SHM_TO_CLEAN if prefix is not None else ():
             with contextlib.suppress(OSError, ValueError):
                 block = shared_memory.SharedMemory(f"{prefix:06}_{name}")
                 block.close()
                 block.unlink()
-        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
+        self.close()
 
 
 def _local_path(url: str) -> Path:
