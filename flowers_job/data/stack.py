@@ -61,21 +61,22 @@ def loader_problem(loader: str) -> str | None:
     """
     dist = _PACKAGES[loader]
     version = _version(dist)
-    if version is None:
-        return f"{dist} is not installed (pip install '{_EXTRAS[loader]}')"
-    if loader == "petastorm":
+    if loader == "petastorm":  # the stack first: installing petastorm would not help
         pyarrow, numpy = _version("pyarrow"), _version("numpy")
+        name = f"petastorm {version}" if version else "petastorm (0.13.1, its latest release)"
         if pyarrow is not None and pyarrow >= Version("15"):
             return (
-                f"petastorm {version} cannot run with pyarrow {pyarrow}: it reads with pyarrow's "
-                "legacy ParquetDataset (removed in pyarrow 15) and imports pyarrow.hdfs and "
+                f"{name} cannot run with pyarrow {pyarrow}: it reads with pyarrow's legacy "
+                "ParquetDataset (removed in pyarrow 15) and imports pyarrow.hdfs and "
                 "pyarrow.filesystem (removed in 16); it needs pyarrow < 15"
             )
         if numpy is not None and numpy >= Version("2"):
             return (
-                f"petastorm {version} cannot run with numpy {numpy}: it uses np.unicode_, "
-                "removed in NumPy 2; it needs numpy < 2"
+                f"{name} cannot run with numpy {numpy}: it uses np.unicode_, removed in "
+                "NumPy 2; it needs numpy < 2"
             )
+    if version is None:
+        return f"{dist} is not installed (pip install '{_EXTRAS[loader]}')"
     module = "petastorm.spark" if loader == "petastorm" else "streaming"
     try:
         importlib.import_module(module)

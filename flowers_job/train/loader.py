@@ -84,16 +84,23 @@ class DecodeTransform:
         self.std = std
         self._tf: Callable[[Image.Image], torch.Tensor] | None = None
 
-    def decode(self, content: bytes) -> torch.Tensor:
-        """One stored JPEG -> float32 ``[3, S, S]``, augmented (train) and normalised."""
+    def warm_up(self) -> DecodeTransform:
+        """Build the torchvision transform now (its first use imports torchvision, ~2 s),
+        so that the first timed epoch does not pay for it. Returns ``self``."""
         if self._tf is None:
             self._tf = (
                 train_transform(self.image_size, self.mean, self.std)
                 if self.train
                 else eval_transform(self.image_size, self.resize_size, self.mean, self.std)
             )
+        return self
+
+    def decode(self, content: bytes) -> torch.Tensor:
+        """One stored JPEG -> float32 ``[3, S, S]``, augmented (train) and normalised."""
+        tf = self.warm_up()._tf
+        assert tf is not None
         with Image.open(io.BytesIO(content)) as img:
-            return self._tf(img.convert("RGB"))
+            return tf(img.convert("RGB"))
 
     def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
         images = [

@@ -53,7 +53,7 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
             int(job["resize_size"]),
             tuple(job["mean"]),
             tuple(job["std"]),
-        )
+        ).warm_up()  # every reader starts its first epoch with the transform built
         num_nodes = describe_hosts(ctx) or 1
         loader = open_loader(
             plan,
