@@ -266,7 +266,7 @@ class StreamingShardLoader:
     Streaming's own resume state (``load_state_dict``) before each pass, so its shuffle
     (``py1e``, seeded by ``shuffle_seed + epoch``) is a function of ``(seed, epoch)``.
     ``StreamingDataset`` reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
-    from the environment (:func:`flowers_job.distributed.describe_hosts_to_libraries`).
+    from the environment (:func:`flowers_job.distributed.describe_hosts`).
     """
 
     def __init__(
