@@ -77,6 +77,21 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return sample_photos(tmp_path_factory.mktemp("photos"), per_label=12)
 
 
+@pytest.fixture(scope="session")
+def tables(spark: object, photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An output dir holding the four Delta tables of ``photos`` ingested at 32 px, shared by
+    the tests that prepare loader caches from them (each cache lives in its own run folder)."""
+    from flowers_job.config import load_config
+    from flowers_job.data.ingest import ingest
+
+    out = tmp_path_factory.mktemp("tables32")
+    cfg = load_config(
+        None, ["data.image_size=32"], **{"data.images": photos, "paths.output_dir": out}
+    )
+    ingest(spark, cfg)  # type: ignore[arg-type]
+    return out
+
+
 def loader_skip_reason(name: str) -> str | None:
     """Why the tests of loader ``name`` do not run here (None: they do)."""
     from flowers_job.data.stack import loader_problem

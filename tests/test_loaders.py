@@ -19,7 +19,6 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.ingest import ingest
 from flowers_job.data.prepare import prepare_data
 from flowers_job.data.shards import CHECKSUM_MODULUS, ShardPlan
 from flowers_job.models import preprocessing_for
@@ -27,18 +26,6 @@ from flowers_job.train.loader import ShardError
 from flowers_job.train.worker import check_shard, check_totals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def tables(spark: SparkSession, photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("loaders")
-    ingest(
-        spark,
-        load_config(
-            None, ["data.image_size=32"], **{"data.images": photos, "paths.output_dir": out}
-        ),
-    )
-    return out
 
 
 def _read(plan: ShardPlan, world_size: int, epochs: list[int], seed: int = 7) -> dict[str, Any]:

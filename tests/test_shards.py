@@ -14,7 +14,6 @@ import torch
 from pyspark.sql import SparkSession
 
 from flowers_job.config import load_config
-from flowers_job.data.ingest import ingest
 from flowers_job.data.prepare import prepare_data
 from flowers_job.data.shards import DataError, plan_shards
 from flowers_job.models import preprocessing_for
@@ -25,18 +24,6 @@ from .conftest import loader_skip_reason
 pytestmark = pytest.mark.timeout(600)
 _PETASTORM = loader_skip_reason("petastorm")
 petastorm_only = pytest.mark.skipif(_PETASTORM is not None, reason=str(_PETASTORM))
-
-
-@pytest.fixture(scope="module")
-def tables(spark: SparkSession, photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shards")
-    ingest(
-        spark,
-        load_config(
-            None, ["data.image_size=32"], **{"data.images": photos, "paths.output_dir": out}
-        ),
-    )
-    return out
 
 
 def _read_epoch(
