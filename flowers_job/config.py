@@ -248,6 +248,10 @@ class DistributedConfig(_Section):
     """torch.distributed backend: 'auto' = nccl on GPU, gloo on CPU."""
     timeout_seconds: float = Field(600.0, gt=0.0, le=86_400.0)
     """Process-group timeout (seconds): a collective that waits longer fails the run."""
+    executor_wait_seconds: float = Field(120.0, ge=0.0, le=3600.0)
+    """Barrier mode on a cluster: the longest the driver waits for enough executors to
+    register (seconds) before it refuses ``num_processes`` as more than the cluster's task
+    slots; it stops sooner once the slot count has not changed for 15 s."""
 
     @model_validator(mode="after")
     def _check(self) -> DistributedConfig:
@@ -265,6 +269,12 @@ class TrackingConfig(_Section):
     registered_model_name: str | None = Field("flowers_classifier", min_length=1)
     """Name in the MLflow model registry; None = log the model without registering it."""
     run_name: str | None = None
+    store_is_shared: bool = False
+    """A ``sqlite:``/``file:`` store (the default is ``sqlite:///<output_dir>/mlflow.db``) with
+    ``distributed.local_mode=false`` on a cluster: rank 0 writes it from an executor, so it
+    must be on storage the driver and every executor share. Refused unless set; the job then
+    checks that it is shared. A tracking server (``http(s)://``, ``databricks``) is better:
+    sqlite over NFS or FUSE is unreliable."""
     username: str | None = None
     """User name for a tracking server with basic auth (exported as MLFLOW_TRACKING_USERNAME)."""
     password: SecretStr | None = Field(None, exclude=True)

@@ -23,7 +23,10 @@ __all__ = [
     "broadcast_object",
     "describe_hosts",
     "env_rank",
+    "gather_ranks",
     "init_distributed",
+    "rank_address",
+    "set_socket_interface",
     "shutdown_distributed",
 ]
 
@@ -87,6 +90,7 @@ def init_distributed(
     if threads_per_process:
         torch.set_num_threads(threads_per_process)
     chosen = ("nccl" if use_gpu else "gloo") if backend == "auto" else backend
+    set_socket_interface()
     if not dist.is_initialized():
         dist.init_process_group(
             backend=chosen,
@@ -124,10 +128,79 @@ def env_rank() -> int | None:
     return int(value) if value is not None else None
 
 
-def describe_hosts(ctx: DistContext) -> int | None:
+def rank_address() -> str | None:
+    """The address this rank's host uses in the Spark cluster, as an IP string.
+
+    ``SPARK_LOCAL_IP`` when set (Spark binds and advertises it); otherwise the source address
+    of this host's route to ``MASTER_ADDR`` (rank 0's executor address in barrier mode, the
+    local host in local mode): the interface the other ranks reach this host through. Not
+    the host name's address: on many clusters (Debian's default ``/etc/hosts``) the host
+    name resolves to 127.0.1.1. None when neither can be determined.
+    """
+    local_ip = os.environ.get("SPARK_LOCAL_IP")
+    if local_ip:
+        return local_ip
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # no packet sent
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def set_socket_interface() -> str | None:
+    """Point gloo and NCCL at the interface of :func:`rank_address`.
+
+    gloo (and NCCL's bootstrap) otherwise pick their address from the host name, which on
+    a host whose name resolves to loopback makes every peer dial 127.0.x.x and the
+    rendezvous fail with "Gloo connectFullMesh failed ... timed out connecting".
+    ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` already set (by the user, or
+    ``spark.executorEnv.*``) are left as they are.
+
+    Returns:
+        The interface name now in ``GLOO_SOCKET_IFNAME``, or None when none was derived.
+    """
+    import psutil
+
+    address = rank_address()
+    iface = None
+    if address:
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+                iface = name
+                break
+    if iface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def gather_ranks(ctx: DistContext) -> list[dict[str, Any]]:
+    """Every rank's ``{"rank", "host", "address", "pid", "interface"}``, in rank order.
+
+    A collective (every rank calls it): host name, :func:`rank_address`, process id and the
+    socket interface of each rank, for the summary and for :func:`describe_hosts`.
+    """
+    me = {
+        "rank": ctx.rank,
+        "host": socket.gethostname(),
+        "address": rank_address(),
+        "pid": os.getpid(),
+        "interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+    }
+    ranks: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(ranks, me)
+    return ranks
+
+
+def describe_hosts(ctx: DistContext, ranks: list[dict[str, Any]] | None = None) -> int | None:
     """Make ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` describe the ranks that share this host.
 
-    A collective (every rank calls it). torchrun sets them per torchrun "node", and
+    A collective (every rank calls it) unless ``ranks`` (:func:`gather_ranks`) is given.
+    torchrun sets them per torchrun "node", and
     TorchDistributor's barrier mode starts one torchrun per Spark task, so two ranks on one
     executor host both claim ``LOCAL_RANK=0, LOCAL_WORLD_SIZE=1``. Mosaic Streaming reads
     these variables to decide which processes share its shared memory and local files; two
@@ -138,8 +211,7 @@ def describe_hosts(ctx: DistContext) -> int | None:
         The number of hosts, when every host runs the same number of ranks with consecutive
         global ranks (the layout Streaming can describe); None otherwise (variables unchanged).
     """
-    hosts: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = [r["host"] for r in (ranks if ranks is not None else gather_ranks(ctx))]
     order = list(dict.fromkeys(hosts))
     per_host = ctx.world_size // len(order)
     regular = per_host * len(order) == ctx.world_size and all(

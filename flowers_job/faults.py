@@ -13,6 +13,9 @@ kind                what that rank does at that epoch
                     temporary file is written, not yet synced nor renamed over
                     ``last.pt``; for at most :data:`HANG_SECONDS`, so a test can kill
                     the driver there
+``slow_registration`` ``slow_registration:<rank>:<seconds>``: that rank (rank 0 registers the
+                    model) sleeps ``<seconds>`` before logging and registering the model, as
+                    a slow model registry does
 =================== ======================================================================
 
 The tests in ``tests/test_faults.py`` use it with real TorchDistributor processes;
@@ -28,7 +31,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-__all__ = ["FAULT_ENV", "HANG_SECONDS", "inject", "mid_epoch"]
+__all__ = ["FAULT_ENV", "HANG_SECONDS", "delay", "inject", "mid_epoch"]
 
 T = TypeVar("T")
 
@@ -61,3 +64,14 @@ def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterato
             inject("raise", rank, epoch)
             inject("hang", rank, epoch)
         yield batch
+
+
+def delay(kind: str, rank: int | None) -> None:
+    """Sleep the seconds that a ``<kind>:<rank>:<seconds>`` entry of ``FLOWERS_JOB_FAULT``
+    asks for (at most :data:`HANG_SECONDS`); nothing without one."""
+    for entry in os.environ.get(FAULT_ENV, "").split(","):
+        parts = entry.split(":")
+        if len(parts) == 3 and parts[0] == kind and parts[1] == str(rank):
+            seconds = min(float(parts[2]), HANG_SECONDS)
+            log.warning("injected fault %s: sleeping %.0f s", entry, seconds)
+            time.sleep(seconds)

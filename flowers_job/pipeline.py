@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
@@ -22,7 +23,8 @@ from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
 from flowers_job.data.stack import resolve_loader
 from flowers_job.processes import driver_identity
-from flowers_job.spark import task_slots
+from flowers_job.spark import executor_cores, task_slots, wait_for_slots
+from flowers_job.storage import check_shared_storage, is_local_master
 from flowers_job.tracking import preflight
 
 __all__ = [
@@ -83,47 +85,82 @@ def _use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
     return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
 
 
+def _local_store(uri: str) -> bool:
+    """An MLflow store on a local path (``sqlite:``, ``file:`` or a bare path)."""
+    return urlparse(uri).scheme in ("", "file", "sqlite")
+
+
 def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
-    """Check ``distributed`` against this Spark cluster; cheap, before any data is touched.
+    """Check ``distributed`` and ``tracking`` against this Spark cluster, before any data is
+    touched (seconds: on a cluster it waits for executors to register, at most
+    ``distributed.executor_wait_seconds``).
 
     Raises:
-        ConfigError: barrier mode (``local_mode=false``) with more processes than the
-            cluster's task slots (:func:`~flowers_job.spark.task_slots`), or GPUs requested
-            in local mode with fewer CUDA devices on the driver than processes. The message
-            names ``distributed.num_processes`` or ``distributed.use_gpu``.
+        ConfigError: naming the setting, when
+            - barrier mode (``local_mode=false``) asks for more processes than the cluster's
+              task slots (:func:`~flowers_job.spark.task_slots`: GPU slots when tasks ask
+              for GPUs);
+            - barrier mode on a real cluster (not ``local[...]``) with a ``sqlite:``/``file:``
+              tracking store not declared shared (``tracking.store_is_shared``): rank 0
+              writes it from an executor, on another host than the driver;
+            - GPUs are requested in local mode with fewer CUDA devices on the driver than
+              processes.
     """
     d = cfg.distributed
-    problem = None
+    problems = []
     if not d.local_mode:
-        slots = task_slots(spark)
+        local_master = is_local_master(spark)
+        slots = (
+            task_slots(spark)
+            if local_master
+            else wait_for_slots(spark, d.num_processes, d.executor_wait_seconds)
+        )
         if d.num_processes > slots:
-            problem = (
+            gpus = float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0)
+            kind = (
+                f"GPU task slots (spark.task.resource.gpu.amount={gpus:g} per task)"
+                if gpus > 0
+                else f"task slots (spark.task.cpus={spark.conf.get('spark.task.cpus', '1')})"
+            )
+            problems.append(
                 f"distributed.num_processes: {d.num_processes} processes, but this Spark cluster "
-                f"({spark.sparkContext.master}) has {slots} task slots; barrier mode "
-                "(distributed.local_mode=false) runs one task per process, all at once"
+                f"({spark.sparkContext.master}) has {slots} {kind}"
+                + ("" if local_master else f" after {d.executor_wait_seconds:g} s")
+                + "; barrier mode (distributed.local_mode=false) runs one task per process, "
+                "all at once"
+            )
+        if not local_master and _local_store(cfg.tracking_uri) and not cfg.tracking.store_is_shared:
+            problems.append(
+                f"tracking.tracking_uri: {cfg.tracking_uri} is a store on a local path, and with "
+                "distributed.local_mode=false rank 0 logs and registers from an executor on "
+                "another host: use an MLflow tracking server (http://HOST:5000, databricks), "
+                "or set tracking.store_is_shared=true if the path is on storage every host "
+                "shares (checked; sqlite over NFS or FUSE is unreliable)"
             )
     elif _use_gpu(spark, cfg):
         import torch
 
         gpus = torch.cuda.device_count()
         if gpus == 0:
-            problem = (
+            problems.append(
                 "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
                 "(local mode runs every process on the driver)"
             )
         elif d.num_processes > gpus:
-            problem = (
+            problems.append(
                 f"distributed.num_processes: {d.num_processes} processes, but the driver has "
                 f"{gpus} CUDA devices (local mode on GPUs: one device per process)"
             )
-    if problem:
-        raise ConfigError(f"invalid configuration:\n  {problem}")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _threads_per_process(spark: SparkSession, cfg: JobConfig) -> int:
+def _threads_per_process(cfg: JobConfig) -> int | None:
+    """Local mode: the driver's cores shared by the ranks. Barrier mode: None, each rank
+    decides from its executor's cores (:func:`flowers_job.train.worker.threads_for_rank`)."""
     if cfg.distributed.local_mode:
         return max(1, (os.cpu_count() or 1) // cfg.world_size)
-    return max(1, int(spark.conf.get("spark.task.cpus", "1") or 1))
+    return None
 
 
 def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
@@ -145,20 +182,44 @@ def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> Training
             f"out of memory?): {exc}"
         )
     first = min(reports, key=lambda r: r.get("time", 0.0))
+    where = _rank_hosts(failure_dir)
     silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
     note = (
-        f"\nranks {silent} reported no exception: stopped after the failure, or hung (a "
-        "collective that times out names distributed.timeout_seconds)"
+        f"\nranks {', '.join(f'{r}{where.get(r, str())}' for r in silent)} reported no "
+        "exception: killed (with their host, executor or driver), stopped after the failure, "
+        "or hung (a collective that times out names distributed.timeout_seconds)"
         if silent
         else ""
     )
     return TrainingError(
-        f"rank {first['rank']} failed: {first['type']}: {first['message']}{note}\n"
+        f"rank {first['rank']} failed{where.get(int(first['rank']), '')}: {first['type']}: "
+        f"{first['message']}{note}\n"
         f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
         rank=first["rank"],
         cause=f"{first['type']}: {first['message']}",
         reported_at=first.get("time"),
     )
+
+
+def _rank_hosts(report_dir: Path) -> dict[int, str]:
+    """`` on host (address)`` of each rank, from rank 0's ``ranks.json`` ({} without one)."""
+    from flowers_job.train.worker import RANKS_FILE
+
+    try:
+        ranks = json.loads((report_dir / RANKS_FILE).read_text())["ranks"]
+        return {int(r["rank"]): f" on host {r['host']} ({r['address']})" for r in ranks}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _registered_model(report_dir: Path) -> dict[str, Any]:
+    """What rank 0 wrote after registering the model (``model.json``), or {}."""
+    from flowers_job.train.worker import MODEL_FILE
+
+    try:
+        return dict(json.loads((report_dir / MODEL_FILE).read_text()))
+    except (OSError, ValueError):
+        return {}
 
 
 def training_job(
@@ -177,7 +238,9 @@ def training_job(
         "label_names": data.label_names,
         "example_images": data.example_images,
         "use_gpu": use_gpu,
-        "threads_per_process": _threads_per_process(spark, cfg),
+        "threads_per_process": _threads_per_process(cfg),
+        "executor_cores": {} if cfg.distributed.local_mode else executor_cores(spark),
+        "task_cpus": int(spark.conf.get("spark.task.cpus", "1") or 1),
         "failure_dir": failure_dir,
         "driver": driver_identity(),
     }
@@ -205,6 +268,7 @@ def run_training(
     cfg = resolve_loader(cfg)
     d = cfg.distributed
     check_cluster(spark, cfg)
+    check_shared_storage(spark, cfg)
     use_gpu = _use_gpu(spark, cfg)
     preflight(cfg)
     with (
@@ -227,6 +291,7 @@ def run_training(
                 RuntimeError(f"no result from rank 0 ({result!r})"),
                 cfg.world_size,
             )
+        result = {**result, **_registered_model(Path(failure_dir))}
         quarantined = (
             ingest_report.quarantined_rows
             if ingest_report is not None
@@ -261,6 +326,7 @@ def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
     cfg = resolve_loader(cfg)
     check_cluster(spark, cfg)
     preflight(cfg)
+    check_shared_storage(spark, cfg)
     report = run_ingest(spark, cfg)
     summary = run_training(spark, cfg, report)
     summary["job_seconds"] = time.perf_counter() - t0

@@ -20,7 +20,13 @@ from typing import Any
 
 import psutil
 
-__all__ = ["at_driver_death", "driver_identity", "process_alive", "watch_driver"]
+__all__ = [
+    "at_driver_death",
+    "driver_identity",
+    "process_alive",
+    "watch_driver",
+    "watched_processes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,27 +64,70 @@ def process_alive(identity: dict[str, Any]) -> bool:
         return False
 
 
-def watch_driver(driver: dict[str, Any] | None, interval_seconds: float = 2.0) -> bool:
-    """Exit this process (and its children) soon after the driver dies.
+def _is_jvm(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return proc.name() == "java" or os.path.basename(proc.exe()) == "java"
+    return False
 
-    A daemon thread checks every ``interval_seconds`` that the driver process still exists
-    and, once it does not, kills this process's children and ends it with ``os._exit(70)``.
+
+def _identity(proc: psutil.Process) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": proc.pid, "create_time": proc.create_time()}
+
+
+def watched_processes(driver: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The processes this rank must not outlive, as :func:`driver_identity` dicts.
+
+    The chain of this process's ancestors, nearest first, up to the first that is either
+    the driver (local mode: the ranks descend from it) or a JVM (barrier mode: the Spark
+    executor whose task started ``torchrun``, or the driver's JVM on a local master); plus
+    the driver itself when it runs on this host. Without either, the parent (``torchrun``).
+    """
+    here = bool(driver) and driver.get("host") == socket.gethostname()  # type: ignore[union-attr]
+    chain: list[psutil.Process] = []
+    for proc in psutil.Process().parents():
+        chain.append(proc)
+        if (here and proc.pid == int(driver["pid"])) or _is_jvm(proc):  # type: ignore[index]
+            break
+    else:
+        chain = chain[:1]
+    watched = [_identity(p) for p in chain if p.pid != 1]
+    if here and all(w["pid"] != int(driver["pid"]) for w in watched):  # type: ignore[index]
+        watched.append(dict(driver))  # type: ignore[arg-type]
+    return watched
+
+
+def watch_driver(driver: dict[str, Any] | None, interval_seconds: float = 2.0) -> bool:
+    """Exit this process (and its children) soon after the driver or the executor dies.
+
+    A daemon thread checks every ``interval_seconds`` that every process of
+    :func:`watched_processes` still exists and, once one does not, runs the
+    :func:`at_driver_death` cleanups, kills this process's children and ends it with
+    ``os._exit(70)``. In local mode that is the driver; on a cluster, where the driver is
+    on another host, the Spark executor (its JVM) that runs this rank's task, and the
+    processes between: a SIGKILLed driver, executor or Spark worker never leaves a rank
+    training on (measured times in the README, "Running on a cluster").
 
     Args:
-        driver: :func:`driver_identity` of the driver, or None to watch nothing.
+        driver: :func:`driver_identity` of the driver, or None.
         interval_seconds: polling period (seconds).
 
     Returns:
-        True if a watchdog was started; False when the driver runs on another host (a
-        cluster manager ends executors' processes when the driver goes).
+        True if a watchdog was started (False: nothing to watch).
     """
-    if not driver or driver.get("host") != socket.gethostname():
+    watched = watched_processes(driver)
+    if not watched:
         return False
 
     def watch() -> None:
-        while process_alive(driver):
+        while all(process_alive(w) for w in watched):
             time.sleep(interval_seconds)
-        log.error("the driver (pid %s) is gone: process %d exits", driver["pid"], os.getpid())
+        gone = next(w for w in watched if not process_alive(w))
+        log.error(
+            "process %s (%s) is gone: process %d exits",
+            gone["pid"],
+            "the driver" if driver and gone["pid"] == driver.get("pid") else "an ancestor",
+            os.getpid(),
+        )
         for cleanup in _AT_DRIVER_DEATH:
             try:
                 cleanup()

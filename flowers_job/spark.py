@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
-__all__ = ["get_spark", "task_slots"]
+__all__ = ["executor_cores", "get_spark", "task_slots", "wait_for_slots"]
 
 _LOCAL_DEFAULTS = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -77,9 +78,71 @@ def get_spark(
 
 
 def task_slots(spark: SparkSession) -> int:
-    """Concurrent task slots of the cluster: ``defaultParallelism / spark.task.cpus``.
+    """Concurrent task slots of the cluster's registered executors, as the scheduler counts
+    them for a barrier stage: per executor, the fewest of cores / ``spark.task.cpus`` and,
+    for every resource a task asks for (``spark.task.resource.gpu.amount``), the executor's
+    amount / the task's (Spark's ``SparkContext.maxNumConcurrentTasks``). On a local master
+    that is ``local[n]``'s n / ``spark.task.cpus``.
 
     Barrier mode (``local_mode=False``) needs one slot per training process.
     """
-    cpus_per_task = int(spark.conf.get("spark.task.cpus", "1") or 1)
-    return max(1, spark.sparkContext.defaultParallelism // cpus_per_task)
+    jsc = spark.sparkContext._jsc.sc()
+    try:
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        return int(jsc.maxNumConcurrentTasks(profile))
+    except Exception:  # an older JVM side: CPU slots only
+        cpus_per_task = int(spark.conf.get("spark.task.cpus", "1") or 1)
+        return max(1, spark.sparkContext.defaultParallelism // cpus_per_task)
+
+
+SLOTS_SETTLE_SECONDS = 15.0
+""":func:`wait_for_slots` stops waiting once the slot count has not changed for this long."""
+
+
+def wait_for_slots(
+    spark: SparkSession,
+    needed: int,
+    timeout_seconds: float,
+    settle_seconds: float = SLOTS_SETTLE_SECONDS,
+) -> int:
+    """:func:`task_slots`, polled until it reaches ``needed``, or it is above 0 and has not
+    changed for ``settle_seconds`` (every executor the cluster will give has registered), or
+    ``timeout_seconds`` pass.
+
+    Executors register with the driver seconds after the session starts (spark-submit on a
+    standalone or YARN cluster), so a count taken at once can be short.
+
+    Returns:
+        The last count (below ``needed`` only when it settled lower, or after the timeout).
+    """
+    start = time.monotonic()
+    slots = task_slots(spark)
+    changed = start
+    while slots < needed and time.monotonic() - start < timeout_seconds:
+        if slots > 0 and time.monotonic() - changed >= settle_seconds:
+            break
+        time.sleep(0.5)
+        now = task_slots(spark)
+        if now != slots:
+            slots, changed = now, time.monotonic()
+    return slots
+
+
+def executor_cores(spark: SparkSession) -> dict[str, int]:
+    """Cores of each registered executor, by its host (an address or a host name), from
+    Spark's status store (the UI's data; present with the UI disabled). Empty on a local
+    master, whose tasks run in the driver.
+    """
+    jsc = spark.sparkContext._jsc.sc()
+    cores: dict[str, int] = {}
+    try:
+        executors = jsc.statusStore().executorList(True)
+        for i in range(executors.size()):
+            e = executors.apply(i)
+            if e.id() == "driver":
+                continue
+            host = str(e.hostPort()).rsplit(":", 1)[0]
+            cores[host] = min(cores.get(host, 1 << 30), int(e.totalCores()))
+    except Exception:
+        return {}
+    return cores

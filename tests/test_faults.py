@@ -138,6 +138,27 @@ def test_a_failing_rank_is_named_with_its_exception(
     assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
 
 
+def test_a_slow_model_registration_does_not_run_into_the_process_group_timeout(
+    spark: SparkSession,
+    photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
+) -> None:
+    """Rank 0 registers the model after the last collective: a registry slower than
+    distributed.timeout_seconds does not fail a run whose training has finished, and the
+    driver's summary still has the registered version (whichever rank's result it got)."""
+    cfg = _fault_config(photos, tmp_path, loader, "distributed.timeout_seconds=10")
+    ingest(spark, cfg)
+    monkeypatch.setenv(FAULT_ENV, "slow_registration:0:25")
+    summary = run_training(spark, cfg)
+    assert summary["registered_model_version"] == 1
+    assert summary["model_uri"].startswith("models:/")
+    client = mlflow.MlflowClient(cfg.tracking_uri)
+    assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
+    assert not _training_processes()
+
+
 def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
     spark: SparkSession,
     photos: Path,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 
 from flowers_job.config import load_config
 from flowers_job.data.prepare import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
-from flowers_job.processes import driver_identity, process_alive, watch_driver
+from flowers_job.processes import driver_identity, process_alive, watched_processes
 from flowers_job.tracking import RunTracker
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,10 +72,15 @@ def test_a_rank_and_its_children_exit_when_the_driver_dies(tmp_path: Path) -> No
                 proc.kill()
 
 
-def test_watch_driver_ignores_a_driver_on_another_host() -> None:
+def test_a_rank_away_from_the_driver_watches_its_own_ancestors() -> None:
+    # On a cluster the driver is on another host: the rank watches the processes above it
+    # up to the executor's JVM. Above pytest there is no JVM: only the parent is watched.
     other = {**driver_identity(), "host": "not-" + socket.gethostname()}
-    assert watch_driver(other) is False  # a cluster manager ends remote executors
-    assert watch_driver(None) is False
+    assert [w["pid"] for w in watched_processes(other)] == [os.getppid()]
+    assert [w["pid"] for w in watched_processes(None)] == [os.getppid()]
+    # The driver on this host but not an ancestor: watched besides the parent.
+    me = driver_identity()
+    assert [w["pid"] for w in watched_processes(me)] == [os.getppid(), os.getpid()]
 
 
 def test_process_alive_tells_a_reused_pid_from_the_driver() -> None:

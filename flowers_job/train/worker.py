@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from flowers_job.distributed import (
     broadcast_object,
     describe_hosts,
     env_rank,
+    gather_ranks,
     init_distributed,
     shutdown_distributed,
 )
@@ -99,19 +101,34 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             timeout_seconds=cfg.distributed.timeout_seconds,
             threads_per_process=job.get("threads_per_process"),
         )
+        register: Callable[[], dict[str, Any]] | None = None
         try:
-            result = fit(
+            ranks = gather_ranks(ctx)
+            for r in ranks:
+                r["threads"] = job.get("threads_per_process") or threads_for_rank(job, ranks, r)
+            torch.set_num_threads(ranks[ctx.rank]["threads"])
+            if ctx.is_main:  # lets the driver name the host of a rank that dies silently
+                _write_json(Path(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
+            result, register = fit(
                 cfg,
                 ctx,
                 ShardPlan.from_dict(job["train"]),
                 ShardPlan.from_dict(job["val"]),
                 list(job["label_names"]),
                 [bytes(b) for b in job.get("example_images", [])],
+                ranks,
             )
-            result = broadcast_object(result, ctx)
+            result = broadcast_object(result, ctx)  # the last collective
         finally:
             shutdown_distributed()
         assert isinstance(result, dict)
+        if register is not None:
+            # Rank 0 logs and registers the model after every collective has ended: a slow
+            # registry never runs into distributed.timeout_seconds, and the other ranks
+            # have already returned. The driver merges model.json into its result.
+            registered = register()
+            _write_json(Path(job["failure_dir"]) / MODEL_FILE, registered)
+            result = {**result, **registered}
         return result
     except BaseException as exc:
         explained = _explain_timeout(exc, job)
@@ -123,6 +140,40 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         if explained is not None:
             raise explained from exc
         raise
+
+
+RANKS_FILE = "ranks.json"
+"""Written by rank 0 into the report dir once the group is up: every rank's host, address
+and pid (:func:`~flowers_job.distributed.gather_ranks`), for the driver's failure report."""
+MODEL_FILE = "model.json"
+"""Written by rank 0 into the job's report dir after registering the model: the model URI,
+version and run id, which the driver adds to the summary (local mode returns whichever
+rank's result was written last: STACK.md trap 4)."""
+
+
+def threads_for_rank(job: dict[str, Any], ranks: list[dict[str, Any]], me: dict[str, Any]) -> int:
+    """Intra-op threads of one barrier-mode rank: its executor's cores, shared by the ranks on
+    its host, and never fewer than ``spark.task.cpus``.
+
+    ``job["executor_cores"]`` maps each executor's host (address or name, from the driver's
+    status store) to its cores; the rank's executor is found by its address or host name,
+    else the smallest executor is assumed. Spark itself starts Python workers with
+    ``OMP_NUM_THREADS=spark.task.cpus`` (1 by default), which would leave all but one core
+    of an executor idle during training.
+    """
+    task_cpus = int(job.get("task_cpus") or 1)
+    cores_by_host: dict[str, int] = job.get("executor_cores") or {}
+    cores = cores_by_host.get(me.get("address") or "") or cores_by_host.get(me["host"])
+    if cores is None:
+        cores = min(cores_by_host.values()) if cores_by_host else task_cpus
+    sharing = sum(r["host"] == me["host"] for r in ranks)
+    return max(task_cpus, int(cores) // max(1, sharing))
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 class Terminated(SystemExit):
@@ -380,16 +431,22 @@ def fit(
     val_plan: ShardPlan,
     label_names: list[str],
     example_images: list[bytes],
-) -> dict[str, Any] | None:
-    """Train, validate, early-stop, checkpoint and (rank 0) log and register the model.
+    ranks: list[dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any] | None, Callable[[], dict[str, Any]] | None]:
+    """Train, validate, early-stop and checkpoint; (rank 0) log to MLflow.
 
-    ``example_images`` (stored JPEG bytes) become the registered model's input example.
+    ``example_images`` (stored JPEG bytes) become the registered model's input example;
+    ``ranks`` (:func:`~flowers_job.distributed.gather_ranks`, gathered when None) go into
+    the summary. On resume, rank 0 alone reads the checkpoint and broadcasts it: ranks never
+    read it separately (on a cluster they could see different files, or none).
 
     Returns:
-        On rank 0, the training summary: val_accuracy, val_loss, best_epoch,
-        epochs_completed, stop_reason, world_size, global_batch_size, learning_rate,
-        history, seconds_per_epoch, images_per_second, mlflow_run_id, model_uri,
-        registered_model_name, registered_model_version. None on other ranks.
+        ``(summary, register)``. On rank 0: the training summary (val_accuracy, val_loss,
+        best_epoch, epochs_completed, stop_reason, world_size, global_batch_size,
+        learning_rate, history, seconds_per_epoch, images_per_second, ranks, mlflow_run_id,
+        registered_model_name) and ``register``, which logs the model, registers it and ends
+        the MLflow run, returning ``{"model_uri", "registered_model_version"}``; call it
+        after the last collective. ``(None, None)`` on other ranks.
     """
     t_start = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
@@ -423,7 +480,7 @@ def fit(
     best_state: dict[str, torch.Tensor] | None = None
     stop_reason: str | None = None
     start_epoch = 1
-    state = load_checkpoint(cfg.paths.checkpoint_dir) if cfg.train.resume else None
+    state = _load_on_rank0(cfg, ctx) if cfg.train.resume else None
     if state is not None:
         _check_resumable(state, cfg, label_names)
         model.load_state_dict(state["model"])
@@ -484,7 +541,18 @@ def fit(
     train_tf = DecodeTransform(True, size, resize, pre.mean, pre.std)
     val_tf = DecodeTransform(False, size, resize, pre.mean, pre.std)
 
-    num_nodes = describe_hosts(ctx)
+    if ranks is None:
+        ranks = gather_ranks(ctx)
+    num_nodes = describe_hosts(ctx, ranks)
+    if ctx.is_main:
+        log.info(
+            "ranks: %s",
+            ", ".join(
+                f"{r['rank']}@{r['host']}({r['address']}, {r['interface']}, pid {r['pid']}, "
+                f"{r.get('threads')} threads)"
+                for r in ranks
+            ),
+        )
     if num_nodes is None and train_plan.loader == "streaming":
         raise RuntimeError(
             "data.loader=streaming: Mosaic Streaming needs the same number of ranks on every "
@@ -604,7 +672,7 @@ def fit(
     if es.restore_best_weights and best_state is not None:
         model.load_state_dict(best_state)
     if not ctx.is_main:
-        return None
+        return None, None
     assert tracker is not None
     best_epoch = stopper.best_epoch
     restored = es.restore_best_weights and best_state is not None
@@ -620,16 +688,9 @@ def fit(
         "max_pixels": cfg.data.max_image_pixels,
         "batch_size": 64,
     }
-    model_uri, version = tracker.log_model(
-        model, model_config, pd.DataFrame({"image": example_images})
-    )
-    tracker.log_epoch(
-        {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]}, best_epoch
-    )
-    tracker.finish()
     trained = [h for h in history if h["epoch"] >= start_epoch]
     seconds = [h["epoch_seconds"] for h in history]
-    return {
+    summary = {
         "val_accuracy": final["val_accuracy"],
         "val_loss": final["val_loss"],
         "best_epoch": best_epoch,
@@ -652,8 +713,41 @@ def fit(
         ),
         "train_seconds": time.perf_counter() - t_start,
         "history": history,
+        "ranks": ranks,
         "mlflow_run_id": tracker.run_id,
-        "model_uri": model_uri,
         "registered_model_name": cfg.tracking.registered_model_name,
-        "registered_model_version": version,
     }
+
+    def register() -> dict[str, Any]:
+        assert tracker is not None
+        faults.delay("slow_registration", ctx.rank)
+        model_uri, version = tracker.log_model(
+            model, model_config, pd.DataFrame({"image": example_images})
+        )
+        tracker.log_epoch(
+            {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]},
+            best_epoch,
+        )
+        tracker.finish()
+        return {"model_uri": model_uri, "registered_model_version": version}
+
+    return summary, register
+
+
+def _load_on_rank0(cfg: JobConfig, ctx: DistContext) -> dict[str, Any] | None:
+    """The checkpoint to resume from, read by rank 0 and broadcast to every rank (None: no
+    checkpoint). A collective; a checkpoint rank 0 cannot load fails every rank together.
+
+    Raises:
+        RuntimeError: rank 0 could not load the checkpoint (its message).
+    """
+    payload: tuple[str, Any] = ("none", None)
+    if ctx.is_main:
+        try:
+            payload = ("ok", load_checkpoint(cfg.paths.checkpoint_dir))
+        except Exception as exc:
+            payload = ("error", f"rank 0: {exc}")
+    kind, value = broadcast_object(payload, ctx)
+    if kind == "error":
+        raise RuntimeError(value)
+    return value
