@@ -27,7 +27,22 @@ DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_j
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
 LOCAL_LOADERS ?= petastorm
 
-.PHONY: setup setup-dbr run test test-local test-dbr wheel-dbr lint typecheck clean
+.PHONY: setup setup-dbr run test test-local test-dbr wheel-dbr lint typecheck clean \
+	cluster-env cluster-up cluster-down
+
+# A Spark standalone cluster on this machine, one network namespace per host (needs root):
+# master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
+#   make cluster-up
+#   .venv/bin/python tools/cluster.py submit -- --images DIR --output-dir DIR --set ...
+#   make cluster-down
+cluster-env: setup
+	$(BIN)/python tools/cluster.py env
+
+cluster-up: cluster-env
+	$(BIN)/python tools/cluster.py up
+
+cluster-down:
+	$(PYTHON) tools/cluster.py down
 
 # `t0=$$(date +%s)` at the start of a recipe's shell, then $(call took,PART) at its end.
 define took

@@ -1,0 +1,403 @@
+"""The job on a real multi-host Spark standalone cluster (tools/cluster.py).
+
+One network namespace per host: a master, 2 workers (their own JVMs, IPs, host names,
+/tmp and /dev/shm) and the driver, which runs spark-submit in client mode and a real
+MLflow tracking server. The project runs there as the built wheel (``.venv-cluster``).
+Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
+
+Measured times to surface (fault -> driver exit, and -> no rank process on any host) are
+appended as JSON lines to ``$FLOWERS_CLUSTER_REPORT`` when it is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import psutil
+import pytest
+
+from .conftest import sample_photos
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import contextlib
+
+from cluster import Cluster, make_env, unavailable_reason
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+_REASON = unavailable_reason()
+if _REASON is None and not (Path(__file__).resolve().parents[1] / ".venv").is_dir():
+    _REASON = "no .venv beside tests/ to build .venv-cluster from (run `make setup`)"
+if _REASON is not None:
+    pytest.skip(f"no cluster here: {_REASON}", allow_module_level=True)
+
+JOB_TIMEOUT = 420.0
+"""Bound on one spark-submit (seconds); a cluster job on the sample takes about 100 s."""
+BASE = Path("/var/tmp/flowers-cluster-test")
+
+
+@pytest.fixture(scope="module")
+def cluster_python() -> Path:
+    return make_env()
+
+
+@pytest.fixture(scope="module")
+def photos(cluster_python: Path) -> Iterator[Path]:
+    """16 real photos per label (80) on the storage every host shares."""
+    shared = BASE / "shared" / "photos"
+    if not shared.is_dir():
+        sample_photos(shared, per_label=16)
+    yield shared
+
+
+def _cluster(**kwargs: Any) -> Iterator[Cluster]:
+    cluster = Cluster(base=BASE, **kwargs)
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def job_args(
+    cluster: Cluster, photos: Path, out: Path, *sets: str, server: bool = True
+) -> list[str]:
+    """The README's job arguments: barrier mode, the MLflow server (``server``), a small
+    model size."""
+    args = ["--images", str(photos), "--output-dir", str(out)]
+    for item in (
+        "distributed.local_mode=false",
+        "data.image_size=64",
+        "train.epochs=3",
+        *([f"tracking.tracking_uri={cluster.mlflow_url}"] if server else []),
+        f"tracking.experiment_name=cluster-{out.name}",
+        f"tracking.registered_model_name=cluster_{out.name}",
+        *sets,
+    ):
+        args += ["--set", item]
+    return args
+
+
+def submit(cluster: Cluster, args: list[str], log: Path, **kwargs: Any) -> tuple[int, str]:
+    proc = cluster.submit(args, log=log, **kwargs)
+    try:
+        rc = proc.wait(timeout=JOB_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc, log.read_text(errors="replace")
+
+
+def rank_processes(cluster: Cluster) -> dict[str, list[int]]:
+    """torchrun and its children (the ranks) on each worker host."""
+    found: dict[str, list[int]] = {}
+    for host in cluster.worker_names():
+        pids = []
+        for pid in cluster.processes(host, "torch.distributed.run"):
+            pids.append(pid)
+            with contextlib.suppress(psutil.Error):
+                pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        if pids:
+            found[host] = pids
+    return found
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.25)
+    return time.monotonic() - t0
+
+
+def report(**values: Any) -> None:
+    path = os.environ.get("FLOWERS_CLUSTER_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(values) + "\n")
+
+
+def check_summary(out: Path, cluster: Cluster) -> dict[str, Any]:
+    summary = json.loads((out / "summary.json").read_text())
+    ranks = summary["ranks"]
+    assert len(ranks) == 2
+    assert {r["host"] for r in ranks} == {"fl-w1", "fl-w2"}, ranks  # one rank per host
+    assert {r["address"] for r in ranks} == {
+        cluster.hosts["fl-w1"].address,
+        cluster.hosts["fl-w2"].address,
+    }
+    assert all(r["interface"] == "eth0" for r in ranks)  # not lo, whatever the name says
+    assert len({r["pid"] for r in ranks}) == 2
+    # The row-count/checksum invariants are checked by the ranks every epoch (a violation
+    # fails the job); the summary's counts match the tables.
+    assert summary["train_rows"] + summary["val_rows"] == 80
+    assert summary["epochs_completed"] == 3
+    assert summary["local_mode"] is False
+    return summary
+
+
+def check_registered(cluster: Cluster, summary: dict[str, Any]) -> None:
+    """The run and the registered model, read back through the tracking server."""
+    client = mlflow.MlflowClient(tracking_uri=cluster.mlflow_url)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "2"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == [
+        1,
+        2,
+        3,
+    ]
+    version = client.get_model_version(
+        summary["registered_model_name"], str(summary["registered_model_version"])
+    )
+    assert version.run_id == run.info.run_id
+    assert summary["model_uri"].startswith("models:/")
+
+
+# --------------------------------------------------------------------------------------
+# Host names resolve to the host's own address; 1 core per worker.
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def cluster(photos: Path) -> Iterator[Cluster]:
+    yield from _cluster()
+
+
+@pytest.mark.usefixtures("cluster")
+class TestCluster:
+    def test_job_runs_a_rank_on_each_host_and_logs_over_http(
+        self, cluster: Cluster, photos: Path
+    ) -> None:
+        out = cluster.shared / "petastorm"
+        rc, log = submit(
+            cluster,
+            job_args(cluster, photos, out, "data.loader=petastorm"),
+            BASE / "petastorm.log",
+        )
+        assert rc == 0, log[-4000:]
+        summary = check_summary(out, cluster)
+        assert summary["loader"] == "petastorm"
+        check_registered(cluster, summary)
+        report(test="job petastorm own-address names", job_seconds=summary["job_seconds"])
+
+    def test_a_local_tracking_store_is_refused_before_any_work(
+        self, cluster: Cluster, photos: Path
+    ) -> None:
+        out = cluster.shared / "sqlite"
+        rc, log = submit(cluster, job_args(cluster, photos, out, server=False), BASE / "sqlite.log")
+        assert rc == 2, log[-3000:]
+        assert "tracking.tracking_uri: sqlite:///" in log
+        assert "tracking.store_is_shared=true" in log
+        assert not (out / "tables").exists()  # nothing ingested
+
+
+# --------------------------------------------------------------------------------------
+# Faults across hosts: each kills or cuts something mid-training (rank 1 is held in its
+# second epoch by the test-only `hang` fault, so the moment is deterministic), and checks:
+# the driver names a rank or host and the cause, no rank process is left on any host, and
+# the checkpoint of epoch 1 can be resumed.
+# --------------------------------------------------------------------------------------
+def _ranks_line(log_path: Path) -> dict[int, tuple[str, int]]:
+    """``{rank: (host, pid)}`` from rank 0's ``ranks:`` log line."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return {
+        int(m[0]): (m[1], int(m[2]))
+        for m in re.findall(r"(\d+)@(fl-w\d)\([^,]*, [^,]*, pid (\d+)", text)
+    }
+
+
+def _fault_run(
+    cluster: Cluster,
+    photos: Path,
+    name: str,
+    act: Any,
+    fault: str = "hang:1:2",
+    sets: tuple[str, ...] = (),
+) -> tuple[int, str, dict[str, float], Path]:
+    out = cluster.shared / "faults"
+    ckpt = out / "checkpoints"
+    if ckpt.exists():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    log = BASE / f"fault-{name}.log"
+    log.unlink(missing_ok=True)
+    conf = {"spark.executorEnv.FLOWERS_JOB_FAULT": fault} if fault else {}
+    proc = cluster.submit(
+        job_args(cluster, photos, out, "distributed.timeout_seconds=20", *sets), log=log, conf=conf
+    )
+    try:
+        wait_for(
+            lambda: (ckpt / "last.pt").exists() and len(_ranks_line(log)) == 2,
+            JOB_TIMEOUT,
+            "epoch 1 checkpointed",
+        )
+        time.sleep(1.0)  # into epoch 2
+        ranks = _ranks_line(log)
+        t_fault = time.monotonic()
+        act(ranks, proc)
+        rc = proc.wait(timeout=JOB_TIMEOUT)
+        surfaced = time.monotonic() - t_fault
+        clean = wait_for(lambda: not rank_processes(cluster), 120, "no rank process left")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    times = {"surfaced_seconds": round(surfaced, 1), "clean_seconds": round(surfaced + clean, 1)}
+    report(test=f"fault {name}", **times)
+    return rc, log.read_text(errors="replace"), times, out
+
+
+def _resumable(out: Path) -> None:
+    import torch
+
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert int(state["epoch"]) >= 1
+
+
+class TestFaults:
+    def test_killed_rank_is_named_and_the_run_resumes(self, cluster: Cluster, photos: Path) -> None:
+        def kill_rank(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
+            os.kill(ranks[1][1], signal.SIGKILL)
+
+        rc, log, _, out = _fault_run(cluster, photos, "kill-rank", kill_rank)
+        assert rc == 1, log[-3000:]
+        assert "TrainingError" in log
+        assert re.search(r"ranks 1 on host fl-w\d \(10\.88\.0\.1\d\) reported no exception", log)
+        _resumable(out)
+        run_id = json.loads((out / "checkpoints" / "mlflow_run.json").read_text())
+        # --resume on the cluster: the same epoch sequence, in the same MLflow run.
+        rc, log = submit(
+            cluster, [*job_args(cluster, photos, out), "--resume"], BASE / "resume.log"
+        )
+        assert rc == 0, log[-4000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["mlflow_run_id"] == run_id["mlflow_run_id"]
+        assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
+        assert summary["epochs_this_run"] == 2
+        assert "resumed from" in log
+
+    def test_killed_worker_jvm(self, cluster: Cluster, photos: Path) -> None:
+        victim: list[str] = []
+
+        def kill_worker(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
+            victim.append(ranks[1][0])
+            for pid in cluster.processes(ranks[1][0], "deploy.worker.Worker"):
+                os.kill(pid, signal.SIGKILL)
+
+        try:
+            rc, log, _, out = _fault_run(cluster, photos, "kill-worker-jvm", kill_worker)
+        finally:
+            if victim:
+                cluster.start_worker(victim[0])
+                cluster.wait_workers()
+        assert rc == 1, log[-3000:]
+        assert "TrainingError" in log
+        assert f"on host {victim[0]}" in log
+        _resumable(out)
+
+    def test_killed_driver_leaves_no_rank_behind(self, cluster: Cluster, photos: Path) -> None:
+        def kill_driver(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
+            driver = psutil.Process(proc.pid)
+            for p in [driver, *driver.children(recursive=True)]:
+                p.kill()
+
+        rc, _, times, out = _fault_run(cluster, photos, "kill-driver", kill_driver)
+        assert rc == -signal.SIGKILL
+        assert times["clean_seconds"] < 120
+        _resumable(out)
+
+    def test_a_worker_host_off_the_network(self, cluster: Cluster, photos: Path) -> None:
+        cut: list[str] = []
+
+        def pull_cable(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
+            cut.append(ranks[1][0])
+            cluster.link(ranks[1][0], up=False)
+
+        try:
+            rc, log, _, out = _fault_run(
+                cluster,
+                photos,
+                "link-down",
+                pull_cable,
+                fault="",
+                sets=("train.epochs=40", "train.early_stopping.enabled=false"),
+            )
+        finally:
+            if cut:
+                cluster.link(cut[0], up=True)
+        assert rc == 1, log[-3000:]
+        assert "distributed.timeout_seconds=20" in log
+        assert re.search(r"rank \d on host fl-w\d", log)
+        _resumable(out)
+
+
+# --------------------------------------------------------------------------------------
+# Host names resolve to loopback (Debian's 127.0.1.1), SPARK_LOCAL_IP set; 2 cores and one
+# (fake) GPU per worker.
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def loopback_cluster(photos: Path) -> Iterator[Cluster]:
+    yield from _cluster(loopback_names=True, worker_cores=2, worker_gpus=1)
+
+
+GPU_CONF = {"spark.executor.resource.gpu.amount": "1", "spark.task.resource.gpu.amount": "1"}
+
+
+class TestLoopbackNames:
+    def test_gpu_task_slots_are_counted(self, loopback_cluster: Cluster, photos: Path) -> None:
+        out = loopback_cluster.shared / "slots"
+        rc, log = submit(
+            loopback_cluster,
+            job_args(loopback_cluster, photos, out, "distributed.num_processes=3"),
+            BASE / "slots.log",
+            conf=GPU_CONF,
+        )
+        assert rc == 2, log[-3000:]
+        # 4 CPU slots (2 workers x 2 cores), but 2 GPUs: the GPUs decide.
+        assert "distributed.num_processes: 3 processes, but this Spark cluster" in log
+        assert "has 2 GPU task slots (spark.task.resource.gpu.amount=1 per task)" in log
+
+    def test_job_with_loopback_host_names(self, loopback_cluster: Cluster, photos: Path) -> None:
+        out = loopback_cluster.shared / "streaming"
+        rc, log = submit(
+            loopback_cluster,
+            # GPU slots place one rank per executor; the ranks train on CPU (gloo).
+            job_args(
+                loopback_cluster, photos, out, "data.loader=streaming", "distributed.use_gpu=false"
+            ),
+            BASE / "streaming.log",
+            conf=GPU_CONF,
+        )
+        assert rc == 0, log[-4000:]
+        summary = check_summary(out, loopback_cluster)
+        assert summary["loader"] == "streaming"
+        # Threads follow the executor's 2 cores (Spark starts Python workers with
+        # OMP_NUM_THREADS=spark.task.cpus=1).
+        assert [r["threads"] for r in summary["ranks"]] == [2, 2]
+        check_registered(loopback_cluster, summary)
+        report(test="job streaming loopback names", job_seconds=summary["job_seconds"])
+
+
+# --------------------------------------------------------------------------------------
+# One worker has its own private mount where the output dir is.
+# --------------------------------------------------------------------------------------
+def test_an_output_dir_one_executor_cannot_see_is_refused(photos: Path) -> None:
+    private = BASE / "shared" / "private"
+    for cluster in _cluster(private_dirs={2: [private]}):
+        out = private / "out"
+        rc, log = submit(cluster, job_args(cluster, photos, out), BASE / "private.log")
+        assert rc == 2, log[-3000:]
+        assert (
+            f"paths.output_dir: {out} is not shared with the executors: executor host fl-w2 "
+            f"({cluster.hosts['fl-w2'].address}) cannot read a file the driver wrote there"
+        ) in log
+        assert not (out / "tables").exists()

@@ -1,0 +1,475 @@
+"""A real Spark standalone cluster on one Linux machine: one network namespace per host.
+
+    python tools/cluster.py up      # master + 2 workers + driver host + MLflow server
+    python tools/cluster.py submit -- --images ... --output-dir ... --set ...
+    python tools/cluster.py down    # removes everything it made
+
+(``make cluster-up`` / ``make cluster-down`` run these.) Needs root (``ip netns``,
+``unshare``, ``mount``) and Java; the tests skip with the reason when it cannot run.
+
+Hosts (defaults; addresses on the bridge ``flbr0``, 10.88.0.0/24):
+
+=========== ============ ===================================================
+host        address      runs
+=========== ============ ===================================================
+(this ns)   10.88.0.1    nothing: the bridge's own address, to reach the UIs
+fl-driver   10.88.0.2    spark-submit (client mode), the MLflow server :5000
+fl-master   10.88.0.3    ``org.apache.spark.deploy.master.Master`` :7077, UI :8080
+fl-w1..wN   10.88.0.11.. ``org.apache.spark.deploy.worker.Worker``, N cores each
+=========== ============ ===================================================
+
+Each host is a network namespace (its own interfaces, addresses and ``/etc/hosts``, via
+``/etc/netns/<host>/hosts``), and every process tree started on it also gets its own UTS
+namespace (host name) and mount namespace with a private ``/tmp`` and ``/dev/shm``, as
+separate machines have. What the hosts share is ``<base>/shared`` (default
+``/var/tmp/flowers-cluster/shared``), standing in for NFS/DBFS: put the photos and the
+output dir there. ``loopback_names=True`` makes each host's name resolve to 127.0.1.1 in
+its own ``/etc/hosts`` (Debian's default) and sets ``SPARK_LOCAL_IP`` instead.
+
+The project runs on the hosts as an installed wheel: ``<repo>/.venv-cluster`` is a venv
+with the built wheel installed and the locked dependencies taken from ``.venv`` (a
+``.pth`` file), made by ``python tools/cluster.py env``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BRIDGE = "flbr0"
+SUBNET = "10.88.0"
+DELTA_PACKAGE = "io.delta:delta-spark_2.13:4.0.1"
+STATE_FILE = "cluster.json"
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be made or used here (the message says why)."""
+
+
+def _run(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout)
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run the cluster (None: it can): root, ``ip``, ``unshare``,
+    Java, and a network namespace that can actually be created."""
+    if os.geteuid() != 0:
+        return "needs root for ip netns / unshare / mount"
+    for tool in ("ip", "unshare", "java"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    probe = f"flprobe{os.getpid()}"
+    try:
+        _run("ip", "netns", "add", probe, timeout=20)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"cannot create a network namespace: {getattr(exc, 'stderr', '') or exc}"
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def cluster_python(repo: Path = REPO) -> Path:
+    return repo / ".venv-cluster" / "bin" / "python"
+
+
+def make_env(repo: Path = REPO, timeout: float = 300) -> Path:
+    """Build the wheel and install it into ``.venv-cluster`` (dependencies from ``.venv``).
+
+    Returns:
+        The cluster's Python interpreter.
+
+    Raises:
+        subprocess.CalledProcessError: the wheel does not build or install.
+    """
+    venv, base = repo / ".venv-cluster", repo / ".venv"
+    dist = repo / "build" / "cluster-wheel"
+    shutil.rmtree(venv, ignore_errors=True)
+    shutil.rmtree(dist, ignore_errors=True)
+    subprocess.run(
+        [str(base / "bin" / "pip"), "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(dist), str(repo)],
+        check=True, timeout=timeout,
+    )  # fmt: skip
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = "lib/python3.11/site-packages"
+    # The locked dependencies of .venv, without its editable flowers_job (a .pth file in
+    # .venv's site-packages, which is not processed from here).
+    (venv / site / "flowers_deps.pth").write_text(str((base / site).resolve()) + "\n")
+    wheel = next(dist.glob("flowers_job-*.whl"))
+    subprocess.run(
+        [str(base / "bin" / "pip"), "--python", str(venv / "bin" / "python"), "install", "-q",
+         "--no-deps", "--no-index", str(wheel)],
+        check=True, timeout=timeout,
+    )  # fmt: skip
+    return venv / "bin" / "python"
+
+
+@dataclass
+class Host:
+    name: str
+    address: str
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def netns(self) -> str:
+        return self.name
+
+
+@dataclass
+class Cluster:
+    """A Spark standalone cluster of network-namespace hosts (see the module docstring).
+
+    Args:
+        base: working dir; ``<base>/shared`` is the storage all hosts see.
+        workers: number of worker hosts.
+        worker_cores: ``--cores`` of each worker (its executor's cores).
+        worker_memory: ``--memory`` of each worker.
+        loopback_names: host names resolve to 127.0.1.1 on their own host; ``SPARK_LOCAL_IP``
+            is set on every host.
+        private_dirs: ``{worker index (1-based): [dirs]}`` given an empty private mount on
+            that worker (storage the driver's writes never reach).
+        worker_gpus: fake GPUs per worker (a discovery script; none when 0).
+        python: the hosts' Python (default ``.venv-cluster``).
+    """
+
+    base: Path = Path("/var/tmp/flowers-cluster")
+    workers: int = 2
+    worker_cores: int = 1
+    worker_memory: str = "6g"
+    loopback_names: bool = False
+    private_dirs: dict[int, list[Path]] = field(default_factory=dict)
+    worker_gpus: int = 0
+    python: Path = field(default_factory=cluster_python)
+    hosts: dict[str, Host] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.hosts = {"fl-driver": Host("fl-driver", f"{SUBNET}.2")}
+        self.hosts["fl-master"] = Host("fl-master", f"{SUBNET}.3")
+        for i in range(1, self.workers + 1):
+            self.hosts[f"fl-w{i}"] = Host(f"fl-w{i}", f"{SUBNET}.{10 + i}")
+
+    @property
+    def shared(self) -> Path:
+        return self.base / "shared"
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://{self.hosts['fl-master'].address}:7077"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.hosts['fl-driver'].address}:5000"
+
+    @property
+    def spark_home(self) -> Path:
+        out = _run(
+            str(self.python), "-c", "import pyspark, os; print(os.path.dirname(pyspark.__file__))"
+        )
+        return Path(out.stdout.strip())
+
+    def worker_names(self) -> list[str]:
+        return [h for h in self.hosts if h.startswith("fl-w")]
+
+    # -- network -----------------------------------------------------------------------
+    def _hosts_file(self, own: str) -> str:
+        lines = ["127.0.0.1 localhost"]
+        for host in self.hosts.values():
+            if host.name == own and self.loopback_names:
+                lines.append(f"127.0.1.1 {host.name}")
+            else:
+                lines.append(f"{host.address} {host.name}")
+        return "\n".join(lines) + "\n"
+
+    def _network_up(self) -> None:
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        _run("ip", "link", "set", BRIDGE, "up")
+        for host in self.hosts.values():
+            ns, veth = host.netns, f"v-{host.name}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", BRIDGE, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(self._hosts_file(host.name))
+
+    def link(self, host: str, up: bool) -> None:
+        """Take ``host``'s network link down (or back up): its cable pulled."""
+        _run("ip", "link", "set", f"v-{host}", "up" if up else "down")
+
+    # -- processes ---------------------------------------------------------------------
+    def _env(self, host: Host) -> dict[str, str]:
+        env = {
+            "PATH": f"{self.python.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOME": os.environ.get("HOME", "/root"),
+            "SPARK_HOME": str(self.spark_home),
+            "PYSPARK_PYTHON": str(self.python),
+            "PYSPARK_DRIVER_PYTHON": str(self.python),
+            "SPARK_LOG_DIR": str(self.base / "logs" / host.name),
+            "SPARK_WORKER_DIR": str(self.base / "work" / host.name),
+            "JAVA_HOME": os.environ.get("JAVA_HOME", ""),
+        }
+        if self.loopback_names:
+            env["SPARK_LOCAL_IP"] = host.address
+        return {k: v for k, v in env.items() if v}
+
+    def start(
+        self,
+        host: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        private: list[Path] = (),  # type: ignore[assignment]
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` on ``host``: its network, host name, private /tmp and /dev/shm.
+
+        Returns:
+            The process (``ip netns exec`` -> ``unshare`` -> ``sh`` -> exec ``argv``).
+        """
+        h = self.hosts[host]
+        mounts = " && ".join(
+            f"mount -t tmpfs -o size=4g tmpfs {shlex_quote(str(d))}"
+            for d in ("/tmp", "/dev/shm", *map(str, private))
+        )
+        script = f'hostname {h.name} && {mounts} && exec "$@"'
+        cmd = [
+            "ip", "netns", "exec", h.netns,
+            "unshare", "--uts", "--mount", "--propagation", "private",
+            "sh", "-c", script, h.name, *argv,
+        ]  # fmt: skip
+        out = open(log, "ab") if log else None  # noqa: SIM115 (None: this process's stdout)
+        proc = subprocess.Popen(
+            cmd, env={**self._env(h), **(env or {})}, stdout=out, stderr=subprocess.STDOUT
+        )
+        h.pids.append(proc.pid)
+        return proc
+
+    def up(self, mlflow: bool = True, timeout: float = 90) -> Cluster:
+        """Create the hosts, start the master, the workers and (``mlflow``) the MLflow server,
+        and wait until all workers are registered (at most ``timeout`` seconds).
+
+        Raises:
+            ClusterError: a step failed or the workers did not register in time.
+        """
+        self.down()
+        for sub in ("shared", "logs", "work"):
+            (self.base / sub).mkdir(parents=True, exist_ok=True)
+        for dirs in self.private_dirs.values():
+            for p in dirs:
+                p.mkdir(parents=True, exist_ok=True)
+        try:
+            self._network_up()
+            logs = self.base / "logs"
+            master = self.hosts["fl-master"]
+            self.start(
+                "fl-master",
+                [str(self.spark_home / "bin" / "spark-class"), "org.apache.spark.deploy.master.Master", "--host",
+                 master.address, "--port", "7077", "--webui-port", "8080"],
+                log=logs / "master.out",
+            )  # fmt: skip
+            for name in self.worker_names():
+                self.start_worker(name)
+            if mlflow:
+                store = self.base / "mlflow"
+                store.mkdir(exist_ok=True)
+                self.start(
+                    "fl-driver",
+                    [str(self.python), "-m", "mlflow", "server", "--host",
+                     self.hosts["fl-driver"].address, "--port", "5000", "--workers", "1",
+                     "--backend-store-uri", f"sqlite:///{store}/mlflow.db",
+                     "--artifacts-destination", str(store / "artifacts")],
+                    log=logs / "mlflow.out",
+                )  # fmt: skip
+            self._save()
+            self._wait(mlflow, timeout)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
+        """Start (or restart) the Spark worker of host ``name`` (``fl-w<i>``)."""
+        env = {}
+        if self.worker_gpus:
+            script = self.base / "fake_gpus.sh"
+            addresses = ",".join(f'"{i}"' for i in range(self.worker_gpus))
+            script.write_text(
+                f'#!/bin/sh\necho \'{{"name": "gpu", "addresses": [{addresses}]}}\'\n'
+            )
+            script.chmod(0o755)
+            env["SPARK_WORKER_OPTS"] = (
+                f"-Dspark.worker.resource.gpu.amount={self.worker_gpus} "
+                f"-Dspark.worker.resource.gpu.discoveryScript={script}"
+            )
+        index = int(name.removeprefix("fl-w"))
+        return self.start(
+            name,
+            [str(self.spark_home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker",
+             "--cores", str(self.worker_cores), "--memory", self.worker_memory, "--work-dir",
+             str(self.base / "work" / name), self.master_url],
+            env=env,
+            log=self.base / "logs" / f"{name}.out",
+            private=self.private_dirs.get(index, []),
+        )  # fmt: skip
+
+    def alive_workers(self) -> int:
+        """Workers the master lists as ALIVE (0 when its UI does not answer)."""
+        master_ui = f"http://{self.hosts['fl-master'].address}:8080/json/"
+        with contextlib.suppress(OSError, ValueError):
+            state = json.loads(urllib.request.urlopen(master_ui, timeout=2).read())
+            return sum(w["state"] == "ALIVE" for w in state["workers"])
+        return 0
+
+    def wait_workers(self, timeout: float = 60) -> None:
+        """Wait until every worker is ALIVE again (after :meth:`start_worker`).
+
+        Raises:
+            ClusterError: not within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while self.alive_workers() < self.workers:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"workers not ALIVE after {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def _wait(self, mlflow: bool, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        alive, ok = 0, not mlflow
+        while time.monotonic() < deadline:
+            alive = self.alive_workers()
+            if mlflow and not ok:
+                with contextlib.suppress(OSError):
+                    ok = (
+                        urllib.request.urlopen(f"{self.mlflow_url}/health", timeout=2).status == 200
+                    )
+            if alive == self.workers and ok:
+                return
+            time.sleep(0.5)
+        raise ClusterError(
+            f"after {timeout:.0f} s: {alive} of {self.workers} workers registered, MLflow "
+            f"server {'up' if ok else 'not up'}; logs in {self.base / 'logs'}"
+        )
+
+    def submit(
+        self,
+        job_args: list[str],
+        *,
+        conf: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        script: Path | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """spark-submit (client mode) on the driver host, as the README tells users.
+
+        Returns:
+            The spark-submit process; its output goes to ``log``.
+        """
+        argv = [
+            str(self.spark_home / "bin" / "spark-submit"),
+            "--master", self.master_url,
+            "--packages", DELTA_PACKAGE,
+            "--conf", "spark.ui.showConsoleProgress=false",
+        ]  # fmt: skip
+        for key, value in (conf or {}).items():
+            argv += ["--conf", f"{key}={value}"]
+        argv += [str(script or REPO / "jobs" / "train_flowers.py"), *job_args]
+        return self.start("fl-driver", argv, env=env, log=log)
+
+    def pids(self, host: str) -> list[int]:
+        """Every process now running in ``host``'s network namespace."""
+        out = _run("ip", "netns", "pids", self.hosts[host].netns, check=False)
+        return [int(p) for p in out.stdout.split()]
+
+    def processes(self, host: str, *needles: str) -> list[int]:
+        """Processes on ``host`` whose command line contains one of ``needles``."""
+        import psutil
+
+        found = []
+        for pid in self.pids(host):
+            with contextlib.suppress(psutil.Error):
+                cmd = " ".join(psutil.Process(pid).cmdline())
+                if any(n in cmd for n in needles):
+                    found.append(pid)
+        return found
+
+    def _save(self) -> None:
+        state = {"base": str(self.base), "hosts": [h.name for h in self.hosts.values()]}
+        (self.base / STATE_FILE).write_text(json.dumps(state))
+
+    def down(self) -> None:
+        """Kill every process on every host and remove the namespaces, links and hosts
+        files; safe to call twice and after a partial ``up``."""
+        names = set(self.hosts)
+        with contextlib.suppress(OSError, ValueError):
+            names |= set(json.loads((self.base / STATE_FILE).read_text())["hosts"])
+        existing = set(_run("ip", "netns", "list", check=False).stdout.split())
+        for name in sorted(names & existing):
+            for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        for name in sorted(names):
+            _run("ip", "link", "del", f"v-{name}", check=False)
+            if name in existing:
+                _run("ip", "netns", "del", name, check=False)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+        _run("ip", "link", "del", BRIDGE, check=False)
+        (self.base / STATE_FILE).unlink(missing_ok=True)
+        for host in self.hosts.values():
+            host.pids.clear()
+
+
+def shlex_quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/cluster.py", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["env", "up", "down", "submit"])
+    parser.add_argument("--base", type=Path, default=Cluster.base)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--worker-cores", type=int, default=1)
+    parser.add_argument("--loopback-names", action="store_true")
+    parser.add_argument("job_args", nargs="*", help="after --: the job's arguments (submit)")
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        print(make_env())
+        return 0
+    cluster = Cluster(
+        base=args.base,
+        workers=args.workers,
+        worker_cores=args.worker_cores,
+        loopback_names=args.loopback_names,
+    )
+    if args.command == "down":
+        cluster.down()
+        return 0
+    if args.command == "up":
+        reason = unavailable_reason()
+        if reason:
+            print(f"cannot start the cluster: {reason}", file=sys.stderr)
+            return 1
+        cluster.up()
+        print(f"master {cluster.master_url}, MLflow {cluster.mlflow_url}, shared {cluster.shared}")
+        return 0
+    return cluster.submit(args.job_args).wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
