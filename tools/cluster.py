@@ -49,7 +49,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BRIDGE = "flbr0"
 SUBNET = "10.88.0"
-DELTA_PACKAGE = "io.delta:delta-spark_2.13:4.0.1"
+DELTA_VERSION = "4.0.1"
+"""delta-spark of requirements/lock.txt, which spark-submit's ``--packages`` must match."""
+DELTA_PACKAGE = f"io.delta:delta-spark_2.13:{DELTA_VERSION}"
 STATE_FILE = "cluster.json"
 
 
@@ -97,11 +99,12 @@ def make_env(repo: Path = REPO, timeout: float = 300) -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     shutil.rmtree(dist, ignore_errors=True)
     subprocess.run(
-        [str(base / "bin" / "pip"), "wheel", "-q", "--no-deps", "--no-build-isolation",
+        [str(base / "bin" / "pip"), "wheel", "-q", "--no-deps",
          "-w", str(dist), str(repo)],
         check=True, timeout=timeout,
     )  # fmt: skip
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    _resolve_delta(base / "bin" / "python", timeout)
     site = "lib/python3.11/site-packages"
     # The locked dependencies of .venv, without its editable flowers_job (a .pth file in
     # .venv's site-packages, which is not processed from here).
@@ -113,6 +116,24 @@ def make_env(repo: Path = REPO, timeout: float = 300) -> Path:
         check=True, timeout=timeout,
     )  # fmt: skip
     return venv / "bin" / "python"
+
+
+def _resolve_delta(python: Path, timeout: float) -> None:
+    """Put the Delta jars of :data:`DELTA_PACKAGE` in Ivy's cache, from this namespace.
+
+    The hosts reach nothing outside the bridge, so spark-submit's ``--packages`` there
+    resolves from the cache alone; a local session here fetches them from Maven Central
+    once (seconds when cached already).
+    """
+    jar = Path.home() / ".ivy2.5.2" / "jars" / f"io.delta_delta-spark_2.13-{DELTA_VERSION}.jar"
+    if jar.exists():
+        return
+    code = (
+        "from pyspark.sql import SparkSession; "
+        f"SparkSession.builder.master('local[1]').config('spark.jars.packages', "
+        f"'{DELTA_PACKAGE}').getOrCreate().stop()"
+    )
+    subprocess.run([str(python), "-c", code], check=True, timeout=timeout)
 
 
 @dataclass
