@@ -1,7 +1,7 @@
 """The job on a real multi-host Spark standalone cluster (tools/cluster.py).
 
 One network namespace per host: a master, 2 workers (their own JVMs, IPs, host names,
-/tmp and /dev/shm) and the driver, which runs spark-submit in client mode and a real
+temp dir and /dev/shm) and the driver, which runs spark-submit in client mode and a real
 MLflow tracking server. The project runs there as the built wheel (``.venv-cluster``).
 Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
 

@@ -20,9 +20,10 @@ fl-w1..wN   10.88.0.11.. ``org.apache.spark.deploy.worker.Worker``, N cores each
 
 Each host is a network namespace (its own interfaces, addresses and ``/etc/hosts``, via
 ``/etc/netns/<host>/hosts``), and every process tree started on it also gets its own UTS
-namespace (host name) and mount namespace with a private ``/tmp`` and ``/dev/shm``, as
-separate machines have. What the hosts share is ``<base>/shared`` (default
-``/var/tmp/flowers-cluster/shared``), standing in for NFS/DBFS: put the photos and the
+namespace (host name) and mount namespace with a private ``/dev/shm``, and its own temp
+dir (``TMPDIR``, ``SPARK_LOCAL_DIRS``: ``<base>/tmp/<host>``), as separate machines have.
+What the hosts share is ``<base>/shared`` (default ``/var/tmp/flowers-cluster/shared``),
+standing in for NFS/DBFS: put the photos and the
 output dir there. ``loopback_names=True`` makes each host's name resolve to 127.0.1.1 in
 its own ``/etc/hosts`` (Debian's default) and sets ``SPARK_LOCAL_IP`` instead.
 
@@ -242,6 +243,10 @@ class Cluster:
             "PYSPARK_DRIVER_PYTHON": str(self.python),
             "SPARK_LOG_DIR": str(self.base / "logs" / host.name),
             "SPARK_WORKER_DIR": str(self.base / "work" / host.name),
+            # A private temp dir per host (Python's tempfile, Spark's local dirs); /tmp
+            # itself stays shared, as the repo and its .venv-cluster may live there.
+            "TMPDIR": str(self.base / "tmp" / host.name),
+            "SPARK_LOCAL_DIRS": str(self.base / "tmp" / host.name),
             "JAVA_HOME": os.environ.get("JAVA_HOME", ""),
         }
         if self.loopback_names:
@@ -257,7 +262,7 @@ class Cluster:
         log: Path | None = None,
         private: list[Path] = (),  # type: ignore[assignment]
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` on ``host``: its network, host name, private /tmp and /dev/shm.
+        """Start ``argv`` on ``host``: its network, host name, /dev/shm and temp dir.
 
         Returns:
             The process (``ip netns exec`` -> ``unshare`` -> ``sh`` -> exec ``argv``).
@@ -265,7 +270,7 @@ class Cluster:
         h = self.hosts[host]
         mounts = " && ".join(
             f"mount -t tmpfs -o size=4g tmpfs {shlex_quote(str(d))}"
-            for d in ("/tmp", "/dev/shm", *map(str, private))
+            for d in ("/dev/shm", *map(str, private))
         )
         script = f'hostname {h.name} && {mounts} && exec "$@"'
         cmd = [
@@ -290,6 +295,8 @@ class Cluster:
         self.down()
         for sub in ("shared", "logs", "work"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)
+        for host in self.hosts.values():
+            (self.base / "tmp" / host.name).mkdir(parents=True, exist_ok=True)
         for dirs in self.private_dirs.values():
             for p in dirs:
                 p.mkdir(parents=True, exist_ok=True)
