@@ -125,7 +125,12 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
             problems.append(
                 f"distributed.num_processes: {d.num_processes} processes, but this Spark cluster "
                 f"({spark.sparkContext.master}) has {slots} {kind}"
-                + ("" if local_master else f" after {d.executor_wait_seconds:g} s")
+                + (
+                    ""
+                    if local_master
+                    else " on the executors registered (distributed.executor_wait_seconds="
+                    f"{d.executor_wait_seconds:g})"
+                )
                 + "; barrier mode (distributed.local_mode=false) runs one task per process, "
                 "all at once"
             )
