@@ -336,7 +336,7 @@ class TestFaults:
                 cluster.link(cut[0], up=True)
         assert rc == 1, log[-3000:]
         assert "distributed.timeout_seconds=20" in log
-        assert re.search(r"rank \d on host fl-w\d", log)
+        assert re.search(r"rank \d failed on host fl-w\d \(10\.88\.0\.1\d\)", log)
         _resumable(out)
 
 
