@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,7 +196,7 @@ class Cluster:
     def mlflow_url(self) -> str:
         return f"http://{self.hosts['fl-driver'].address}:5000"
 
-    @property
+    @functools.cached_property
     def spark_home(self) -> Path:
         out = _run(
             str(self.python), "-c", "import pyspark, os; print(os.path.dirname(pyspark.__file__))"
@@ -260,7 +263,7 @@ class Cluster:
         *,
         env: dict[str, str] | None = None,
         log: Path | None = None,
-        private: list[Path] = (),  # type: ignore[assignment]
+        private: Sequence[Path] = (),
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host``: its network, host name, /dev/shm and temp dir.
 
@@ -269,7 +272,7 @@ class Cluster:
         """
         h = self.hosts[host]
         mounts = " && ".join(
-            f"mount -t tmpfs -o size=4g tmpfs {shlex_quote(str(d))}"
+            f"mount -t tmpfs -o size=4g tmpfs {shlex.quote(str(d))}"
             for d in ("/dev/shm", *map(str, private))
         )
         script = f'hostname {h.name} && {mounts} && exec "$@"'
@@ -459,12 +462,6 @@ class Cluster:
         (self.base / STATE_FILE).unlink(missing_ok=True)
         for host in self.hosts.values():
             host.pids.clear()
-
-
-def shlex_quote(s: str) -> str:
-    import shlex
-
-    return shlex.quote(s)
 
 
 def main(argv: list[str] | None = None) -> int:
