@@ -108,8 +108,6 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
             True,
             int(job["image_size"]),
             int(job["resize_size"]),
-            tuple(job["mean"]),
-            tuple(job["std"]),
         ).warm_up()  # as read_shards does: no reader's first epoch pays for torchvision
         pieces = [
             (path, group)

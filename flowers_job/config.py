@@ -84,6 +84,15 @@ class DataConfig(_Section):
     shuffle_buffer_rows: int = Field(256, ge=0)
     """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle).
     Streaming shuffles the whole split every epoch and ignores it."""
+    loader_workers: int = Field(0, ge=0, le=64)
+    """Processes per rank that decode and augment ahead of the training step, overlapping it
+    with compute: Streaming's DataLoader workers, Petastorm's reader processes (with
+    ``reader_pool_type='process'``). 0 decodes in the rank itself, the right choice when
+    the ranks already use every core (this machine: 2 ranks on 2 cores); on a GPU host with
+    spare cores, 2-4 per GPU."""
+    prefetch_batches: int = Field(2, ge=1, le=64)
+    """Batches each loader worker decodes ahead (Streaming's ``prefetch_factor``; with
+    ``loader_workers`` > 0)."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -209,6 +218,11 @@ class TrainConfig(_Section):
     """Seeds the head initialisation, augmentation and shuffling."""
     amp: Literal["auto", "off", "bf16", "fp16"] = "auto"
     """Automatic mixed precision: 'auto' = bf16 on a GPU that supports it, off on CPU."""
+    cache_val_features: bool = True
+    """With ``model.freeze_backbone``: compute the validation images' backbone features once
+    per run and run only the head on them each epoch (the same metrics to the last digit;
+    memory: validation rows x 1280 floats for EfficientNet-Lite0). Ignored when the backbone
+    is trained."""
     early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
     resume: bool = False
     """Continue from the last complete checkpoint in ``<output_dir>/checkpoints``."""

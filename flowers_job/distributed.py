@@ -179,17 +179,23 @@ def set_socket_interface() -> str | None:
 
 
 def gather_ranks(ctx: DistContext) -> list[dict[str, Any]]:
-    """Every rank's ``{"rank", "host", "address", "pid", "interface"}``, in rank order.
+    """Every rank's ``{"rank", "host", "address", "pid", "interface", "allocator"}``, in
+    rank order.
 
-    A collective (every rank calls it): host name, :func:`rank_address`, process id and the
-    socket interface of each rank, for the summary and for :func:`describe_hosts`.
+    A collective (every rank calls it): host name, :func:`rank_address`, process id, the
+    socket interface and the memory allocator
+    (:func:`~flowers_job.allocator.allocator_report`) of each rank, for the summary and for
+    :func:`describe_hosts`.
     """
+    from flowers_job.allocator import allocator_report
+
     me = {
         "rank": ctx.rank,
         "host": socket.gethostname(),
         "address": rank_address(),
         "pid": os.getpid(),
         "interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "allocator": allocator_report(),
     }
     ranks: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(ranks, me)

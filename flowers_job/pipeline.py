@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
+from flowers_job.allocator import apply_to_environ
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
@@ -283,6 +284,7 @@ def run_training(
         ) as failure_dir,
     ):
         job = training_job(spark, cfg, data, failure_dir, use_gpu)
+        apply_to_environ()  # local mode's ranks inherit it (a session made elsewhere too)
         distributor = TorchDistributor(
             num_processes=d.num_processes, local_mode=d.local_mode, use_gpu=use_gpu
         )

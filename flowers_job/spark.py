@@ -14,6 +14,9 @@ from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
+from flowers_job.allocator import apply_to_environ
+from flowers_job.allocator import spark_conf as allocator_spark_conf
+
 __all__ = ["executor_cores", "get_spark", "task_slots", "wait_for_slots"]
 
 _LOCAL_DEFAULTS = {
@@ -51,17 +54,28 @@ def get_spark(
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
+    # The ranks of local mode (torchrun, started from this process) and, through
+    # spark.executorEnv.*, Spark's Python workers get the allocator tuning.
+    apply_to_environ()
     if "PYSPARK_GATEWAY_PORT" in os.environ:
-        # Under spark-submit the JVM is already configured (master, --packages, resources).
-        return (
+        # Under spark-submit the JVM is already configured (master, --packages, resources);
+        # the SparkContext is not yet, so the executors' environment can still be set. A
+        # setting given to spark-submit (--conf spark.executorEnv.X=...) wins.
+        from pyspark import SparkConf
+
+        submitted = SparkConf()
+        builder = (
             SparkSession.builder.appName(app_name)
             .config("spark.sql.extensions", _LOCAL_DEFAULTS["spark.sql.extensions"])
             .config(
                 "spark.sql.catalog.spark_catalog",
                 _LOCAL_DEFAULTS["spark.sql.catalog.spark_catalog"],
             )
-            .getOrCreate()
         )
+        for key, value in allocator_spark_conf().items():
+            if not submitted.contains(key):
+                builder = builder.config(key, value)
+        return builder.getOrCreate()
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # STACK.md trap 11
     # Python workers must run this interpreter (with torch, Pillow...), not the system one.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -70,7 +84,7 @@ def get_spark(
     builder = SparkSession.builder.appName(app_name).master(
         master or os.environ.get("FLOWERS_SPARK_MASTER", "local[*]")
     )
-    for key, value in {**_LOCAL_DEFAULTS, **(conf or {})}.items():
+    for key, value in {**_LOCAL_DEFAULTS, **allocator_spark_conf(), **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))

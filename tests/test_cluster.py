@@ -138,6 +138,8 @@ def check_summary(out: Path, cluster: Cluster) -> dict[str, Any]:
     }
     assert all(r["interface"] == "eth0" for r in ranks)  # not lo, whatever the name says
     assert len({r["pid"] for r in ranks}) == 2
+    # the allocator tuning reached the executors (spark.executorEnv.*) and the ranks
+    assert all(r["allocator"]["MALLOC_MMAP_MAX_"] == "0" for r in ranks), ranks
     # The row-count/checksum invariants are checked by the ranks every epoch (a violation
     # fails the job); the summary's counts match the tables.
     assert summary["train_rows"] + summary["val_rows"] == 80

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from pyspark.sql import SparkSession
 
+from flowers_job.allocator import ALLOCATOR_ENV
 from flowers_job.config import JobConfig, load_config
 from flowers_job.pipeline import run_job, run_training, training_job
 
@@ -75,6 +76,9 @@ def _check_summary(summary: dict[str, Any], spark: SparkSession, images: int) ->
     assert counts["images"] == images and counts["quarantine"] == summary["quarantined_rows"] == 0
     assert counts["train"] == summary["train_rows"] and counts["val"] == summary["val_rows"]
     assert summary["train_rows"] + summary["val_rows"] == images
+    # every rank started with the allocator tuning (read from its /proc/self/environ)
+    for r in summary["ranks"]:
+        assert {k: r["allocator"][k] for k in ALLOCATOR_ENV} == dict(ALLOCATOR_ENV), r
 
 
 def _check_mlflow(summary: dict[str, Any], epochs: int) -> None:
@@ -206,3 +210,29 @@ def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path, loa
     _check_mlflow(summary, epochs=2)
     _check_model_predicts(summary)
     assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed
+
+
+def test_frozen_backbone_validation_features_once_give_the_same_metrics(
+    spark: SparkSession, photos: Path, tmp_path: Path, loader: str
+) -> None:
+    """train.cache_val_features: the validation features of the frozen backbone, computed
+    once per run, give every epoch's metrics to the last digit of a run that computes them
+    every epoch (same tables, seeds and shards)."""
+    settings = [
+        *FAST,
+        "train.epochs=3",
+        "train.early_stopping.enabled=false",
+        f"data.loader={loader}",
+    ]
+    paths = {"data.images": photos, "paths.output_dir": tmp_path}
+    cached = run_job(
+        spark, load_config(None, [*settings, "train.cache_val_features=true"], **paths)
+    )
+    every_epoch = run_training(
+        spark, load_config(None, [*settings, "train.cache_val_features=false"], **paths)
+    )
+    keys = ("train_loss", "train_accuracy", "val_loss", "val_accuracy")
+    assert [{k: h[k] for k in keys} for h in cached["history"]] == [
+        {k: h[k] for k in keys} for h in every_epoch["history"]
+    ]
+    assert len(cached["history"]) == 3

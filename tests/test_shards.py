@@ -16,7 +16,6 @@ from pyspark.sql import SparkSession
 from flowers_job.config import load_config
 from flowers_job.data.prepare import prepare_data
 from flowers_job.data.shards import DataError, plan_shards
-from flowers_job.models import preprocessing_for
 from flowers_job.train.loader import DecodeTransform, ShardError, rebatch, shard_batches
 
 from .conftest import loader_skip_reason
@@ -29,8 +28,7 @@ petastorm_only = pytest.mark.skipif(_PETASTORM is not None, reason=str(_PETASTOR
 def _read_epoch(
     plan, rank: int, world_size: int, shuffle: bool, seed: int = 0
 ) -> list[dict[str, torch.Tensor]]:
-    pre = preprocessing_for("efficientnet_lite0")
-    tf = DecodeTransform(shuffle, 32, 37, pre.mean, pre.std)
+    tf = DecodeTransform(shuffle, 32, 37)
     return list(
         shard_batches(
             plan, rank, world_size, tf, shuffle=shuffle, seed=seed, shuffle_buffer_rows=16
@@ -68,7 +66,7 @@ def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
             batches = _read_epoch(data.train, rank, world_size, shuffle=True, seed=rank)
             steps.append(len(batches))
             for b in batches:
-                assert b["image"].shape[1:] == (3, 32, 32) and b["image"].dtype == torch.float32
+                assert b["image"].shape[1:] == (3, 32, 32) and b["image"].dtype == torch.uint8
                 assert 0 < len(b["label_index"]) <= batch
                 for rid, lab in zip(b["row_id"].tolist(), b["label_index"].tolist(), strict=True):
                     assert expected[rid] == lab

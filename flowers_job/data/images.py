@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 __all__ = [
     "ImageRejected",
     "NormalizedImage",
+    "eval_pixels",
     "eval_transform",
     "normalize_image",
     "open_rgb",
+    "train_pixels",
     "train_transform",
 ]
 
@@ -200,37 +202,62 @@ def _normalize(mean: tuple[float, ...], std: tuple[float, ...]) -> list[Callable
     import torch
     from torchvision.transforms import v2 as T
 
-    return [T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(mean, std)]
+    return [T.ToDtype(torch.float32, scale=True), T.Normalize(mean, std)]
 
 
-def train_transform(
-    image_size: int, mean: tuple[float, ...], std: tuple[float, ...]
-) -> Callable[[Image.Image], torch.Tensor]:
-    """Training augmentation: PIL RGB -> ``[3, image_size, image_size]`` float32, normalised.
+def _train_steps(image_size: int) -> list[Callable[..., object]]:
+    from torchvision.transforms import v2 as T
+
+    return [
+        T.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
+        T.RandomHorizontalFlip(),
+        T.PILToTensor(),
+    ]
+
+
+def _eval_steps(image_size: int, resize_size: int) -> list[Callable[..., object]]:
+    from torchvision.transforms import v2 as T
+
+    return [T.Resize(resize_size, antialias=True), T.CenterCrop(image_size), T.PILToTensor()]
+
+
+def train_pixels(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
+    """Training augmentation: PIL RGB -> uint8 ``[3, image_size, image_size]`` (not normalised:
+    the training loop normalises on the device, :class:`flowers_job.train.loader.DeviceNormalize`).
 
     RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
     classification recipe, with a milder crop scale suited to a frozen backbone.
     """
     from torchvision.transforms import v2 as T
 
-    return T.Compose(
-        [
-            T.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
-            T.RandomHorizontalFlip(),
-            *_normalize(mean, std),
-        ]
-    )
+    return T.Compose(_train_steps(image_size))
+
+
+def eval_pixels(image_size: int, resize_size: int) -> Callable[[Image.Image], torch.Tensor]:
+    """Evaluation: resize the shorter side to ``resize_size``, centre-crop ``image_size``.
+
+    PIL RGB -> uint8 ``[3, image_size, image_size]`` (not normalised).
+    """
+    from torchvision.transforms import v2 as T
+
+    return T.Compose(_eval_steps(image_size, resize_size))
+
+
+def train_transform(
+    image_size: int, mean: tuple[float, ...], std: tuple[float, ...]
+) -> Callable[[Image.Image], torch.Tensor]:
+    """:func:`train_pixels`, then normalised: float32 ``[3, image_size, image_size]``,
+    ``(x / 255 - mean) / std``."""
+    from torchvision.transforms import v2 as T
+
+    return T.Compose([*_train_steps(image_size), *_normalize(mean, std)])
 
 
 def eval_transform(
     image_size: int, resize_size: int, mean: tuple[float, ...], std: tuple[float, ...]
 ) -> Callable[[Image.Image], torch.Tensor]:
-    """Evaluation: resize the shorter side to ``resize_size``, centre-crop ``image_size``.
-
-    PIL RGB -> ``[3, image_size, image_size]`` float32, normalised.
-    """
+    """:func:`eval_pixels`, then normalised: float32 ``[3, image_size, image_size]``, the
+    served model's input (the same pixels the training loop normalises on the device)."""
     from torchvision.transforms import v2 as T
 
-    return T.Compose(
-        [T.Resize(resize_size, antialias=True), T.CenterCrop(image_size), *_normalize(mean, std)]
-    )
+    return T.Compose([*_eval_steps(image_size, resize_size), *_normalize(mean, std)])

@@ -3,7 +3,9 @@
 :func:`open_loader` gives the training loop a :class:`ShardLoader` whatever wrote the
 cache; the loop never asks which one it has. Every batch is a dict of tensors:
 
-- ``image``: float32 ``[B, 3, S, S]``, decoded, augmented (train) and normalised;
+- ``image``: uint8 ``[B, 3, S, S]``, decoded and augmented (train); the training loop
+  normalises it on the device (:class:`DeviceNormalize`), so a quarter of float32's bytes
+  goes through the loader, the pinned buffer and the host-to-device copy;
 - ``label_index``: int64 ``[B]``; ``row_id``: int64 ``[B]``;
 - ``valid``: bool ``[B]``: False for padding rows, which count in no loss, metric or checksum.
 
@@ -12,7 +14,9 @@ Two implementations:
 - :class:`PetastormShardLoader` (``data.loader=petastorm``): Petastorm reads shard ``rank``
   of ``world_size`` (row groups ``i % world_size == rank``) from the per-run Parquet cache; a
   ``TransformSpec`` decodes and augments in the loader; the batches are re-cut to the sizes
-  of :meth:`ShardPlan.batch_sizes`. No padding: every ``valid`` is True.
+  of :meth:`ShardPlan.batch_sizes`. Petastorm's ``BatchedDataLoader`` assembles batches
+  from whole row groups as arrays (its row-by-row ``DataLoader`` is not used). No padding:
+  every ``valid`` is True.
 - :class:`StreamingShardLoader` (``data.loader=streaming``): Mosaic ``StreamingDataset`` and
   ``StreamingDataLoader`` over the MDS shards; Streaming splits (and, for training,
   shuffles) the whole split across the ranks every epoch, and each rank gets the same
@@ -39,12 +43,13 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from flowers_job.data.images import eval_transform, train_transform
+from flowers_job.data.images import eval_pixels, train_pixels
 from flowers_job.data.shards import ShardPlan
 from flowers_job.processes import at_driver_death
 
 __all__ = [
     "DecodeTransform",
+    "DeviceNormalize",
     "PetastormShardLoader",
     "ShardError",
     "ShardLoader",
@@ -62,26 +67,19 @@ class ShardError(RuntimeError):
 
 
 class DecodeTransform:
-    """Stored JPEG bytes -> float32 ``[3, S, S]`` tensors: :meth:`decode` for one image (the
+    """Stored JPEG bytes -> uint8 ``[3, S, S]`` tensors: :meth:`decode` for one image (the
     Streaming loader), ``__call__`` for a pandas batch (Petastorm's ``TransformSpec``).
 
-    A picklable class (not a closure) so that Petastorm's 'process' reader pool and
-    DataLoader worker processes can ship it.
+    Training: random resized crop and flip (:func:`~flowers_job.data.images.train_pixels`);
+    evaluation: resize and centre crop (:func:`~flowers_job.data.images.eval_pixels`). Not
+    normalised: see :class:`DeviceNormalize`. A picklable class (not a closure) so that
+    Petastorm's 'process' reader pool and DataLoader worker processes can ship it.
     """
 
-    def __init__(
-        self,
-        train: bool,
-        image_size: int,
-        resize_size: int,
-        mean: tuple[float, ...],
-        std: tuple[float, ...],
-    ) -> None:
+    def __init__(self, train: bool, image_size: int, resize_size: int) -> None:
         self.train = train
         self.image_size = image_size
         self.resize_size = resize_size
-        self.mean = mean
-        self.std = std
         self._tf: Callable[[Image.Image], torch.Tensor] | None = None
 
     def warm_up(self) -> DecodeTransform:
@@ -89,18 +87,21 @@ class DecodeTransform:
         so that the first timed epoch does not pay for it. Returns ``self``."""
         if self._tf is None:
             self._tf = (
-                train_transform(self.image_size, self.mean, self.std)
+                train_pixels(self.image_size)
                 if self.train
-                else eval_transform(self.image_size, self.resize_size, self.mean, self.std)
+                else eval_pixels(self.image_size, self.resize_size)
             )
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tf": None}  # rebuilt where it is used
+
     def decode(self, content: bytes) -> torch.Tensor:
-        """One stored JPEG -> float32 ``[3, S, S]``, augmented (train) and normalised."""
+        """One stored JPEG -> uint8 ``[3, S, S]``, augmented (train), contiguous."""
         tf = self.warm_up()._tf
         assert tf is not None
         with Image.open(io.BytesIO(content)) as img:
-            return tf(img.convert("RGB"))
+            return tf(img.convert("RGB")).contiguous()
 
     def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
         images = [
@@ -116,11 +117,38 @@ class DecodeTransform:
         from petastorm import TransformSpec
 
         shape = (3, self.image_size, self.image_size)
-        return TransformSpec(self, edit_fields=[("image", np.float32, shape, False)])
+        return TransformSpec(self, edit_fields=[("image", np.uint8, shape, False)])
+
+
+class DeviceNormalize:
+    """uint8 images -> the model's float32 input, on the device: ``(x / 255 - mean) / std``.
+
+    The loaders deliver uint8 ``[B, 3, S, S]`` (a quarter of float32's bytes through the
+    loader, the pinned buffer and the host-to-device copy); this runs on the batch once it
+    is on ``device`` (one fused multiply-add per pixel, on the GPU when there is one).
+
+    Input: uint8 ``[B, 3, S, S]`` on any device. Output: float32 ``[B, 3, S, S]`` on
+    ``device``, channels-last.
+    """
+
+    def __init__(
+        self, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+    ) -> None:
+        self.device = device
+        scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32)
+        shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], dtype=torch.float32)
+        self.scale = scale.view(1, -1, 1, 1).to(device)
+        self.neg_shift = (-shift).view(1, -1, 1, 1).to(device)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+        return torch.addcmul(self.neg_shift, x.float(), self.scale)
 
 
 def rebatch(batches: Iterable[Batch], sizes: list[int]) -> Iterator[Batch]:
-    """Re-cut a stream of batches into batches of exactly ``sizes``.
+    """Re-cut a stream of batches into batches of exactly ``sizes``. A batch that holds the
+    next batch's rows is sliced (views, no copy); only batches spanning two incoming ones
+    are concatenated.
 
     Raises:
         ShardError: the stream holds fewer or more rows than ``sum(sizes)``.
@@ -139,7 +167,10 @@ def rebatch(batches: Iterable[Batch], sizes: list[int]) -> Iterator[Batch]:
                 ) from None
             pending.append(b)
             have += len(b["label_index"])
-        merged = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
+        if len(pending) == 1:  # the batch arrived whole (or larger): views, no copy
+            merged = pending[0]
+        else:
+            merged = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
         yield {k: v[:size] for k, v in merged.items()}
         rest = {k: v[size:] for k, v in merged.items()}
         have -= size
@@ -160,16 +191,21 @@ def shard_batches(
     seed: int,
     reader_pool_type: str = "dummy",
     shuffle_buffer_rows: int = 0,
+    workers_count: int = 1,
 ) -> Iterator[Batch]:
     """One epoch of this rank's shard: ``plan.steps_per_epoch`` batches.
 
-    Each batch: ``image`` float32 ``[B, 3, S, S]``, ``label_index`` int64 ``[B]``,
-    ``row_id`` int64 ``[B]``, with ``B`` from ``plan.batch_sizes(rank)``.
+    Each batch: ``image`` uint8 ``[B, 3, S, S]``, ``label_index`` int64 ``[B]``,
+    ``row_id`` int64 ``[B]``, with ``B`` from ``plan.batch_sizes(rank)``. Petastorm's
+    ``BatchedDataLoader`` assembles them from whole row groups (array slices and one gather
+    when shuffling, no per-row Python); ``workers_count`` decoding processes with
+    ``reader_pool_type='process'`` (the 'dummy' pool decodes in this thread).
 
     Raises:
         ShardError: the shard yielded a different number of rows than planned (for
             example Petastorm's thread pool ending a shard early, STACK.md trap 1).
     """
+    from petastorm.pytorch import BatchedDataLoader
     from petastorm.spark.spark_dataset_converter import SparkDatasetConverter
 
     converter = SparkDatasetConverter(plan.cache_dir_url, plan.file_urls, plan.dataset_size)
@@ -179,8 +215,9 @@ def shard_batches(
         cur_shard=rank,
         shard_count=world_size,
         transform_spec=transform.spec(),
+        data_loader_fn=BatchedDataLoader,
         reader_pool_type=reader_pool_type,
-        workers_count=1,
+        workers_count=max(1, workers_count),
         shuffling_queue_capacity=shuffle_buffer_rows if shuffle else 0,
         shuffle_row_groups=shuffle,
         shuffle_rows=shuffle,
@@ -219,9 +256,11 @@ class PetastormShardLoader:
     """Petastorm: shard ``rank`` of ``world_size``, re-cut to the plan's batch sizes.
 
     Shuffling (``shuffle=True``): row groups and rows within them are shuffled by
-    Petastorm with ``seed + epoch``; its shuffling buffer draws from NumPy's global
-    generator, which is seeded from ``(seed, epoch, rank)`` before each epoch, so the order
-    of an epoch is the same whenever it is run (with the 'dummy' reader pool).
+    Petastorm with ``seed + epoch``; its shuffling buffer and the augmentation draw from
+    torch's global generator, which is seeded from ``(seed, epoch, rank)`` before each
+    epoch, so the order of an epoch is the same whenever it is run (with the 'dummy' reader
+    pool). ``pin_memory`` (CUDA): each batch is copied into page-locked memory, so that the
+    host-to-device copy can run asynchronously (``non_blocking=True``).
     """
 
     plan: ShardPlan
@@ -232,25 +271,29 @@ class PetastormShardLoader:
     seed: int
     reader_pool_type: str = "dummy"
     shuffle_buffer_rows: int = 0
+    workers_count: int = 1
+    pin_memory: bool = False
 
     @property
     def steps_per_epoch(self) -> int:
         return self.plan.steps_per_epoch
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
-        np.random.seed(_epoch_seed(self.seed, epoch, self.rank))  # Petastorm's shuffling buffer
+        torch.manual_seed(_epoch_seed(self.seed, epoch, self.rank))  # shuffling and augmentation
         for batch in shard_batches(
             self.plan,
             self.rank,
             self.world_size,
             self.transform,
             shuffle=self.shuffle,
-            seed=self.seed + epoch,
+            # Petastorm also orders row groups by the seed: validation keeps one order
+            seed=self.seed + epoch if self.shuffle else self.seed,
             reader_pool_type=self.reader_pool_type,
             shuffle_buffer_rows=self.shuffle_buffer_rows,
+            workers_count=self.workers_count,
         ):
             batch["valid"] = torch.ones(len(batch["row_id"]), dtype=torch.bool)
-            yield batch
+            yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 
     def close(self) -> None:
         pass
@@ -278,6 +321,8 @@ class StreamingShardLoader:
         seed: int,
         num_nodes: int,
         num_workers: int = 0,
+        prefetch_factor: int = 2,
+        pin_memory: bool = False,
     ) -> None:
         from streaming import StreamingDataLoader
 
@@ -296,6 +341,8 @@ class StreamingShardLoader:
             self.dataset,
             batch_size=plan.per_device_batch_size,
             num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=pin_memory,
             persistent_workers=False,
             drop_last=False,
         )
@@ -365,7 +412,7 @@ def _local_path(url: str) -> Path:
 
 
 def _decoding_dataset(transform: DecodeTransform, **kwargs: Any) -> Any:
-    """A ``StreamingDataset`` whose samples come out decoded: ``image`` float32 ``[3, S, S]``."""
+    """A ``StreamingDataset`` whose samples come out decoded: ``image`` uint8 ``[3, S, S]``."""
     from streaming import StreamingDataset
 
     class DecodingDataset(StreamingDataset):
@@ -387,6 +434,7 @@ def open_loader(
     shuffle: bool,
     seed: int,
     data: dict[str, Any],
+    pin_memory: bool = False,
 ) -> ShardLoader:
     """The loader that reads ``plan``'s cache (``plan.loader``), for this rank.
 
@@ -397,7 +445,10 @@ def open_loader(
         shuffle: a new order every epoch (training) or the stored order (validation).
         seed: the shuffle seed; the order of epoch ``e`` is a function of ``(seed, e)``.
         data: the ``data`` config section as a dict (``reader_pool_type``,
-            ``shuffle_buffer_rows`` for Petastorm).
+            ``shuffle_buffer_rows`` for Petastorm; ``loader_workers`` for both: Petastorm's
+            process pool, Streaming's DataLoader workers; ``prefetch_batches``: batches each
+            Streaming worker decodes ahead).
+        pin_memory: page-locked batches, for asynchronous copies to a CUDA device.
 
     Raises:
         ValueError: an unknown ``plan.loader``.
@@ -412,9 +463,18 @@ def open_loader(
             seed=seed,
             reader_pool_type=str(data.get("reader_pool_type", "dummy")),
             shuffle_buffer_rows=int(data.get("shuffle_buffer_rows", 0)),
+            workers_count=int(data.get("loader_workers", 0)) or 1,
+            pin_memory=pin_memory,
         )
     if plan.loader == "streaming":
         return StreamingShardLoader(
-            plan, transform, shuffle=shuffle, seed=seed, num_nodes=num_nodes
+            plan,
+            transform,
+            shuffle=shuffle,
+            seed=seed,
+            num_nodes=num_nodes,
+            num_workers=int(data.get("loader_workers", 0)),
+            prefetch_factor=int(data.get("prefetch_batches", 2)),
+            pin_memory=pin_memory,
         )
     raise ValueError(f"unknown loader {plan.loader!r} in the shard plan")

@@ -51,8 +51,6 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
             bool(job["shuffle"]),
             int(job["image_size"]),
             int(job["resize_size"]),
-            tuple(job["mean"]),
-            tuple(job["std"]),
         ).warm_up()  # every reader starts its first epoch with the transform built
         num_nodes = describe_hosts(ctx) or 1
         loader = open_loader(
