@@ -101,8 +101,8 @@ def run(
     """Run the loop on ``ranks`` torchrun processes of ``threads`` threads; its result dict.
 
     Raises:
-        subprocess.CalledProcessError: a rank failed; subprocess.TimeoutExpired: the run took
-        longer than ``timeout`` seconds.
+        RuntimeError: a rank failed (with the end of torchrun's output);
+        subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -124,7 +124,11 @@ def run(
         ]
         env = {**allocator_env(allocator), "OMP_NUM_THREADS": str(threads)}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run(cmd, env=env, check=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd, check=False, env=env, timeout=timeout, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"the in-memory loop failed:\n{proc.stderr[-4000:]}")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         result = json.loads(out.read_text())
     return {

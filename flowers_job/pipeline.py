@@ -24,7 +24,7 @@ from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
 from flowers_job.data.stack import resolve_loader
 from flowers_job.processes import driver_identity
-from flowers_job.spark import executor_cores, task_slots, wait_for_slots
+from flowers_job.spark import driver_gpus, executor_cores, task_slots, wait_for_slots
 from flowers_job.storage import check_shared_storage, is_local_master
 from flowers_job.tracking import preflight
 
@@ -105,7 +105,8 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
               tracking store not declared shared (``tracking.store_is_shared``): rank 0
               writes it from an executor, on another host than the driver;
             - GPUs are requested in local mode with fewer CUDA devices on the driver than
-              processes.
+              processes, or a session whose driver has fewer ``gpu`` resources than
+              processes (TorchDistributor would refuse only after the data is prepared).
     """
     d = cfg.distributed
     problems = []
@@ -147,6 +148,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
         import torch
 
         gpus = torch.cuda.device_count()
+        spark_gpus = driver_gpus(spark)
         if gpus == 0:
             problems.append(
                 "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
@@ -155,7 +157,16 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
         elif d.num_processes > gpus:
             problems.append(
                 f"distributed.num_processes: {d.num_processes} processes, but the driver has "
-                f"{gpus} CUDA devices (local mode on GPUs: one device per process)"
+                f"{gpus} CUDA devices (local mode on GPUs: one device per process; set "
+                f"distributed.num_processes={gpus})"
+            )
+        elif len(spark_gpus) < d.num_processes:
+            problems.append(
+                f"distributed.use_gpu: the Spark session's driver has {len(spark_gpus)} GPUs "
+                f"as a resource and TorchDistributor's local mode needs {d.num_processes}: "
+                "start the session with spark.driver.resource.gpu.amount and "
+                "spark.driver.resource.gpu.discoveryScript (flowers_job.spark.get_spark does "
+                "when it finds CUDA devices; flowers_job.spark.local_gpu_conf gives them)"
             )
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

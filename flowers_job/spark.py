@@ -8,16 +8,27 @@ resolved from Maven Central by ``configure_spark_with_delta_pip``.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 from flowers_job.allocator import apply_to_environ
 from flowers_job.allocator import spark_conf as allocator_spark_conf
 
-__all__ = ["executor_cores", "get_spark", "task_slots", "wait_for_slots"]
+__all__ = [
+    "cuda_device_count",
+    "driver_gpus",
+    "executor_cores",
+    "get_spark",
+    "local_gpu_conf",
+    "task_slots",
+    "wait_for_slots",
+]
 
 _LOCAL_DEFAULTS = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -84,11 +95,55 @@ def get_spark(
     builder = SparkSession.builder.appName(app_name).master(
         master or os.environ.get("FLOWERS_SPARK_MASTER", "local[*]")
     )
-    for key, value in {**_LOCAL_DEFAULTS, **allocator_spark_conf(), **(conf or {})}.items():
+    gpus = local_gpu_conf(cuda_device_count())
+    for key, value in {**_LOCAL_DEFAULTS, **allocator_spark_conf(), **gpus, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (``torch.cuda.device_count()``, which honours
+    ``CUDA_VISIBLE_DEVICES``); 0 without an NVIDIA driver, and then torch is not imported."""
+    if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+GPU_DISCOVERY_SCRIPT = "flowers-gpu-discovery.sh"
+
+
+def local_gpu_conf(count: int, directory: Path | None = None) -> dict[str, str]:
+    """Spark settings that give a local session's driver ``count`` GPUs (none for 0).
+
+    TorchDistributor's local mode with ``use_gpu`` refuses to start unless the driver has a
+    ``gpu`` resource (``spark.driver.resource.gpu.amount`` and a discovery script, which
+    Spark runs at start-up and which must print ``{"name": "gpu", "addresses": [...]}``);
+    it then gives each rank one of those addresses in ``CUDA_VISIBLE_DEVICES``. The script
+    written here (into ``directory``, default the temp dir) prints the indices
+    ``0..count-1``: the devices torch sees in this process.
+    """
+    if count <= 0:
+        return {}
+    directory = Path(directory or tempfile.gettempdir())
+    script = directory / f"{GPU_DISCOVERY_SCRIPT.removesuffix('.sh')}-{count}.sh"
+    addresses = ", ".join(f'"{i}"' for i in range(count))
+    script.write_text(f'#!/bin/sh\necho \'{{"name": "gpu", "addresses": [{addresses}]}}\'\n')
+    script.chmod(0o755)
+    return {
+        "spark.driver.resource.gpu.amount": str(count),
+        "spark.driver.resource.gpu.discoveryScript": str(script),
+    }
+
+
+def driver_gpus(spark: SparkSession) -> list[str]:
+    """The addresses of the driver's ``gpu`` resource (what local mode's ranks can use);
+    [] when the session was started without one."""
+    resources = spark.sparkContext.resources
+    return list(resources["gpu"].addresses) if "gpu" in resources else []
 
 
 def task_slots(spark: SparkSession) -> int:

@@ -574,3 +574,11 @@ def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
         parts = Path(src).parts
         hit = [p for p in ignored if p in {src, parts[0]}]
         assert not hit, f"{src} is copied by the Dockerfile but excluded by .dockerignore {hit}"
+
+
+@pytest.mark.parametrize("target", ["dev", "prod"])
+def test_clusters_run_with_the_allocator_tuning(bundle: dict[str, Any], target: str) -> None:
+    """Every process of the job cluster gets flowers_job.allocator's glibc settings."""
+    from flowers_job.allocator import ALLOCATOR_ENV
+
+    assert _job_cluster(bundle, target)["spark_env_vars"] == dict(ALLOCATOR_ENV)

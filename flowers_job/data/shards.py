@@ -33,11 +33,16 @@ CHECKSUM_MODULUS = 2**31
 
 
 def quiet_petastorm() -> None:
-    """Silence Petastorm's per-reader INFO lines and pyarrow-legacy FutureWarnings."""
+    """Silence Petastorm's per-reader INFO lines and pyarrow-legacy FutureWarnings, and the
+    warning torch gives when ``BatchedDataLoader`` wraps Arrow's read-only arrays (the
+    batches are never written to: normalisation makes a new tensor)."""
     for name in ("petastorm", "petastorm.etl.dataset_metadata", "petastorm.reader"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\..*)?")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyarrow(\..*)?")
+    warnings.filterwarnings(
+        "ignore", message="The given NumPy array is not writable", category=UserWarning
+    )
 
 
 class DataError(RuntimeError):
