@@ -8,7 +8,7 @@ TorchDistributor processes (local mode, gloo, CPU):
   Parquet files with pyarrow only (row group ``i`` of all files, in file order, goes to rank
   ``i % world_size``), decodes every image with the very same
   :meth:`flowers_job.train.loader.DecodeTransform.decode` (the TRAIN transform: decode,
-  RandomResizedCrop, flip, normalise) and stacks each batch with ``torch.stack``. The same
+  RandomResizedCrop, flip; uint8 as the loaders deliver it) and stacks each batch with ``torch.stack``. The same
   work minus the loader library (and minus its shuffling: the plain loop reads in file order).
 - every loader of :data:`flowers_job.data.stack.LOADERS` that runs on this stack
   (:func:`~flowers_job.data.stack.loader_problem`; the others are skipped with the reason):
@@ -85,7 +85,7 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         job: ``files`` (the train table's Parquet files), ``epochs`` (how many), ``batch``
-            (rows per batch), ``image_size``, ``resize_size``, ``mean``, ``std`` and
+            (rows per batch), ``image_size``, ``resize_size`` and
             ``timeout_seconds`` (process-group timeout, seconds).
 
     Returns:
@@ -269,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.data.ingest import ingest
     from flowers_job.data.prepare import prepare_data
     from flowers_job.data.stack import LOADERS, loader_problem
-    from flowers_job.models import preprocessing_for
     from flowers_job.spark import get_spark
     from flowers_job.train.probe import read_shards
 
@@ -290,12 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     train = spark.read.format("delta").load(str(cfg.paths.table("train")))
     files = sorted(_local_path(f) for f in train.inputFiles())
     expected = [int(r["row_id"]) for r in train.select("row_id").collect()]
-    pre = preprocessing_for(cfg.model.architecture)
     common = {
         "image_size": cfg.data.image_size,
         "resize_size": cfg.data.stored_short_side,
-        "mean": list(pre.mean),
-        "std": list(pre.std),
         "timeout_seconds": args.timeout,
     }
     dist = TorchDistributor(num_processes=args.world_size, local_mode=True, use_gpu=False)
@@ -367,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "image_size": args.image_size,
             "batch": args.batch,
             "master": args.master,
-            "transform": "train (decode, RandomResizedCrop, flip, normalise)",
+            "transform": "train (decode, RandomResizedCrop, flip; uint8, as the loaders deliver it)",
         },
         "ingest": {"seconds": round(ingest_s, 1), **report.to_dict()},
         "train_rows": len(expected),

@@ -100,6 +100,10 @@ def _efficientnet_lite0(pretrained: bool) -> tuple[nn.Module, int]:
         )
     else:
         net = EfficientNet.from_name("efficientnet-lite0")
+    # The package's ImageNet classifier stays in the state dict (checkpoints and registered
+    # models keep their keys) but never runs: frozen, so that DDP, which expects a gradient
+    # for every trainable parameter, does not fail when the backbone is trained.
+    net._fc.requires_grad_(False)
     return _EfficientNetLiteFeatures(net), int(net._fc.in_features)
 
 

@@ -21,7 +21,6 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.prepare import prepare_data
 from flowers_job.data.shards import CHECKSUM_MODULUS, ShardPlan
-from flowers_job.models import preprocessing_for
 from flowers_job.train.loader import ShardError
 from flowers_job.train.worker import check_shard, check_totals
 
@@ -34,7 +33,6 @@ def _read(plan: ShardPlan, world_size: int, epochs: list[int], seed: int = 7) ->
 
     from flowers_job.train.probe import read_shards
 
-    pre = preprocessing_for("efficientnet_lite0")
     job = {
         "plan": plan.to_dict(),
         "epochs": epochs,
@@ -42,8 +40,6 @@ def _read(plan: ShardPlan, world_size: int, epochs: list[int], seed: int = 7) ->
         "seed": seed,
         "image_size": 32,
         "resize_size": 37,
-        "mean": list(pre.mean),
-        "std": list(pre.std),
         "data": {"shuffle_buffer_rows": 16},
         "timeout_seconds": 120,
     }

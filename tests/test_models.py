@@ -34,3 +34,15 @@ def test_torchvision_architecture_from_a_local_weights_file(tmp_path: Path) -> N
     assert torch.equal(loaded, source.conv1.weight)
     assert model.head[-1].in_features == 512
     assert model(torch.randn(2, 3, 64, 64)).shape == (2, 3)
+
+
+def test_a_trained_backbone_gives_every_trainable_parameter_a_gradient() -> None:
+    """DDP fails on the second step ("Expected to have finished reduction in the prior
+    iteration") when a trainable parameter gets no gradient: the package's own ImageNet
+    classifier, which the features never pass through, must not be trainable."""
+    model = build_model("efficientnet_lite0", 5, "package", freeze_backbone=False)
+    model.train()
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert "backbone.net._conv_stem.weight" in trainable
+    assert [n for n, p in trainable.items() if p.grad is None] == []

@@ -34,7 +34,7 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
     Args:
         job: ``plan`` (:meth:`ShardPlan.to_dict`), ``epochs`` (1-based epoch numbers, in the
             order to read them), ``shuffle``, ``seed``, ``image_size``, ``resize_size``,
-            ``mean``, ``std``, ``data`` (the ``data`` config section as a dict) and
+            ``data`` (the ``data`` config section as a dict) and
             ``timeout_seconds`` (process-group timeout).
 
     Returns:
