@@ -13,7 +13,8 @@ Wall time is each process's, from its start to its exit (Spark start-up, ingest 
 conversion, training, and for the job MLflow logging and model registration). Accuracy
 is each one's validation accuracy on that split (the job: its best epoch, whose weights it
 keeps; the docs' pattern: after its last epoch, over the validation rows its step count
-reaches).
+reaches). CPU user and system seconds of each (all its processes) show how much of the
+CPU went to the kernel.
 
     .venv/bin/python benchmarks/job_vs_docs.py --work-dir /tmp/bench-docs \\
         --report output/benchmarks/job_vs_docs.json
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -47,15 +49,20 @@ spark.stop()
 """
 
 
-def timed(cmd: list[str], timeout: float) -> float:
-    """Run ``cmd`` (stdout discarded); its wall seconds.
+def timed(cmd: list[str], timeout: float) -> tuple[float, float, float]:
+    """Run ``cmd`` (stdout discarded); its ``(wall, CPU user, CPU system)`` seconds, the
+    CPU times from ``getrusage(RUSAGE_CHILDREN)``: every descendant process that was waited
+    for (the JVM, torchrun, the ranks, Spark's Python workers).
 
     Raises:
         subprocess.CalledProcessError, subprocess.TimeoutExpired.
     """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, timeout=timeout, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     job_cmd += ["--output-dir", str(job_out)]
     for item in args.set:
         job_cmd += ["--set", item]
-    job_seconds = timed(job_cmd, args.timeout)
+    job_seconds, job_user, job_sys = timed(job_cmd, args.timeout)
     job: dict[str, Any] = json.loads((job_out / "summary.json").read_text())
 
     val_paths = args.work_dir / "val_paths.txt"
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     docs_cmd = [sys.executable, str(HERE / "docs_pattern.py"), "--photos", str(args.photos)]
     docs_cmd += ["--val-paths", str(val_paths), "--epochs", str(args.docs_epochs)]
     docs_cmd += ["--output", str(docs_json)]
-    docs_seconds = timed(docs_cmd, args.timeout)
+    docs_seconds, docs_user, docs_sys = timed(docs_cmd, args.timeout)
     docs: dict[str, Any] = json.loads(docs_json.read_text())
 
     result = {
@@ -101,10 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         "job_val_rows": job["val_rows"],
         "job_epochs": job["epochs_completed"],
         "job_best_epoch": job["best_epoch"],
+        "job_cpu_user_seconds": job_user,
+        "job_cpu_system_seconds": job_sys,
+        "job_system_share": job_sys / (job_user + job_sys),
         "docs_wall_seconds": docs_seconds,
         "docs_val_accuracy": docs["val_accuracy"],
         "docs_val_rows_evaluated": docs.get("val_rows_evaluated"),
         "docs_epochs": docs.get("epochs"),
+        "docs_cpu_user_seconds": docs_user,
+        "docs_cpu_system_seconds": docs_sys,
         "time_ratio": job_seconds / docs_seconds,
         "accuracy_difference": job["val_accuracy"] - docs["val_accuracy"],
     }
@@ -114,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{job['val_accuracy']:.4f} ({job['val_rows']} rows) |\n"
         f"| docs' pattern ({docs.get('epochs')} epochs) | {docs_seconds:.0f} s | "
         f"{docs['val_accuracy']:.4f} ({docs.get('val_rows_evaluated')} rows) |\n"
-        f"\njob / docs wall time: {result['time_ratio']:.2f}"
+        f"\njob / docs wall time: {result['time_ratio']:.2f}; CPU user / system: job "
+        f"{job_user:.0f} / {job_sys:.0f} s ({result['job_system_share']:.1%} system), docs "
+        f"{docs_user:.0f} / {docs_sys:.0f} s"
     )
     print(json.dumps(result))
     if args.report:
