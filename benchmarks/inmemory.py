@@ -70,19 +70,40 @@ def decode_to_file(photos: Path, count: int, image_size: int, target: Path) -> P
     return target
 
 
+ALLOCATORS = ("tuned", "glibc", "mmap-threshold", "jemalloc", "jemalloc-nodecay")
+"""The allocator settings :func:`allocator_env` knows."""
+
+
 def allocator_env(kind: str) -> dict[str, str]:
-    """Environment for the ranks: 'tuned' (the job's glibc settings), 'glibc' (glibc's
-    defaults: the variables removed) or 'jemalloc' (``LD_PRELOAD``, if installed)."""
+    """Environment for the ranks, from this one without any allocator variable:
+
+    - 'tuned': the job's glibc settings (:data:`flowers_job.allocator.ALLOCATOR_ENV`);
+    - 'glibc': glibc's defaults;
+    - 'mmap-threshold': only ``MALLOC_MMAP_THRESHOLD_`` raised, to glibc's 32 MiB cap;
+    - 'jemalloc': jemalloc preloaded (``LD_PRELOAD``), its defaults;
+    - 'jemalloc-nodecay': the same, with ``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1``
+      (freed pages are never returned to the kernel).
+
+    Raises:
+        SystemExit: a jemalloc kind where jemalloc is not installed.
+    """
     from flowers_job.allocator import ALLOCATOR_ENV, find_jemalloc
 
-    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV and k != "LD_PRELOAD"}
+    dropped = {*ALLOCATOR_ENV, "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_THRESHOLD_"}
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     if kind == "tuned":
         env.update(ALLOCATOR_ENV)
-    elif kind == "jemalloc":
+    elif kind == "mmap-threshold":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(32 * 2**20)
+    elif kind.startswith("jemalloc"):
         lib = find_jemalloc()
         if lib is None:
             raise SystemExit("jemalloc is not installed (apt-get install libjemalloc2)")
         env["LD_PRELOAD"] = lib
+        if kind == "jemalloc-nodecay":
+            env["MALLOC_CONF"] = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+    elif kind != "glibc":
+        raise ValueError(f"unknown allocator {kind!r}: one of {ALLOCATORS}")
     return env
 
 
@@ -217,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per rank first")
     p.add_argument("--batch-size", type=int, default=32, help="per_device_batch_size")
     p.add_argument("--freeze-backbone", type=int, default=1)
-    p.add_argument("--allocator", choices=("tuned", "glibc", "jemalloc"), default="tuned")
+    p.add_argument("--allocator", choices=ALLOCATORS, default="tuned")
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)

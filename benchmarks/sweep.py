@@ -44,6 +44,18 @@ GRID: dict[str, list[str]] = {
         "model.freeze_backbone=false",
         "train.base_learning_rate=0.0003",
     ],
+    "unfrozen-160-e6": [
+        "data.image_size=160",
+        "train.epochs=6",
+        "model.freeze_backbone=false",
+        "train.base_learning_rate=0.0003",
+    ],
+    "unfrozen-192-e4": [
+        "data.image_size=192",
+        "train.epochs=4",
+        "model.freeze_backbone=false",
+        "train.base_learning_rate=0.0003",
+    ],
 }
 """Name -> ``--set`` overrides of the job's defaults (``frozen``: only the head trains)."""
 

@@ -185,3 +185,10 @@ def test_example_config_matches_the_defaults(tmp_path: Path) -> None:
         exclude={"data": {"resize_ratio"}}
     )
     assert cfg.data.stored_short_side == default.data.stored_short_side
+
+
+def test_the_finetune_preset_is_valid_and_trains_the_backbone(tmp_path: Path) -> None:
+    preset = Path(__file__).parents[1] / "configs" / "finetune.yaml"
+    cfg = load_config(preset, None, **{"paths.output_dir": tmp_path})
+    assert cfg.model.freeze_backbone is False
+    assert (cfg.data.image_size, cfg.train.epochs) == (160, 6)

@@ -27,7 +27,13 @@ from flowers_job.train.worker import check_shard, check_totals
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _read(plan: ShardPlan, world_size: int, epochs: list[int], seed: int = 7) -> dict[str, Any]:
+def _read(
+    plan: ShardPlan,
+    world_size: int,
+    epochs: list[int],
+    seed: int = 7,
+    data: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``read_shards`` on ``world_size`` real local TorchDistributor processes."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -40,7 +46,7 @@ def _read(plan: ShardPlan, world_size: int, epochs: list[int], seed: int = 7) ->
         "seed": seed,
         "image_size": 32,
         "resize_size": 37,
-        "data": {"shuffle_buffer_rows": 16},
+        "data": {"shuffle_buffer_rows": 16, **(data or {})},
         "timeout_seconds": 120,
     }
     result = TorchDistributor(num_processes=world_size, local_mode=True, use_gpu=False).run(
@@ -111,3 +117,33 @@ def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_re
     assert [again["row_ids"][r][0] for r in range(world_size)] == [
         first["row_ids"][r][1] for r in range(world_size)
     ]
+
+
+def test_loader_workers_decode_ahead_and_every_row_is_read_once(
+    spark: SparkSession, tables: Path, loader: str
+) -> None:
+    """``data.loader_workers=2``: decoding moves to 2 processes per rank (Streaming's
+    DataLoader workers; Petastorm's process pool), and the invariants hold: the planned
+    steps and rows on every rank, every row once per epoch."""
+    cfg: JobConfig = load_config(
+        None,
+        [
+            "data.image_size=32",
+            f"data.loader={loader}",
+            "distributed.num_processes=2",
+            "train.per_device_batch_size=8",
+        ],
+        **{"paths.output_dir": tables},
+    )
+    expected = sorted(
+        r["row_id"]
+        for r in spark.read.format("delta").load(str(cfg.paths.table("train"))).collect()
+    )
+    workers = {"loader_workers": 2, "prefetch_batches": 2, "reader_pool_type": "process"}
+    with prepare_data(spark, cfg) as data:
+        plan = data.train
+        result = _read(plan, 2, epochs=[1], data=workers)
+    assert [result["steps"][r][0] for r in range(2)] == [plan.steps_per_epoch] * 2
+    assert [result["rows_read"][r][0] for r in range(2)] == plan.rows_per_shard
+    counts = Counter(i for r in range(2) for i in result["row_ids"][r][0])
+    assert sorted(counts) == expected and set(counts.values()) == {1}
