@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = [f"train.epochs={args.epochs}", *args.set]
     from flowers_job.config import load_config
 
-    cfg = load_config(None, settings, **{"data.images": args.photos})
+    cfg = load_config(
+        None, settings, **{"data.images": args.photos, "paths.output_dir": args.output_dir}
+    )
     ranks = cfg.world_size
     threads = max(1, (os.cpu_count() or 1) // ranks)
     batch, size = cfg.train.per_device_batch_size, cfg.data.image_size

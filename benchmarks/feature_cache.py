@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path)
     args = p.parse_args(argv)
 
+    from flowers_job.allocator import tune_this_process
+
+    tune_this_process()  # this process runs torch itself: glibc's defaults would thrash
     import torch
     from PIL import Image
     from torch import nn

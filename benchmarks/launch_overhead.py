@@ -6,7 +6,7 @@ imports torch and joins the process group, and (barrier mode) runs all that insi
 barrier stage. A short job (a few epochs of a frozen backbone) pays it once per run, so it
 matters next to minutes of training. This measures it with a function that does nothing
 else: :func:`noop_train` joins a gloo process group, passes one barrier, leaves the group and
-returns its rank. Each launcher starts 2 processes on this machine:
+returns the world size. Each launcher starts 2 processes on this machine:
 
 - ``local``: ``TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)
   .run(noop_train)``: torchrun started from the driver;
@@ -56,7 +56,9 @@ LAUNCHERS = ("local", "barrier", "torchrun", "single")
 
 
 def noop_train() -> int:
-    """The training function: join the gloo group, one barrier, leave; returns the rank.
+    """The training function: join the gloo group, one barrier, leave; returns the world size
+    (the same on every rank: TorchDistributor's local mode returns whichever rank's value was
+    written last, STACK.md trap 4).
 
     Reads the rendezvous from the environment that torchrun sets (``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``); waits at most ``PG_TIMEOUT_SECONDS``.
@@ -64,10 +66,10 @@ def noop_train() -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_SECONDS))
-    rank = dist.get_rank()
+    world_size = dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
-    return rank
+    return world_size
 
 
 def _free_port() -> int:
@@ -119,7 +121,7 @@ def launchers(spark: Any) -> dict[str, Callable[[], None]]:
     """The four launchers, each a call that returns when all its processes have ended.
 
     Raises (when called):
-        RuntimeError: ``TorchDistributor.run`` returned something other than rank 0's 0.
+        RuntimeError: ``TorchDistributor.run`` returned something other than the world size.
     """
     from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -128,8 +130,8 @@ def launchers(spark: Any) -> dict[str, Callable[[], None]]:
             out = TorchDistributor(
                 num_processes=WORLD_SIZE, local_mode=local_mode, use_gpu=False
             ).run(noop_train)
-            if out != 0:
-                raise RuntimeError(f"TorchDistributor.run returned {out!r}, not rank 0's 0")
+            if out != 2:
+                raise RuntimeError(f"TorchDistributor.run returned {out!r}, not the world size 2")
 
         return call
 

@@ -20,10 +20,11 @@ The cure chosen here is glibc's own tuning, set in the environment before a proc
   instead of going back to the kernel and being faulted in again;
 - ``MALLOC_TOP_PAD_`` at 64 MiB: the heap grows in large steps.
 
-Measured with benchmarks/inmemory.py (frozen Lite0 + head, 2 ranks of 1 thread, 224 px,
-batch 32; benchmarks/README.md has the table): glibc's defaults 59 img/s, the 32 MiB mmap
-threshold alone 82, this tuning 146, jemalloc with its default decay 43 and with decay off
-(``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1``) 159. jemalloc is not the default
+Measured with benchmarks/allocators.py (frozen Lite0 + head, 2 ranks of 1 thread, 224 px,
+batch 32; benchmarks/README.md has the table): glibc's defaults 55 img/s with 27 of 50 CPU
+seconds in the kernel, ``MALLOC_MMAP_THRESHOLD_`` raised alone 52, this tuning 155 (2.5 s in
+the kernel), jemalloc with its default decay 40, and with decay off
+(``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1``) 169. jemalloc is not the default
 because it must be installed on every host and preloaded (``LD_PRELOAD``, an init script on
 Databricks), for about 9% over the tuned glibc, which needs nothing. The cost of the tuning:
 a process keeps up to ``MALLOC_TRIM_THRESHOLD_`` of freed memory, at most about one training
@@ -33,6 +34,9 @@ The variables reach:
 
 - the ranks in local mode (TorchDistributor's ``torchrun`` inherits the driver's
   environment: :func:`apply_to_environ`);
+- every rank also applies them to itself with ``mallopt`` when it starts
+  (:func:`tune_this_process`): a rank on a cluster whose executors lack the variables is
+  still tuned, though only from then on;
 - Spark's Python workers, which decode on ingest and run the ranks in barrier mode, on this
   machine and on a cluster: ``spark.executorEnv.<NAME>`` (:func:`spark_conf`; PySpark passes
   every ``spark.executorEnv.*`` setting to the Python workers it starts, and a cluster's
@@ -53,6 +57,7 @@ __all__ = [
     "apply_to_environ",
     "find_jemalloc",
     "spark_conf",
+    "tune_this_process",
 ]
 
 ALLOCATOR_ENV: Mapping[str, str] = {
@@ -74,6 +79,34 @@ def find_jemalloc() -> str | None:
     """Path of an installed ``libjemalloc.so.2``, or None (for benchmarks and users who
     prefer it: ``LD_PRELOAD=<path>``)."""
     return next((p for p in _JEMALLOC_PATHS if Path(p).exists()), None)
+
+
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_MAX_": -4}
+"""glibc's ``mallopt`` parameter numbers (``<malloc.h>``: M_TRIM_THRESHOLD, M_TOP_PAD,
+M_MMAP_MAX) for the variables of :data:`ALLOCATOR_ENV`."""
+
+
+def tune_this_process() -> bool:
+    """Apply :data:`ALLOCATOR_ENV` to the running process with glibc's ``mallopt``, for a
+    process that started without the variables (a benchmark or notebook that runs torch
+    in-process; a rank on a cluster whose executors lack them). Values the environment
+    set are kept. Returns False where glibc's ``mallopt`` is not available (musl, macOS,
+    jemalloc preloaded: its own settings apply)."""
+    import ctypes
+    import ctypes.util
+
+    if "jemalloc" in allocator_report()["allocator"]:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = True
+    for key, param in _MALLOPT.items():
+        value = int(os.environ.get(key, ALLOCATOR_ENV[key]))
+        ok = bool(mallopt(ctypes.c_int(param), ctypes.c_int(min(value, 2**31 - 1)))) and ok
+    return ok
 
 
 def apply_to_environ(environ: dict[str, str] | None = None) -> dict[str, str]:

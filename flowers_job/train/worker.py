@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from flowers_job import faults
+from flowers_job.allocator import tune_this_process
 from flowers_job.config import JobConfig, TrainConfig
 from flowers_job.data.shards import CHECKSUM_MODULUS, ShardPlan, quiet_petastorm
 from flowers_job.distributed import (
@@ -100,6 +101,9 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     logging.basicConfig(
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
+    # The environment should have carried the allocator tuning here (spark.executorEnv.*,
+    # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
+    tune_this_process()
     quiet_petastorm()
     logging.getLogger("streaming").setLevel(logging.WARNING)  # per-dataset INFO defaults
     watch_driver(job.get("driver"))
