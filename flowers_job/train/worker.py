@@ -556,7 +556,7 @@ def fit(
     read it separately (on a cluster they could see different files, or none).
 
     Returns:
-        ``(summary, register)``. On rank 0: the training summary (:func:`_summary`) and
+        ``(summary, register)``. On rank 0: the training summary (:func:`_finish`) and
         ``register``, which logs the model, registers it and ends the MLflow run, returning
         ``{"model_uri", "registered_model_version"}``; call it after the last collective.
         ``(None, None)`` on other ranks.
