@@ -15,7 +15,6 @@ About 4 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inmemory
+from report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(kinds) < len(inmemory.ALLOCATORS):
         print("(jemalloc not installed: apt-get install libjemalloc2 to compare it)")
     report = {"date": time.strftime("%Y-%m-%d"), "allocators": rows}
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.report)
     return 0
 
 

@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import inmemory
+from report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         + f"\nratio job / limit: {result['ratio_steady']:.2f} (epochs 2+), "
         f"{result['ratio_epoch1']:.2f} (epoch 1)"
     )
-    print(json.dumps(result))
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.report)
     return 0
 
 

@@ -28,9 +28,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         f"val accuracy {best[1]:.4f} (the job, with augmentation: "
         f"{summary['val_accuracy']:.4f}, {result['job_seconds_per_epoch']:.1f} s per epoch)"
     )
-    print(json.dumps(result))
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.report)
     return 0
 
 

@@ -41,6 +41,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from report import write_report  # noqa: E402
+
 REPO = HERE.parent
 DEFAULT_PHOTOS = REPO.parent / "shared/data/flower_photos"
 
@@ -145,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{job_user:.0f} / {job_sys:.0f} s ({result['job_system_share']:.1%} system), docs "
         f"{docs_user:.0f} / {docs_sys:.0f} s"
     )
-    print(json.dumps(result))
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(result, args.report)
     return 0
 
 

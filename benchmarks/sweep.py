@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import write_report
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PHOTOS = REPO.parent / "shared/data/flower_photos"
 
@@ -110,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         shutil.rmtree(args.work_dir / name, ignore_errors=True)
     report = {"date": time.strftime("%Y-%m-%d"), "runs": rows}
-    print(json.dumps(report))
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.report)
     return 0
 
 
