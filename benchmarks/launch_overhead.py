@@ -35,7 +35,6 @@ repository root:
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import socket
@@ -49,6 +48,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import machine_facts  # noqa: E402
+
 WORLD_SIZE = 2  # processes each launcher starts (the machine has 2 cores, local[2] 2 slots)
 PG_TIMEOUT_SECONDS = 120  # init_process_group and barrier limit in noop_train, seconds
 LAUNCH_TIMEOUT_SECONDS = 300  # limit on one torchrun/single subprocess, seconds
@@ -219,20 +222,6 @@ def format_table(summary: dict[str, Any], session_s: float, master: str) -> str:
     return "\n".join(lines)
 
 
-def machine_facts() -> dict[str, Any]:
-    """Date, usable cores, load averages and the versions of torch and pyspark."""
-    from importlib import metadata
-
-    return {
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": sys.version.split()[0],
-        "torch": metadata.version("torch"),
-        "pyspark": metadata.version("pyspark"),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (or, with ``--worker``, :func:`noop_train`); the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -249,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flowers_job.spark import get_spark
 
-    facts = machine_facts()
+    facts = machine_facts("torch", "pyspark")
     print(
         f"{WORLD_SIZE} processes per launcher, {args.repeats} timed rounds after 1 warm-up "
         f"round; {facts['nproc']} cores, load {facts['loadavg_at_start']}",

@@ -14,3 +14,20 @@ def write_report(report: dict[str, Any], path: Path | None) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def machine_facts(*packages: str) -> dict[str, Any]:
+    """Date, usable cores, load averages at the start, the Python version and the
+    installed versions of ``packages``, for a benchmark's JSON."""
+    import datetime as dt
+    import os
+    import sys
+    from importlib import metadata
+
+    return {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "python": sys.version.split()[0],
+        **{name: metadata.version(name) for name in packages},
+    }

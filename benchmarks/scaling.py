@@ -33,7 +33,6 @@ kept under ``failed`` in the JSON; the other setting is still measured).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -45,6 +44,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from report import machine_facts  # noqa: E402
+
 CORES = 2  # the cores both configurations share: 2 ranks x 1 thread, 1 rank x 2 threads
 CONFIGS = {"2x1": (2, 1), "1x2": (1, 2)}  # name: (ranks, intra-op threads per rank)
 
@@ -147,18 +150,6 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def machine_facts() -> dict[str, Any]:
-    """Date, usable cores, load averages and the torch version."""
-    from importlib import metadata
-
-    return {
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "torch": metadata.version("torch"),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0; 1 when a backbone setting failed)."""
     inmemory = _import_inmemory()
@@ -179,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
 
-    facts = machine_facts()
+    facts = machine_facts("torch")
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     print(
         f"{args.count} photos at {args.image_size} px, per_device_batch_size "
