@@ -6,18 +6,54 @@ float64 column per label (``label_names`` order) holding class probabilities tha
 
 Images are decoded exactly as at ingest (EXIF orientation, ICC -> sRGB, 8-bit RGB) and
 then resized and centre-cropped as at validation.
+
+One decode/transform/model path serves everyone: :meth:`FlowersClassifierModel.score`
+scores a list of image bytes and returns the probabilities with a rejection per row that
+does not decode (ingest's reason codes). ``predict`` (in-process pyfunc and the REST server
+of ``mlflow models serve``) calls it and refuses a batch with a bad image by raising
+``MlflowException`` with ``INVALID_PARAMETER_VALUE``, which the scoring server answers with
+HTTP 400 and the message naming the row; ``flowers-job predict`` (:mod:`flowers_job.predict`)
+calls it on the executors and writes a row with the reason instead.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
-__all__ = ["FlowersClassifierModel"]
+from flowers_job.data.images import ImageRejected
+
+__all__ = ["MAX_ROWS_NAMED", "FlowersClassifierModel", "Scores"]
+
+MAX_ROWS_NAMED = 5
+"""A refused request names at most this many bad rows (and counts the rest)."""
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What :meth:`FlowersClassifierModel.score` returns for N images.
+
+    Attributes:
+        probabilities: float64 ``[N, num_labels]``, columns in ``label_names`` order; each
+            scored row sums to 1; a rejected row is all NaN.
+        rejections: N entries: None for a scored row, else the
+            :class:`~flowers_job.data.images.ImageRejected` that says why (``code`` is one of
+            ingest's reason codes: ``empty_file``, ``not_an_image``, ``too_many_pixels``,
+            ``corrupt``, or ``decode_error`` for any other failure to decode).
+    """
+
+    probabilities: np.ndarray
+    rejections: list[ImageRejected | None]
 
 
 class FlowersClassifierModel(PythonModel):
@@ -49,29 +85,102 @@ class FlowersClassifierModel(PythonModel):
             int(cfg["image_size"]), int(cfg["resize_size"]), tuple(cfg["mean"]), tuple(cfg["std"])
         )
 
+    def score(self, contents: Sequence[bytes | bytearray | memoryview | None]) -> Scores:
+        """Decode and score N images; a row that does not decode is rejected, not raised.
+
+        Args:
+            contents: N file bytes (any format Pillow reads); None (or NaN) counts as an
+                empty file, any other non-bytes value is ``not_an_image``.
+
+        Returns:
+            :class:`Scores`: float64 ``[N, num_labels]`` probabilities (NaN rows where
+            rejected) and N rejections (None where scored). The decodable rows go through the
+            model in batches of ``batch_size``.
+        """
+        from flowers_job.data.images import open_rgb
+
+        n = len(contents)
+        probabilities = np.full((n, len(self.label_names)), np.nan)
+        rejections: list[ImageRejected | None] = [None] * n
+        tensors: list[torch.Tensor] = []
+        rows: list[int] = []
+
+        def flush() -> None:
+            with torch.inference_mode():
+                logits = self.model(torch.stack(tensors))
+            probabilities[rows] = torch.softmax(logits.float(), dim=1).double().numpy()
+            tensors.clear()
+            rows.clear()
+
+        for i, content in enumerate(contents):
+            raw = b""
+            try:
+                raw = _as_bytes(content)
+                img, _, _ = open_rgb(raw, max_pixels=self.max_pixels)
+                tensors.append(self.transform(img))
+            except ImageRejected as exc:
+                rejections[i] = _explain(exc, raw)
+                continue
+            except Exception as exc:  # any other decoder failure: a row, not a crash
+                rejections[i] = ImageRejected("decode_error", f"{type(exc).__name__}: {exc}")
+                continue
+            rows.append(i)
+            if len(tensors) == self.batch_size:
+                flush()
+        if tensors:
+            flush()
+        return Scores(probabilities, rejections)
+
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
         """Class probabilities, ``[N rows x num_labels columns]`` float64.
 
         Raises:
             KeyError: the input has no ``image`` column.
-            flowers_job.data.images.ImageRejected: an image that does not decode (names the row).
+            mlflow.exceptions.MlflowException: ``INVALID_PARAMETER_VALUE`` (HTTP 400 from the
+                scoring server) when an image does not decode; the message names each bad row
+                (up to :data:`MAX_ROWS_NAMED`) with its reason code, e.g. ``row 3: corrupt:
+                ...``. No row of the request is scored then.
         """
-        from flowers_job.data.images import ImageRejected, open_rgb
-
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-        contents = list(frame["image"])
-        probs: list[np.ndarray] = []
-        for start in range(0, len(contents), self.batch_size):
-            tensors = []
-            for i, content in enumerate(contents[start : start + self.batch_size], start):
-                raw = content if isinstance(content, bytes | bytearray) else bytes(content)
-                try:
-                    img, _, _ = open_rgb(bytes(raw), max_pixels=self.max_pixels)
-                except ImageRejected as exc:
-                    raise ImageRejected(exc.code, f"row {i}: {exc.message}") from None
-                tensors.append(self.transform(img))
-            with torch.inference_mode():
-                logits = self.model(torch.stack(tensors))
-            probs.append(torch.softmax(logits.float(), dim=1).double().numpy())
-        data = np.concatenate(probs) if probs else np.zeros((0, len(self.label_names)))
-        return pd.DataFrame(data, columns=self.label_names)
+        scores = self.score(list(frame["image"]))
+        bad = [(i, r) for i, r in enumerate(scores.rejections) if r is not None]
+        if bad:
+            named = "; ".join(f"row {i}: {r.code}: {r.message}" for i, r in bad[:MAX_ROWS_NAMED])
+            more = f" (and {len(bad) - MAX_ROWS_NAMED} more)" if len(bad) > MAX_ROWS_NAMED else ""
+            raise MlflowException(
+                f"{len(bad)} of {len(scores.rejections)} images cannot be decoded, nothing was "
+                f"scored: {named}{more}",
+                error_code=INVALID_PARAMETER_VALUE,
+            )
+        return pd.DataFrame(scores.probabilities, columns=self.label_names)
+
+
+def _as_bytes(content: object) -> bytes:
+    """One input cell as bytes: None/NaN -> ``b""`` (then ``empty_file``).
+
+    Raises:
+        ImageRejected: ``not_an_image`` for a value that is not bytes (a string, a number).
+    """
+    if isinstance(content, bytes | bytearray | memoryview):
+        return bytes(content)
+    if content is None or (isinstance(content, float) and np.isnan(content)):
+        return b""
+    raise ImageRejected(
+        "not_an_image", f"expected the image file's bytes, got a {type(content).__name__}"
+    )
+
+
+def _explain(exc: ImageRejected, raw: bytes) -> ImageRejected:
+    """``exc``, with a hint when the bytes are base64 text rather than an image (a client that
+    sent the ``inputs`` JSON format, which MLflow does not base64-decode for binary columns)."""
+    if exc.code != "not_an_image" or not raw:
+        return exc
+    try:
+        base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        return exc
+    return ImageRejected(
+        exc.code,
+        f"{exc.message}; the bytes are base64 text: send images in a dataframe_split or "
+        "dataframe_records payload, where MLflow base64-decodes the binary 'image' column",
+    )

@@ -1,0 +1,164 @@
+"""The registered model behind a real REST endpoint: ``mlflow models serve --env-manager local``.
+
+One model is registered for the module (no training: the job's own model with an untrained
+head, :mod:`tests.model_registry`), served on a free loopback port, and sent real HTTP
+requests with real photos, base64-encoded in a ``dataframe_split`` or ``dataframe_records``
+payload as the README documents. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import requests
+
+from .conftest import LABELS, PHOTOS
+from .model_registry import register_model
+
+pytestmark = pytest.mark.timeout(300)
+
+START_SECONDS = 120  # longest wait for the server's /ping, seconds
+REQUEST_SECONDS = 60  # per HTTP request, seconds
+STOP_SECONDS = 20  # for the server to exit after SIGTERM, then SIGKILL
+
+
+def _photos(n: int) -> list[bytes]:
+    """``n`` real photos, taken in turn from each label."""
+    files = [sorted((PHOTOS / label).glob("*.jpg"))[: n // len(LABELS) + 1] for label in LABELS]
+    ordered = [f for group in zip(*files, strict=True) for f in group]
+    return [f.read_bytes() for f in ordered[:n]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _b64(content: bytes) -> str:
+    return base64.b64encode(content).decode("ascii")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A registered model, served; yields ``url``, ``model_uri``, ``tracking_uri``."""
+    out = tmp_path_factory.mktemp("served")
+    info = register_model(out, _photos(1))
+    model_uri = f"models:/{info['registered_model_name']}/{info['registered_model_version']}"
+    port = _free_port()
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": info["mlflow_tracking_uri"],
+        # the server runs `uvicorn` from PATH: this environment's
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    log = (out / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri),
+            *("--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the server and its uvicorn child
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"the server exited ({proc.returncode}): {(out / 'serve.log').read_text()[-3000:]}"
+                )
+            try:
+                if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"no answer on {url}/ping within {START_SECONDS} s")
+            time.sleep(0.5)
+        yield {"url": url, "model_uri": model_uri, "tracking_uri": info["mlflow_tracking_uri"]}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(STOP_SECONDS)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def in_process(served: dict[str, Any]) -> Any:
+    """The same registered model, loaded in this process."""
+    mlflow.set_tracking_uri(served["tracking_uri"])
+    try:
+        return mlflow.pyfunc.load_model(served["model_uri"])
+    finally:
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # MLflow's own reset
+
+
+def _post(url: str, payload: dict[str, Any]) -> requests.Response:
+    return requests.post(f"{url}/invocations", json=payload, timeout=REQUEST_SECONDS)
+
+
+def _check_probabilities(response: requests.Response, expected: pd.DataFrame) -> None:
+    assert response.status_code == 200, response.text[:2000]
+    got = pd.DataFrame(response.json()["predictions"])
+    assert list(got.columns) == sorted(LABELS)
+    assert got.shape == expected.shape
+    assert np.abs(got.sum(axis=1) - 1.0).max() < 1e-6
+    assert np.abs(got.to_numpy() - expected.to_numpy()).max() < 1e-6
+
+
+def test_one_image(served: dict[str, Any], in_process: Any) -> None:
+    image = _photos(1)
+    payload = {"dataframe_split": {"columns": ["image"], "data": [[_b64(image[0])]]}}
+    _check_probabilities(
+        _post(served["url"], payload), in_process.predict(pd.DataFrame({"image": image}))
+    )
+
+
+def test_batch_of_32(served: dict[str, Any], in_process: Any) -> None:
+    images = _photos(32)
+    payload = {"dataframe_records": [{"image": _b64(x)} for x in images]}
+    _check_probabilities(
+        _post(served["url"], payload), in_process.predict(pd.DataFrame({"image": images}))
+    )
+
+
+def test_corrupt_image_is_a_400_naming_the_row(served: dict[str, Any]) -> None:
+    good = _photos(1)[0]
+    rows = [[_b64(good)], [_b64(good[: len(good) // 3])], [_b64(b"not a photo")]]
+    response = _post(served["url"], {"dataframe_split": {"columns": ["image"], "data": rows}})
+    assert response.status_code == 400, response.text[:2000]
+    body = response.json()
+    assert body["error_code"] == "INVALID_PARAMETER_VALUE"
+    assert "2 of 3 images cannot be decoded" in body["message"]
+    assert "row 1: corrupt:" in body["message"]
+    assert "row 2: not_an_image:" in body["message"]
+
+    # the `inputs` format does not base64-decode a binary column: a 400 that says so
+    response = _post(served["url"], {"inputs": {"image": [_b64(good)]}})
+    assert response.status_code == 400
+    assert "the bytes are base64 text" in response.json()["message"]
+
+    # the server still answers
+    assert requests.get(f"{served['url']}/ping", timeout=REQUEST_SECONDS).status_code == 200
+    payload = {"dataframe_split": {"columns": ["image"], "data": [[_b64(good)]]}}
+    assert _post(served["url"], payload).status_code == 200
