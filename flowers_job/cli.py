@@ -1,9 +1,11 @@
-"""Command line: ``flowers-job {ingest,train,run}`` (also ``python -m flowers_job``).
+"""Command line: ``flowers-job {ingest,train,run,predict}`` (also ``python -m flowers_job``).
 
 Configuration is parsed and validated before Spark starts: an invalid value exits
 with status 2 and a message naming the field, within a second or two. ``train`` and
 ``run`` then check the MLflow store, still before Spark starts (an unusable store exits
 with status 1 within seconds), and the cluster right after it starts (status 2).
+``predict`` resolves the model in the registry and checks its input before Spark starts
+(an unknown model, version or alias, or a missing input, exits with status 1).
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
         "train", parents=[common, resume], help="Delta tables -> trained, registered model"
     )
     sub.add_parser("run", parents=[common, images, resume], help="ingest, then train")
+    predict = sub.add_parser(
+        "predict",
+        parents=[common],
+        help="score photos or a Delta table with a registered model -> Delta table",
+        description="Score photos (--images) or a Delta table with an image column (--table) "
+        "on the executors; one output row per input row, bad inputs with a reason. "
+        "Default model: the version the last run/train in --output-dir registered.",
+    )
+    predict.add_argument(
+        "--model",
+        help="models:/<name>/<version> or models:/<name>@<alias> "
+        "(default: summary.json in --output-dir)",
+    )
+    source = predict.add_mutually_exclusive_group(required=True)
+    source.add_argument("--images", type=Path, help="photos: <images>/<label>/<file> or flat")
+    source.add_argument("--table", type=Path, help="Delta table with row_id and image columns")
+    predict.add_argument(
+        "--output-table", type=Path, required=True, help="Delta table the predictions go to"
+    )
     return parser
 
 
@@ -72,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "predict":
+        return _predict(args)
     try:
         cfg = _config(args)
         if args.command != "ingest":
@@ -134,6 +157,54 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
         if args.command != "ingest":
             print(f"summary: {cfg.paths.summary_path}")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    """``flowers-job predict``: model and input checked before Spark starts, then scored."""
+    from flowers_job import predict
+    from flowers_job.tracking import use_credentials
+
+    if args.model is None and args.output_dir is None:
+        print(
+            "flowers-job predict: give --model or --output-dir (its summary.json)", file=sys.stderr
+        )
+        return 2
+    try:
+        # paths.output_dir only locates the defaults (summary.json, the sqlite store); "."
+        # makes the default store ./mlflow.db, MLflow's own default
+        cfg = load_config(
+            args.config, args.overrides, **{"paths.output_dir": args.output_dir or "."}
+        )
+        use_credentials(cfg)
+        model_uri, summary_uri = args.model, None
+        if args.output_dir is not None and (args.model is None or cfg.paths.summary_path.exists()):
+            default_uri, summary_uri = predict.default_model(args.output_dir)
+            model_uri = model_uri or default_uri
+        tracking_uri = cfg.tracking.tracking_uri or summary_uri or cfg.tracking_uri
+        ref = predict.resolve_model(model_uri, tracking_uri)
+        predict.check_input(args.images, args.table)
+    except (ConfigError, predict.UsageError) as exc:
+        print(f"flowers-job predict: {exc}", file=sys.stderr)
+        return 2
+    except predict.PredictError as exc:
+        print(f"flowers-job predict: {exc}", file=sys.stderr)
+        return 1
+    from flowers_job.spark import get_spark
+
+    try:
+        report = predict.predict(
+            get_spark(),
+            ref,
+            args.output_table,
+            images=args.images,
+            table=args.table,
+            data=cfg.data,
+        )
+    except predict.PredictError as exc:
+        print(f"flowers-job predict: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2))
     return 0
 
 

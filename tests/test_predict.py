@@ -1,0 +1,220 @@
+"""``flowers-job predict``: real local Spark, real photos, a registered model (no training).
+
+A small sample of the real photos plus bad files (empty, text named .jpg, a truncated JPEG,
+and a photo directly in the root, which has no label) is scored from the folder and from a
+Delta table: every input row comes out, bad ones with ingest's reason code and no
+prediction; a re-run writes no Delta version, a new model version does; the default model
+comes from summary.json, ``models:/name@alias`` resolves; the CLI end to end once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from delta.tables import DeltaTable
+from mlflow import MlflowClient
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from flowers_job.predict import (
+    OUTPUT_COLUMNS,
+    PredictError,
+    UsageError,
+    default_model,
+    predict,
+    resolve_model,
+    score_images,
+)
+
+from .conftest import LABELS, PHOTOS, run_cli, sample_photos
+from .model_registry import register_model
+
+pytestmark = pytest.mark.timeout(600)
+
+BAD = {
+    "daisy/empty.jpg": "empty_file",
+    "roses/text.jpg": "not_an_image",
+    "tulips/cut.jpg": "corrupt",
+}
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 real photos per label, the three bad files of ``BAD`` and ``loose.jpg`` in the root."""
+    root = sample_photos(tmp_path_factory.mktemp("predict_photos"), per_label=2)
+    good = sorted((PHOTOS / "tulips").glob("*.jpg"))[-1].read_bytes()
+    (root / "daisy" / "empty.jpg").write_bytes(b"")
+    (root / "roses" / "text.jpg").write_text("not a photo\n")
+    (root / "tulips" / "cut.jpg").write_bytes(good[: len(good) // 3])
+    (root / "loose.jpg").write_bytes(good)
+    return root
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An output dir with version 1 registered and its summary.json, as ``run`` leaves it."""
+    out = tmp_path_factory.mktemp("predict_out")
+    example = sorted((PHOTOS / "daisy").glob("*.jpg"))[0].read_bytes()
+    info = register_model(out, [example], seed=0)
+    (out / "summary.json").write_text(json.dumps(info))
+    return {**info, "output_dir": out, "example": example}
+
+
+def _rows(spark: SparkSession, path: Path) -> dict[Any, Any]:
+    df = spark.read.format("delta").load(str(path))
+    key = "relative_path" if "relative_path" in df.columns else "row_id"
+    return {r[key]: r for r in df.collect()}
+
+
+def _version(spark: SparkSession, path: Path) -> int:
+    last = DeltaTable.forPath(spark, str(path)).history(1).first()
+    assert last is not None
+    return int(last["version"])
+
+
+def _check_scored(row: Any) -> None:
+    assert row["reason_code"] is None and row["reason"] is None
+    probs = row["probabilities"]
+    assert sorted(probs) == sorted(LABELS)
+    assert abs(sum(probs.values()) - 1.0) < 1e-6
+    assert row["predicted_label"] == max(probs, key=probs.get)
+    assert row["probability"] == probs[row["predicted_label"]]
+
+
+def test_images_every_entry_gets_a_row_and_a_rerun_writes_nothing(
+    spark: SparkSession, photos: Path, registry: dict[str, Any], tmp_path: Path
+) -> None:
+    ref = resolve_model("models:/flowers_classifier/1", registry["mlflow_tracking_uri"])
+    out = tmp_path / "predictions"
+    report = predict(spark, ref, out, images=photos)
+
+    files = [p for p in photos.rglob("*") if p.is_file()]
+    assert report.written and report.input_rows == report.output_rows == len(files) == 14
+    assert report.reason_counts == {"empty_file": 1, "not_an_image": 1, "corrupt": 1}
+    assert sum(report.label_counts.values()) == 11
+    rows = _rows(spark, out)
+    assert set(rows) == {p.relative_to(photos).as_posix() for p in files}
+    for rel, code in BAD.items():
+        assert rows[rel]["reason_code"] == code and rows[rel]["reason"]
+        assert rows[rel]["predicted_label"] is None and rows[rel]["probabilities"] is None
+    for rel, row in rows.items():
+        assert row["model_uri"] == "models:/flowers_classifier/1" and row["model_version"] == 1
+        assert row["scored_at"] is not None
+        assert row["label"] == (rel.split("/")[0] if "/" in rel else None)  # the true label
+        if rel not in BAD:
+            _check_scored(row)
+    # the same photo bytes, in the root and in tulips/: the same pixels, the same scores
+    same = sorted((PHOTOS / "tulips").glob("*.jpg"))[-1].name
+    assert same not in {Path(r).name for r in rows if r.startswith("tulips/")}  # not sampled
+    assert rows["loose.jpg"]["label"] is None and rows["loose.jpg"]["predicted_label"]
+
+    version = _version(spark, out)
+    again = predict(spark, ref, out, images=photos)
+    assert not again.written and _version(spark, out) == version == again.delta_version
+    assert again.label_counts == report.label_counts
+
+
+def test_table_input_new_version_and_alias(
+    spark: SparkSession, registry: dict[str, Any], tmp_path: Path
+) -> None:
+    """A Delta table with row_id, path, label, image (one corrupt, one null): rows in == out;
+    version 2 writes a new Delta version; ``@champion`` resolves to it."""
+    photos = [sorted((PHOTOS / label).glob("*.jpg"))[3] for label in LABELS]
+    data: list[tuple[Any, ...]] = [
+        (i, str(p), p.parent.name, p.read_bytes()) for i, p in enumerate(photos)
+    ]
+    data += [(10, "cut.jpg", "roses", photos[2].read_bytes()[:500]), (11, None, None, None)]
+    table = tmp_path / "images"
+    spark.createDataFrame(
+        data, "row_id long, path string, label string, image binary"
+    ).write.format("delta").save(str(table))
+
+    uri = registry["mlflow_tracking_uri"]
+    out = tmp_path / "predictions"
+    first = predict(spark, resolve_model("models:/flowers_classifier/1", uri), out, table=table)
+    rows = _rows(spark, out)
+    assert first.input_rows == first.output_rows == len(rows) == 7
+    assert spark.read.format("delta").load(str(out)).columns == [
+        "row_id",
+        "path",
+        "label",
+        *OUTPUT_COLUMNS,
+    ]
+    assert rows[10]["reason_code"] == "corrupt" and rows[10]["probabilities"] is None
+    assert rows[11]["reason_code"] == "empty_file" and rows[11]["predicted_label"] is None
+    for i in range(5):
+        _check_scored(rows[i])
+        assert rows[i]["label"] == LABELS[i]
+
+    info = register_model(registry["output_dir"], [registry["example"]], seed=1)
+    assert info["registered_model_version"] == 2
+    second = predict(spark, resolve_model("models:/flowers_classifier/2", uri), out, table=table)
+    assert second.written and second.delta_version == first.delta_version + 1
+    assert {r["model_version"] for r in _rows(spark, out).values()} == {2}
+
+    MlflowClient(uri).set_registered_model_alias("flowers_classifier", "champion", "2")
+    champion = resolve_model("models:/flowers_classifier@champion", uri)
+    assert champion.version == 2
+    third = predict(spark, champion, out, table=table)
+    rows = _rows(spark, out)
+    assert rows[0]["model_uri"] == "models:/flowers_classifier@champion"
+    assert rows[0]["model_version"] == 2
+    assert third.label_counts == second.label_counts  # the same version, the same predictions
+    assert not predict(spark, champion, out, table=table).written
+
+    # score_images is lazy and reusable: the scored frame of any DataFrame with `image`
+    df = spark.read.format("delta").load(str(table)).where(F.col("row_id") < 5)
+    scored = score_images(spark, champion, df, num_partitions=2)
+    assert scored.where(F.col("predicted_label").isNull()).count() == 0
+
+
+def test_default_model_and_errors(registry: dict[str, Any], tmp_path: Path) -> None:
+    """summary.json names the default model; unknown models and aliases are named errors."""
+    model_uri, tracking_uri = default_model(registry["output_dir"])
+    assert model_uri == "models:/flowers_classifier/1"
+    assert tracking_uri is not None and tracking_uri == registry["mlflow_tracking_uri"]
+    with pytest.raises(PredictError, match="no --model given and no"):
+        default_model(tmp_path)
+    with pytest.raises(PredictError, match=r"has versions \[1"):
+        resolve_model("models:/flowers_classifier/99", tracking_uri)
+    with pytest.raises(PredictError, match="aliases"):
+        resolve_model("models:/flowers_classifier@nope", tracking_uri)
+    with pytest.raises(PredictError, match="no registered model named 'other'"):
+        resolve_model("models:/other/1", tracking_uri)
+    with pytest.raises(UsageError, match="expected models:/<name>/<version>"):
+        resolve_model("runs:/abc/model", tracking_uri)
+
+
+def test_cli(photos: Path, registry: dict[str, Any], tmp_path: Path) -> None:
+    """`flowers-job predict` as a user runs it: refusals before Spark, then one real run with
+    the default model from summary.json."""
+    out_dir = str(registry["output_dir"])
+    table = str(tmp_path / "predictions")
+    bad_alias = run_cli(
+        "predict", "--output-dir", out_dir, "--model", "models:/flowers_classifier@nope",
+        "--images", str(photos), "--output-table", table, timeout=120,
+    )  # fmt: skip
+    assert bad_alias.returncode == 1, bad_alias.stderr
+    assert "flowers-job predict: --model models:/flowers_classifier@nope:" in bad_alias.stderr
+    missing = run_cli(
+        "predict", "--output-dir", out_dir, "--images", str(tmp_path / "nowhere"),
+        "--output-table", table, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "nowhere: not a directory" in missing.stderr
+    both = run_cli("predict", "--images", "a", "--table", "b", "--output-table", table)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    assert not Path(table).exists()
+
+    done = run_cli(
+        "predict", "--output-dir", out_dir, "--images", str(photos), "--output-table", table,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["model_uri"] == "models:/flowers_classifier/1" and report["written"]
+    assert report["input_rows"] == report["output_rows"] == 14
+    assert report["reason_counts"] == {"empty_file": 1, "not_an_image": 1, "corrupt": 1}
+    assert "task" in done.stderr  # the progress bar
