@@ -1,5 +1,5 @@
-"""A registered flowers model in seconds, without training: for the serving and predict tests
-and the serving benchmark.
+"""A registered flowers model in seconds, without training, and the model served over HTTP:
+for the serving and predict tests and the serving benchmark.
 
 The model is the job's own: EfficientNet-Lite0 with its offline ImageNet weights and a new,
 untrained head (seeded, so the same every time), logged and registered by the job's own
@@ -10,11 +10,20 @@ transform and model path are exactly a trained model's.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import pandas as pd
+import requests
 import torch
 
 from flowers_job.config import JobConfig, load_config
@@ -22,6 +31,10 @@ from flowers_job.models import build_model, preprocessing_for
 from flowers_job.tracking import RunTracker, preflight
 
 LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+START_SECONDS = 120
+"""Longest wait for the server's /ping, seconds."""
+STOP_SECONDS = 20
+"""Longest wait for the server to exit after SIGTERM (then SIGKILL), seconds."""
 
 
 def model_config(cfg: JobConfig, labels: list[str]) -> dict[str, Any]:
@@ -83,3 +96,67 @@ def register_model(
         "model_uri": model_uri,
         "label_names": names,
     }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve(
+    model_uri: str, tracking_uri: str, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``mlflow models serve -m MODEL_URI --env-manager local`` on a free loopback port.
+
+    Yields the base URL once ``/ping`` answers 200 (within :data:`START_SECONDS`); on exit the
+    server's process group gets SIGTERM, then SIGKILL after :data:`STOP_SECONDS`. ``env``:
+    the server's environment (default: this process's), to which the store and PATH are added.
+
+    Raises:
+        RuntimeError: the server exited or did not answer in time (the log's tail attached).
+    """
+    port = free_port()
+    env = {
+        **(os.environ if env is None else env),
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        # the server runs `uvicorn` from PATH: this environment's
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri),
+                *("--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the server and its uvicorn child
+        )
+        try:
+            deadline = time.monotonic() + START_SECONDS
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the server exited ({proc.returncode}): {log_path.read_text()[-3000:]}"
+                    )
+                try:
+                    if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no answer on {url}/ping within {START_SECONDS} s")
+                time.sleep(0.5)
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(STOP_SECONDS)

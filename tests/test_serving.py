@@ -9,14 +9,7 @@ payload as the README documents. Every wait is bounded.
 from __future__ import annotations
 
 import base64
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -26,13 +19,11 @@ import pytest
 import requests
 
 from .conftest import LABELS, PHOTOS
-from .model_registry import register_model
+from .model_registry import register_model, serve
 
 pytestmark = pytest.mark.timeout(300)
 
-START_SECONDS = 120  # longest wait for the server's /ping, seconds
 REQUEST_SECONDS = 60  # per HTTP request, seconds
-STOP_SECONDS = 20  # for the server to exit after SIGTERM, then SIGKILL
 
 
 def _photos(n: int) -> list[bytes]:
@@ -40,12 +31,6 @@ def _photos(n: int) -> list[bytes]:
     files = [sorted((PHOTOS / label).glob("*.jpg"))[: n // len(LABELS) + 1] for label in LABELS]
     ordered = [f for group in zip(*files, strict=True) for f in group]
     return [f.read_bytes() for f in ordered[:n]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _b64(content: bytes) -> str:
@@ -58,49 +43,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     out = tmp_path_factory.mktemp("served")
     info = register_model(out, _photos(1))
     model_uri = f"models:/{info['registered_model_name']}/{info['registered_model_version']}"
-    port = _free_port()
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": info["mlflow_tracking_uri"],
-        # the server runs `uvicorn` from PATH: this environment's
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    log = (out / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri),
-            *("--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the server and its uvicorn child
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_SECONDS
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"the server exited ({proc.returncode}): {(out / 'serve.log').read_text()[-3000:]}"
-                )
-            try:
-                if requests.get(f"{url}/ping", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"no answer on {url}/ping within {START_SECONDS} s")
-            time.sleep(0.5)
-        yield {"url": url, "model_uri": model_uri, "tracking_uri": info["mlflow_tracking_uri"]}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(STOP_SECONDS)
-        log.close()
+    tracking_uri = info["mlflow_tracking_uri"]
+    with serve(model_uri, tracking_uri, out / "serve.log") as url:
+        yield {"url": url, "model_uri": model_uri, "tracking_uri": tracking_uri}
 
 
 @pytest.fixture(scope="module")
