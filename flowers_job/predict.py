@@ -310,8 +310,8 @@ class _Shipped:
     model_config: dict[str, Any]
 
 
-_SHIPPED: dict[tuple[str, str], _Shipped] = {}
-"""(tracking URI, models:/name/version) -> the folder already shipped to this SparkContext."""
+_SHIPPED: dict[tuple[str, str, str], _Shipped] = {}
+"""(Spark application id, tracking URI, models:/name/version) -> the folder already shipped."""
 
 
 def _ship_model(spark: SparkSession, ref: ModelRef) -> _Shipped:
@@ -321,7 +321,7 @@ def _ship_model(spark: SparkSession, ref: ModelRef) -> _Shipped:
 
     from flowers_job.tracking import _fail_fast
 
-    key = (ref.tracking_uri, ref.version_uri)
+    key = (spark.sparkContext.applicationId, ref.tracking_uri, ref.version_uri)
     shipped = _SHIPPED.get(key)
     if shipped is not None:
         return shipped
@@ -601,7 +601,8 @@ def _progress(spark: SparkSession, description: str) -> Iterator[None]:
 
     sc = spark.sparkContext
     group = f"flowers-predict-{uuid.uuid4().hex[:8]}"
-    before = sc.getLocalProperty("spark.jobGroup.id")
+    properties = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
+    before = {key: sc.getLocalProperty(key) for key in properties}
     sc.setJobGroup(group, description)
     tracker = sc.statusTracker()
     done = threading.Event()
@@ -633,7 +634,8 @@ def _progress(spark: SparkSession, description: str) -> Iterator[None]:
         finally:
             done.set()
             thread.join(PROGRESS_JOIN_SECONDS)
-            sc.setLocalProperty("spark.jobGroup.id", before)  # type: ignore[arg-type]
+            for key, value in before.items():  # None removes the property
+                sc.setLocalProperty(key, value)  # type: ignore[arg-type]
             total, completed = counts()
             bar.total = max(total, 1)
             bar.update(completed - bar.n)

@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from flowers_job.cli import main
 from flowers_job.predict import (
     OUTPUT_COLUMNS,
     PredictError,
@@ -188,30 +189,30 @@ def test_default_model_and_errors(registry: dict[str, Any], tmp_path: Path) -> N
         resolve_model("runs:/abc/model", tracking_uri)
 
 
-def test_cli(photos: Path, registry: dict[str, Any], tmp_path: Path) -> None:
-    """`flowers-job predict` as a user runs it: refusals before Spark, then one real run with
-    the default model from summary.json."""
+def test_cli(
+    photos: Path, registry: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flowers-job predict`: its refusals (in this process: they return before Spark starts),
+    then one real run as a user runs it, with the default model from summary.json."""
     out_dir = str(registry["output_dir"])
     table = str(tmp_path / "predictions")
-    bad_alias = run_cli(
-        "predict", "--output-dir", out_dir, "--model", "models:/flowers_classifier@nope",
-        "--images", str(photos), "--output-table", table, timeout=120,
-    )  # fmt: skip
-    assert bad_alias.returncode == 1, bad_alias.stderr
-    assert "flowers-job predict: --model models:/flowers_classifier@nope:" in bad_alias.stderr
-    missing = run_cli(
-        "predict", "--output-dir", out_dir, "--images", str(tmp_path / "nowhere"),
-        "--output-table", table, timeout=120,
-    )  # fmt: skip
-    assert missing.returncode == 1 and "nowhere: not a directory" in missing.stderr
-    both = run_cli("predict", "--images", "a", "--table", "b", "--output-table", table)
-    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    common = ["predict", "--output-dir", out_dir, "--output-table", table]
+    bad_alias = [*common, "--model", "models:/flowers_classifier@nope", "--images", str(photos)]
+    assert main(bad_alias) == 1
+    assert (
+        "flowers-job predict: --model models:/flowers_classifier@nope:" in capsys.readouterr().err
+    )
+    assert main([*common, "--images", str(tmp_path / "nowhere")]) == 1
+    assert "nowhere: not a directory" in capsys.readouterr().err
+    bad_uri = ["predict", "--model", "models:/flowers_classifier", "--images", "a"]
+    assert main([*bad_uri, "--output-table", table]) == 2
+    assert "expected models:/<name>/<version>" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as both:
+        main(["predict", "--images", "a", "--table", "b", "--output-table", table])
+    assert both.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
     assert not Path(table).exists()
 
-    done = run_cli(
-        "predict", "--output-dir", out_dir, "--images", str(photos), "--output-table", table,
-        timeout=300,
-    )  # fmt: skip
+    done = run_cli(*common, "--images", str(photos), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["model_uri"] == "models:/flowers_classifier/1" and report["written"]
