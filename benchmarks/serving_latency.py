@@ -7,9 +7,8 @@ base64-encoded in a ``dataframe_split`` payload, as a client would. For each bat
 timed ones one after the other (no concurrency: the latency of one request on an idle
 server), and reports the median (p50) and 99th percentile (p99) of the wall time from
 sending the request to having parsed the JSON answer, in milliseconds, and the images per
-second that follow from the median. The request bodies are built before timing. Each is
-measured twice, with the server started under glibc's default allocator and under the job's
-tuning (``flowers_job.allocator.ALLOCATOR_ENV`` in its environment; STACK.md trap 12).
+second that follow from the median. The request bodies are built before timing. (The
+served model tunes the server's allocator when it loads: ``FlowersClassifierModel.load_context``.)
 
 With ``--predict-images DIR`` it then runs ``flowers-job predict --images DIR`` as a user
 would (a subprocess: Spark's start, the model's download, listing, decode, scoring, the Delta
@@ -48,7 +47,6 @@ sys.path.insert(0, str(REPO))
 
 from report import machine_facts, write_report  # noqa: E402
 
-from flowers_job.allocator import ALLOCATOR_ENV  # noqa: E402
 from tests.model_registry import register_model, serve  # noqa: E402
 
 PHOTOS = REPO.parent / "shared" / "data" / "flower_photos"
@@ -147,16 +145,13 @@ def main() -> None:
         info = register_model(out / "job", _photos(args.photos, 1))
         (out / "job" / "summary.json").write_text(json.dumps(info))
         model_uri = f"models:/{info['registered_model_name']}/{info['registered_model_version']}"
-        base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
-        latency, start_seconds = [], {}
-        for allocator, env in (("glibc", base), ("tuned", {**base, **ALLOCATOR_ENV})):
-            t0 = time.perf_counter()
-            with serve(model_uri, info["mlflow_tracking_uri"], out / "serve.log", env) as url:
-                start_seconds[allocator] = round(time.perf_counter() - t0, 1)
-                for n in BATCH_SIZES:
-                    images = _photos(args.photos, n)
-                    result = measure_latency(url, images, args.requests, args.warmup)
-                    latency.append({"allocator": allocator, **result})
+        t0 = time.perf_counter()
+        with serve(model_uri, info["mlflow_tracking_uri"], out / "serve.log") as url:
+            start_seconds = round(time.perf_counter() - t0, 1)
+            latency = [
+                measure_latency(url, _photos(args.photos, n), args.requests, args.warmup)
+                for n in BATCH_SIZES
+            ]
         predict = (
             measure_predict(out / "job", args.predict_images, out / "predictions")
             if args.predict_images

@@ -106,21 +106,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(
-    model_uri: str, tracking_uri: str, log_path: Path, env: dict[str, str] | None = None
-) -> Iterator[str]:
+def serve(model_uri: str, tracking_uri: str, log_path: Path) -> Iterator[str]:
     """``mlflow models serve -m MODEL_URI --env-manager local`` on a free loopback port.
 
     Yields the base URL once ``/ping`` answers 200 (within :data:`START_SECONDS`); on exit the
-    server's process group gets SIGTERM, then SIGKILL after :data:`STOP_SECONDS`. ``env``:
-    the server's environment (default: this process's), to which the store and PATH are added.
+    server's process group gets SIGTERM, then SIGKILL after :data:`STOP_SECONDS`.
 
     Raises:
         RuntimeError: the server exited or did not answer in time (the log's tail attached).
     """
     port = free_port()
     env = {
-        **(os.environ if env is None else env),
+        **os.environ,
         "MLFLOW_TRACKING_URI": tracking_uri,
         # the server runs `uvicorn` from PATH: this environment's
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
