@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if isinstance(result, dict):
         keys = (
+            "test_accuracy",
+            "test_macro_f1",
             "val_accuracy",
             "val_loss",
             "best_epoch",
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "global_batch_size",
             "train_rows",
             "val_rows",
+            "test_rows",
             "quarantined_rows",
             "seconds_per_epoch",
             "images_per_second",

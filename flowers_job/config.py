@@ -62,7 +62,13 @@ class DataConfig(_Section):
     jpeg_quality: int = Field(90, ge=50, le=100)
     """JPEG quality of the re-encoded images stored in the Delta table."""
     val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """Fraction of photos in the validation split (decided by a content hash, see README)."""
+    """Fraction of photos in the validation split (decided by a content hash, see README).
+    Validation picks the best epoch and decides early stopping."""
+    test_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Fraction of photos in the test split: held out of training, early stopping and the
+    choice of the best epoch, and scored once, with the restored best weights, at the end.
+    Drawn from the same hash as ``val_fraction`` (``val_fraction <= u < val_fraction +
+    test_fraction``), so changing it leaves the validation split as it is."""
     split_seed: int = 42
     """Seed mixed into the split hash; change it to draw another split."""
     partitions_per_process: int = Field(2, ge=1, le=64)
@@ -98,6 +104,12 @@ class DataConfig(_Section):
     def _check(self) -> DataConfig:
         if not self.extensions:
             raise ValueError("extensions: give at least one image file extension")
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ValueError(
+                f"test_fraction: val_fraction + test_fraction = "
+                f"{self.val_fraction + self.test_fraction:g} leaves no photo for training; "
+                "their sum must be below 1"
+            )
         return self
 
     @property
@@ -320,7 +332,7 @@ class PathsConfig(_Section):
         return self.output_dir / "tables"
 
     def table(self, name: str) -> Path:
-        """Path of the Delta table ``name`` ('images', 'train', 'val' or 'quarantine')."""
+        """Path of the Delta table ``name`` ('images', 'train', 'val', 'test' or 'quarantine')."""
         return self.tables_dir / name
 
     @property

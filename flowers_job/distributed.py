@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DistContext",
+    "all_gather_object",
     "all_reduce_sum",
     "broadcast_object",
     "describe_hosts",
@@ -120,6 +121,13 @@ def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     box = [obj if ctx.rank == src else None]
     dist.broadcast_object_list(box, src=src, device=ctx.device if ctx.backend == "nccl" else None)
     return box[0]
+
+
+def all_gather_object(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (pickled; a collective)."""
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def env_rank() -> int | None:

@@ -1,4 +1,4 @@
-"""The job, driver side: ingest -> prepare -> TorchDistributor -> summary.json.
+"""The job, driver side: ingest -> prepare -> TorchDistributor -> summary.json -> champion.
 
 ``run_job`` = ``run_ingest`` + ``run_training``. Everything here runs on the Spark
 driver; the only code shipped to the training processes is
@@ -24,9 +24,10 @@ from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
 from flowers_job.data.stack import resolve_loader
 from flowers_job.processes import driver_identity
+from flowers_job.promotion import promote
 from flowers_job.spark import driver_gpus, executor_cores, task_slots, wait_for_slots
 from flowers_job.storage import check_shared_storage, is_local_master
-from flowers_job.tracking import preflight
+from flowers_job.tracking import TrackingError, preflight
 
 __all__ = [
     "TrainingError",
@@ -63,11 +64,13 @@ def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     t0 = time.perf_counter()
     report = ingest(spark, cfg)
     log.info(
-        "ingest: %d files -> %d images (train %d, val %d), %d quarantined %s, %s in %.1f s",
+        "ingest: %d files -> %d images (train %d, val %d, test %d), %d quarantined %s, %s in "
+        "%.1f s",
         report.files,
         report.images_rows,
         report.train_rows,
         report.val_rows,
+        report.test_rows,
         report.quarantined_rows,
         report.quarantine_reasons or "",
         "written" if report.written else "unchanged",
@@ -252,7 +255,9 @@ def training_job(
         "config": cfg.model_dump(mode="json"),
         "train": data.train.to_dict(),
         "val": data.val.to_dict(),
+        "test": data.test.to_dict(),
         "label_names": data.label_names,
+        "lineage": data.lineage,
         "example_images": data.example_images,
         "use_gpu": use_gpu,
         "threads_per_process": _threads_per_process(cfg),
@@ -275,7 +280,9 @@ def run_training(
         ConfigError: ``distributed`` does not fit this cluster (:func:`check_cluster`), or
             ``data.loader`` cannot run on this stack (:func:`resolve_loader`), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
-        TrackingError: the MLflow store is unusable (before any worker starts).
+        TrackingError: the MLflow store is unusable (before any worker starts), or the
+            champion decision (:func:`~flowers_job.promotion.promote`) failed after the
+            model was registered (``summary.json`` is written first).
         TrainingError: a rank failed; the message names the rank and its exception.
     """
     from pyspark.ml.torch.distributor import TorchDistributor
@@ -319,9 +326,14 @@ def run_training(
             **{k: v for k, v in result.items() if k != "history"},
             "train_rows": data.train.dataset_size,
             "val_rows": data.val.dataset_size,
+            "test_rows": data.test.dataset_size,
             "quarantined_rows": int(quarantined),
             "num_partitions": data.num_partitions,
-            "rows_per_shard": {"train": data.train.rows_per_shard, "val": data.val.rows_per_shard},
+            "rows_per_shard": {
+                "train": data.train.rows_per_shard,
+                "val": data.val.rows_per_shard,
+                "test": data.test.rows_per_shard,
+            },
             "label_names": data.label_names,
             "local_mode": d.local_mode,
             "mlflow_tracking_uri": cfg.tracking_uri,
@@ -331,6 +343,16 @@ def run_training(
     if ingest_report is not None:
         summary["ingest"] = ingest_report.to_dict()
     write_summary(summary, cfg.paths.summary_path)
+    try:
+        decision = promote(spark, cfg, summary)
+    except Exception as exc:
+        raise TrackingError(
+            f"the model was registered (version {summary.get('registered_model_version')}), "
+            f"but the champion decision failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if decision is not None:
+        summary["promotion"] = decision.to_dict()
+        write_summary(summary, cfg.paths.summary_path)
     return summary
 
 

@@ -11,6 +11,7 @@ MLflow run and logs no param and no epoch twice.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 from collections.abc import Iterator
@@ -27,10 +28,14 @@ from mlflow import environment_variables as mlflow_env
 from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
+from flowers_job.report import TestReport
 
 __all__ = [
     "EPOCH_KEY",
     "PREFLIGHT_TIMEOUT_SECONDS",
+    "TAG_FINGERPRINT",
+    "TAG_TEST_SPLIT",
+    "TAG_VERSION",
     "RunTracker",
     "TrackingError",
     "end_failed_run",
@@ -39,6 +44,12 @@ __all__ = [
     "use_credentials",
 ]
 
+TAG_FINGERPRINT = "flowers_job.ingest_fingerprint"
+TAG_TEST_SPLIT = "flowers_job.test_split_digest"
+"""Run tag: the digest of the test split a run was scored on
+(:func:`flowers_job.data.prepare.split_digest`); test scores compare only between equal
+digests."""
+TAG_VERSION = "flowers_job.version"
 EPOCH_KEY = "val_loss"
 """The metric whose steps say which epochs a run has logged (every epoch logs it)."""
 PREFLIGHT_TIMEOUT_SECONDS = 10
@@ -244,6 +255,78 @@ class RunTracker:
         if EPOCH_KEY in metrics:
             self._logged_epochs.add(epoch)
         return True
+
+    def log_final(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Log end-of-run metrics (``best_val_loss``, ...) whatever epochs are logged already:
+        unlike :meth:`log_epoch`, never skipped. A resumed run that finishes again logs them
+        again; MLflow shows the latest value."""
+        mlflow.log_metrics(metrics, step=step)
+
+    def log_test(
+        self, report: TestReport, history: list[dict[str, float]], best_epoch: int | None
+    ) -> None:
+        """The test report and the figures, under the run's artifacts:
+
+        - metrics ``test_accuracy``, ``test_loss``, ``test_macro_f1``,
+          ``test_images_per_second``;
+        - ``test/per_class.json`` (a table: label, precision, recall, f1, support) and
+          ``test/confusion_matrix.json`` (a table: one row per true label, one column per
+          predicted label), both ``{"columns": [...], "data": [[...], ...]}``;
+        - ``figures/curves.png`` (loss and accuracy over epochs),
+          ``figures/confusion_matrix.png``, ``figures/worst_mistakes.png``.
+        """
+        import matplotlib.pyplot as plt
+
+        from flowers_job.report import confusion_figure, curves_figure, mistakes_figure
+
+        self.log_final(report.metrics())
+        # Tables in mlflow.log_table's JSON layout ({"columns", "data"}), written with
+        # log_dict: log_table appends to an existing file, and a resumed run that finishes
+        # again must replace its test scores, not add a second set.
+        confusion = pd.DataFrame(report.confusion, columns=report.label_names)
+        confusion.insert(0, "true_label", report.label_names)
+        for name, table in (
+            ("per_class", pd.DataFrame(report.per_class)),
+            ("confusion_matrix", confusion),
+        ):
+            mlflow.log_dict(table.to_dict(orient="split", index=False), f"test/{name}.json")
+        for name, fig in (
+            ("curves", curves_figure(history, best_epoch)),
+            ("confusion_matrix", confusion_figure(report)),
+            ("worst_mistakes", mistakes_figure(report)),
+        ):
+            mlflow.log_figure(fig, f"figures/{name}.png")
+            plt.close(fig)
+
+    def log_lineage(self, lineage: dict[str, Any]) -> None:
+        """Each Delta table read as an MLflow dataset input (path and Delta version in its
+        source and its ``delta_version`` tag; context = the table's role), and the run tags ``flowers_job.ingest_fingerprint``,
+        ``flowers_job.test_split_digest`` and ``flowers_job.version``.
+
+        Args:
+            lineage: :func:`flowers_job.data.prepare.lineage`'s dict.
+        """
+        from mlflow.data.delta_dataset_source import DeltaDatasetSource
+        from mlflow.data.meta_dataset import MetaDataset
+
+        from flowers_job import __version__
+
+        for name, table in sorted(lineage.get("tables", {}).items()):
+            source = DeltaDatasetSource(path=table["path"], delta_table_version=table["version"])
+            where = f"{table['path']}@{table['version']}"
+            digest = hashlib.sha256(where.encode()).hexdigest()[:16]
+            # MetaDataset: a dataset known by its source and digest, without loading it here
+            # (rank 0 has no Spark session); mypy sees Dataset.profile as abstract.
+            dataset = MetaDataset(source, name=f"flowers_{name}", digest=digest)  # type: ignore[abstract]
+            # The source drops a version of 0 from its JSON: the tag always carries it.
+            mlflow.log_input(dataset, context=name, tags={"delta_version": str(table["version"])})
+        mlflow.set_tags(
+            {
+                TAG_FINGERPRINT: lineage.get("ingest_fingerprint", ""),
+                TAG_TEST_SPLIT: lineage.get("test_split_digest", ""),
+                TAG_VERSION: __version__,
+            }
+        )
 
     def log_model(
         self,

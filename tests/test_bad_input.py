@@ -150,7 +150,7 @@ def test_every_entry_is_accounted_for_once(spark: SparkSession, odd_tree: Path, 
     assert set(images) | set(quarantine) == on_disk
     assert not set(images) & set(quarantine)
     assert ingested.files == len(on_disk) == ingested.images_rows + ingested.quarantined_rows
-    assert ingested.train_rows + ingested.val_rows == ingested.images_rows
+    assert ingested.train_rows + ingested.val_rows + ingested.test_rows == ingested.images_rows
 
 
 @pytest.mark.parametrize(("relative_path", "reason_code"), EXPECTED.items())

@@ -142,7 +142,7 @@ def check_summary(out: Path, cluster: Cluster) -> dict[str, Any]:
     assert all(r["allocator"]["MALLOC_MMAP_MAX_"] == "0" for r in ranks), ranks
     # The row-count/checksum invariants are checked by the ranks every epoch (a violation
     # fails the job); the summary's counts match the tables.
-    assert summary["train_rows"] + summary["val_rows"] == 80
+    assert summary["train_rows"] + summary["val_rows"] + summary["test_rows"] == 80
     assert summary["epochs_completed"] == 3
     assert summary["local_mode"] is False
     return summary

@@ -44,6 +44,7 @@ def test_yaml_file_then_overrides_take_precedence(tmp_path: Path) -> None:
         ("train.per_device_batch_size=-1", "train.per_device_batch_size"),
         ("data.image_size=abc", "data.image_size"),
         ("data.val_fraction=1.5", "data.val_fraction"),
+        ("data.test_fraction=0", "data.test_fraction"),
         ("distributed.num_processes=0", "distributed.num_processes"),
         ("train.lr_scaling=cubic", "train.lr_scaling"),
         ("train.early_stopping.patience=-2", "train.early_stopping.patience"),
@@ -67,6 +68,7 @@ def test_invalid_values_name_the_field(tmp_path: Path, override: str, field: str
         (["model.weights=none"], "model.freeze_backbone"),
         (["model.architecture=not_a_net"], "model.architecture"),
         (["data.extensions=[]"], "data.extensions"),
+        (["data.val_fraction=0.5", "data.test_fraction=0.5"], "data.test_fraction"),
         (["train.epochs=3", "train.warmup_epochs=3"], "train.warmup_epochs"),
         (
             ["train.early_stopping.monitor=val_accuracy", "train.early_stopping.min_delta=1"],

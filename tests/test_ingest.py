@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data import ingest as ingest_module
-from flowers_job.data.ingest import TABLE_NAMES, IngestError, ingest
+from flowers_job.data.ingest import SPLITS, TABLE_NAMES, IngestError, ingest
 
 from .conftest import LABELS, PHOTOS, sample_photos
 
@@ -75,7 +75,7 @@ def test_every_file_is_in_a_table_or_quarantined(spark: SparkSession, ingested) 
     cfg, report = ingested
     assert report.files == 60 + 5
     assert report.images_rows == 61 and report.quarantined_rows == 4
-    assert report.train_rows + report.val_rows == report.images_rows
+    assert report.train_rows + report.val_rows + report.test_rows == report.images_rows
     assert report.quarantine_reasons == {
         "empty_file": 1,
         "not_an_image": 1,
@@ -139,15 +139,19 @@ def test_split_is_deterministic_whatever_the_partitioning(
         splits["daisy/copy of first.jpg"]
         == splits[str(sorted((dirty_photos / "daisy").glob("1*.jpg"))[0].relative_to(dirty_photos))]
     )
-    assert set(splits.values()) == {"train", "val"}
+    assert set(splits.values()) == {"train", "val", "test"}
 
 
 def test_split_tables_partition_the_images_table(spark: SparkSession, ingested) -> None:
     _, report = ingested
-    train = _rows(spark, report.tables["train"], "relative_path", "split")
-    val = _rows(spark, report.tables["val"], "relative_path", "split")
-    assert {s for _, s in train} == {"train"} and {s for _, s in val} == {"val"}
-    assert sorted(train + val) == _rows(spark, report.tables["images"], "relative_path", "split")
+    splits = {s: _rows(spark, report.tables[s], "relative_path", "split") for s in SPLITS}
+    for split, rows in splits.items():
+        assert {s for _, s in rows} == {split}
+    everything = sorted(splits["train"] + splits["val"] + splits["test"])
+    assert everything == _rows(spark, report.tables["images"], "relative_path", "split")
+    assert (report.train_rows, report.val_rows, report.test_rows) == tuple(
+        len(rows) for rows in splits.values()
+    )
 
 
 def test_reingest_of_unchanged_input_writes_nothing(spark: SparkSession, ingested) -> None:
@@ -184,6 +188,10 @@ def test_missing_root_and_empty_root(spark: SparkSession, tmp_path: Path) -> Non
     assert PHOTOS.is_dir()
 
 
+SMALL_SPLITS = ("data.val_fraction=0.3", "data.test_fraction=0.3")
+"""Splits that leave val and test non-empty in a sample of 10-15 photos."""
+
+
 def test_changed_clean_input_is_reingested_consistently(
     spark: SparkSession, tmp_path: Path
 ) -> None:
@@ -193,7 +201,7 @@ def test_changed_clean_input_is_reingested_consistently(
     from flowers_job.data.prepare import _check_tables
 
     images = sample_photos(tmp_path / "images", per_label=1)
-    cfg = _cfg(images, tmp_path / "out")
+    cfg = _cfg(images, tmp_path / "out", *SMALL_SPLITS)
     first = ingest(spark, cfg)
     sample_photos(images, per_label=1, offset=1)  # one more photo per label
     second = ingest(spark, cfg)
@@ -209,13 +217,13 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """`flowers-job ingest` is killed with SIGKILL (with its JVM) after writing three of the
-    four tables over those of an earlier input: the fourth is unchanged, training refuses
-    the mix, and a re-run writes the same tables as a fresh ingest."""
+    five tables over those of an earlier input: the other two are unchanged, training
+    refuses the mix, and a re-run writes the same tables as a fresh ingest."""
     from flowers_job.data.prepare import DataError, _check_tables
 
     images = sample_photos(tmp_path / "images", per_label=2)
     (images / "roses" / "notes.jpg").write_text("not an image\n")  # a non-empty quarantine
-    overrides = ("data.max_bad_fraction=0.2",)
+    overrides = ("data.max_bad_fraction=0.2", *SMALL_SPLITS)
     cfg = _cfg(images, tmp_path / "out", *overrides)
     first = ingest(spark, cfg)
     val_before = (_version(spark, first.tables["val"]), _contents(spark, first.tables["val"]))

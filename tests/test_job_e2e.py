@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from pyspark.sql import SparkSession
 
+import flowers_job
 from flowers_job.allocator import ALLOCATOR_ENV
 from flowers_job.config import JobConfig, load_config
 from flowers_job.pipeline import run_job, run_training, training_job
@@ -53,6 +54,13 @@ CONTRACT_KEYS = {
     "global_batch_size",
     "train_rows",
     "val_rows",
+    "test_rows",
+    "test_accuracy",
+    "test_loss",
+    "test_macro_f1",
+    "test",
+    "lineage",
+    "promotion",
     "quarantined_rows",
     "num_partitions",
     "label_names",
@@ -74,8 +82,16 @@ def _check_summary(summary: dict[str, Any], spark: SparkSession, images: int) ->
     assert 1 <= summary["best_epoch"] <= summary["epochs_completed"]
     counts = {n: spark.read.format("delta").load(p).count() for n, p in summary["tables"].items()}
     assert counts["images"] == images and counts["quarantine"] == summary["quarantined_rows"] == 0
-    assert counts["train"] == summary["train_rows"] and counts["val"] == summary["val_rows"]
-    assert summary["train_rows"] + summary["val_rows"] == images
+    for split in ("train", "val", "test"):
+        assert counts[split] == summary[f"{split}_rows"] > 0, split
+    assert summary["train_rows"] + summary["val_rows"] + summary["test_rows"] == images
+    test = summary["test"]
+    assert test["rows"] == summary["test_rows"] == sum(map(sum, test["confusion"]))
+    assert [c["label"] for c in test["per_class"]] == summary["label_names"]
+    assert sum(c["support"] for c in test["per_class"]) == summary["test_rows"]
+    assert summary["test_macro_f1"] == pytest.approx(
+        sum(c["f1"] for c in test["per_class"]) / len(LABELS)
+    )
     # every rank started with the allocator tuning (read from its /proc/self/environ)
     for r in summary["ranks"]:
         assert {k: r["allocator"][k] for k in ALLOCATOR_ENV} == dict(ALLOCATOR_ENV), r
@@ -92,6 +108,76 @@ def _check_mlflow(summary: dict[str, Any], epochs: int) -> None:
         assert sorted(m.step for m in history) == list(range(1, epochs + 1)), metric
     last = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
     assert last[summary["best_epoch"]] == pytest.approx(summary["val_accuracy"])
+
+
+def _check_review(summary: dict[str, Any]) -> None:
+    """What a reviewer reads in the MLflow run: the best and test scores, the figures and
+    tables, the lineage, and the champion decision."""
+    client = mlflow.MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    metrics = run.data.metrics
+    # best_val_* were skipped before (that epoch's step was logged already)
+    assert metrics["best_val_accuracy"] == pytest.approx(summary["val_accuracy"])
+    assert metrics["best_val_loss"] == pytest.approx(summary["val_loss"])
+    for key in ("test_accuracy", "test_loss", "test_macro_f1"):
+        assert metrics[key] == pytest.approx(summary[key]), key
+    assert metrics["test_images_per_second"] > 0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "figures")}
+    assert artifacts == {
+        "figures/curves.png",
+        "figures/confusion_matrix.png",
+        "figures/worst_mistakes.png",
+    }
+    local = Path(client.download_artifacts(run.info.run_id, "figures/curves.png"))
+    assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    per_class = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "test/per_class.json")).read_text()
+    )
+    assert per_class["columns"] == ["label", "precision", "recall", "f1", "support"]
+    assert len(per_class["data"]) == len(LABELS)
+    confusion = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "test/confusion_matrix.json")).read_text()
+    )
+    assert [row[1:] for row in confusion["data"]] == summary["test"]["confusion"]
+    # lineage: every table as a dataset input, with the Delta version that was read
+    assert run.inputs is not None
+    inputs = {
+        i.dataset.name: (json.loads(i.dataset.source), {t.key: t.value for t in i.tags})
+        for i in run.inputs.dataset_inputs
+    }
+    tables = summary["lineage"]["tables"]
+    assert (
+        set(inputs)
+        == {f"flowers_{name}" for name in tables}
+        == {f"flowers_{name}" for name in ("images", "train", "val", "test", "quarantine")}
+    )
+    for name, table in tables.items():
+        source, tags = inputs[f"flowers_{name}"]
+        assert source["path"] == table["path"] == summary["tables"][name]
+        assert tags["delta_version"] == str(table["version"])
+        assert tags["mlflow.data.context"] == name
+    fingerprint = summary["lineage"]["ingest_fingerprint"]
+    assert run.data.tags["flowers_job.ingest_fingerprint"] == fingerprint
+    assert fingerprint == summary.get("ingest", {}).get("fingerprint", fingerprint)
+    assert len(fingerprint) == 64
+    assert (
+        run.data.tags["flowers_job.test_split_digest"] == (summary["lineage"]["test_split_digest"])
+    )
+    assert run.data.tags["flowers_job.version"] == flowers_job.__version__
+    # the champion decision: in the summary and the run; the alias follows it
+    promotion = summary["promotion"]
+    assert promotion["version"] == summary["registered_model_version"]
+    assert run.data.tags["flowers_job.promoted"] == str(promotion["promoted"]).lower()
+    logged = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "promotion.json")).read_text()
+    )
+    assert logged == promotion
+    champion = client.get_model_version_by_alias(summary["registered_model_name"], "champion")
+    if promotion["promoted"]:
+        assert int(champion.version) == summary["registered_model_version"]
+    else:
+        assert int(champion.version) == promotion["champion_version"]
+        assert promotion["champion_test_accuracy"] > summary["test_accuracy"]
 
 
 def _check_model_predicts(summary: dict[str, Any]) -> None:
@@ -181,6 +267,12 @@ def test_cli_run_local_mode_then_resume(
     assert [h["epoch"] for h in second["history"]] == [1, 2]
     assert second["history"][0] == first["history"][0]  # epoch 1 restored, not re-run
     _check_mlflow(second, epochs=2)
+    _check_review(second)
+    # the first run's version was the first champion; the second compared with its logged
+    # test score on the same split
+    assert first["promotion"]["promoted"] and first["promotion"]["champion_scored"] == "none"
+    assert second["promotion"]["champion_version"] == first["registered_model_version"]
+    assert second["promotion"]["champion_scored"] == "logged"
     assert second["registered_model_version"] == first["registered_model_version"] + 1
 
     files = [path for path in out.rglob("*") if path.is_file()]
@@ -208,6 +300,7 @@ def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path, loa
     assert summary["local_mode"] is False and summary["loader"] == loader
     assert summary["epochs_completed"] == 2
     _check_mlflow(summary, epochs=2)
+    _check_review(summary)
     _check_model_predicts(summary)
     assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed
 
@@ -236,3 +329,8 @@ def test_frozen_backbone_validation_features_once_give_the_same_metrics(
         {k: h[k] for k in keys} for h in every_epoch["history"]
     ]
     assert len(cached["history"]) == 3
+    # the same best weights, the same test score
+    timing = {"images_per_second"}
+    assert {k: v for k, v in cached["test"].items() if k not in timing} == {
+        k: v for k, v in every_epoch["test"].items() if k not in timing
+    }

@@ -88,7 +88,7 @@ def test_a_label_index_that_differs_from_the_recorded_one(
     val = _read(spark, tables, "val")
     _rewrite(spark, tables, "val", val.withColumn("label_index", (F.col("label_index") + 1) % 5))
     with pytest.raises(
-        DataError, match=r"label_index in the train and val tables .*: \w+: \d \(expected \d\)"
+        DataError, match=r"label_index in the split tables .*: \w+: \d \(expected \d\)"
     ):
         _check_tables(spark, tables)
 

@@ -2,12 +2,13 @@
 
 The images root ``<images>/<label>/**/<file>`` is listed on the executors, one top-level
 entry per task (:mod:`flowers_job.data.listing`), each readable file is read and decoded
-there (:func:`~flowers_job.data.images.normalize_image`), and four Delta tables are written
+there (:func:`~flowers_job.data.images.normalize_image`), and five Delta tables are written
 under ``<output_dir>/tables``:
 
 - ``images``: every photo that decoded (path, label, label_index, image, width, height,
   split, row_id, content_sha256, notes);
-- ``train`` and ``val``: the two splits of ``images``;
+- ``train``, ``val`` and ``test``: the three splits of ``images`` (``val`` picks the best
+  epoch and early-stops; ``test`` is held out of both and scored once at the end);
 - ``quarantine``: every other entry under the root, with ``reason_code`` and ``reason``
   (undecodable files, and hidden, linked, misplaced or special entries that are never read).
 
@@ -18,13 +19,13 @@ collects only counts per label and reason.
 
 The split is a pure function of the photo's bytes and ``split_seed`` (a SHA-256 hash), so
 a photo lands in the same split on every run whatever the partitioning, and byte-identical
-duplicates always share a split (no train/val leakage).
+duplicates always share a split (no leakage between train, val and test).
 
 Consistency: each table's Delta commit carries, in its ``userMetadata``, a fingerprint of
 the listing (relative path, kind, size and modification time of every entry) and of the
-ingest settings, plus the ``run_id`` of the ingest that wrote it. The four tables form one
+ingest settings, plus the ``run_id`` of the ingest that wrote it. The five tables form one
 ingest only if their latest commits carry the same fingerprint and run id
-(:func:`tables_mismatch`); each run writes all four, so an interrupted run leaves tables
+(:func:`tables_mismatch`); each run writes all five, so an interrupted run leaves tables
 that training refuses and that the next ingest rewrites. Re-running on unchanged input
 writes nothing.
 
@@ -59,6 +60,7 @@ from flowers_job.data.listing import label_folders, list_entry, read_listed_file
 __all__ = [
     "INGEST_FAULT_ENV",
     "INGEST_FORMAT_VERSION",
+    "SPLITS",
     "TABLE_NAMES",
     "TABLE_SCHEMAS",
     "IngestError",
@@ -71,9 +73,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-INGEST_FORMAT_VERSION = 2
+INGEST_FORMAT_VERSION = 3
 """Bump when the table layout or the image normalisation changes: forces a re-ingest."""
-TABLE_NAMES = ("images", "train", "val", "quarantine")
+TABLE_NAMES = ("images", "train", "val", "test", "quarantine")
+SPLITS = ("train", "val", "test")
 INGEST_FAULT_ENV = "FLOWERS_JOB_INGEST_FAULT"
 """Test only: ``pause_after:<table>`` pauses ingest after writing ``<table>`` (module doc)."""
 FILES_PER_PARTITION = 512
@@ -100,6 +103,7 @@ TABLE_SCHEMAS: dict[str, T.StructType] = {
     "images": _IMAGE_COLUMNS,
     "train": _IMAGE_COLUMNS,
     "val": _IMAGE_COLUMNS,
+    "test": _IMAGE_COLUMNS,
     "quarantine": T.StructType(
         [
             T.StructField("path", T.StringType()),
@@ -152,7 +156,8 @@ class IngestReport:
 
     Attributes:
         files: entries listed under the images root (files, links, special files).
-        images_rows / train_rows / val_rows / quarantined_rows: table row counts;
+        images_rows / train_rows / val_rows / test_rows / quarantined_rows: table row
+            counts;
             ``images_rows + quarantined_rows == files``.
         quarantine_reasons: quarantined entries per ``reason_code``.
         label_names: sorted labels; a label's index is its position here.
@@ -166,6 +171,7 @@ class IngestReport:
     images_rows: int
     train_rows: int
     val_rows: int
+    test_rows: int
     quarantined_rows: int
     quarantine_reasons: dict[str, int]
     label_names: list[str]
@@ -191,6 +197,7 @@ def _settings(cfg: JobConfig) -> dict[str, object]:
         "stored_short_side": d.stored_short_side,
         "jpeg_quality": d.jpeg_quality,
         "val_fraction": d.val_fraction,
+        "test_fraction": d.test_fraction,
         "split_seed": d.split_seed,
         "extensions": sorted(e.lower() for e in d.extensions),
         "max_image_pixels": d.max_image_pixels,
@@ -332,7 +339,7 @@ def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | 
 def tables_mismatch(metas: Mapping[str, Mapping[str, object] | None]) -> str | None:
     """Why the tables' latest commits are not one complete ingest; None when they are.
 
-    One ingest writes all four tables with the same fingerprint and ``run_id``, so equal
+    One ingest writes all five tables with the same fingerprint and ``run_id``, so equal
     pairs mean that one run wrote every table and no other run wrote any since.
 
     Args:
@@ -392,7 +399,7 @@ def _count(spark: SparkSession, path: Path) -> int:
 
 
 def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
-    """List the images root, decode on the executors and write the four Delta tables.
+    """List the images root, decode on the executors and write the five Delta tables.
 
     Returns:
         An :class:`IngestReport` with the row counts of the written (or unchanged) tables.
@@ -461,6 +468,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
         images_rows=counts["images"],
         train_rows=counts["train"],
         val_rows=counts["val"],
+        test_rows=counts["test"],
         quarantined_rows=counts["quarantine"],
         quarantine_reasons=reasons,
         label_names=label_names,
@@ -567,7 +575,12 @@ def _ingest_tables(
                 "label_index",
                 F.array_position(F.array(*map(F.lit, labels)), F.col("label")) - 1,
             )
-            .withColumn("split", F.when(u < d.val_fraction, "val").otherwise("train"))
+            .withColumn(
+                "split",
+                F.when(u < d.val_fraction, "val")
+                .when(u < d.val_fraction + d.test_fraction, "test")
+                .otherwise("train"),
+            )
             .withColumn("row_id", F.xxhash64("relative_path"))
         )
         quarantine = decoded.where(F.col("reason_code").isNotNull())
@@ -586,11 +599,11 @@ def _ingest_tables(
             .option("versionAsOf", int(version["version"]))
             .load(str(tables["images"]))
         )
-        for split in ("train", "val"):
+        for split in SPLITS:
             _write(spark, written.where(F.col("split") == split), tables[split], meta)
             _fault_point(split)
         log.info(
-            "wrote 4 Delta tables in %.1f s: %d images, %d quarantined",
+            "wrote 5 Delta tables in %.1f s: %d images, %d quarantined",
             time.perf_counter() - t0,
             total - bad,
             bad,

@@ -23,6 +23,7 @@ free space of the cache's file system is checked against the size of the Delta t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ from pyspark.sql.types import StructType
 
 from flowers_job.config import JobConfig
 from flowers_job.data.ingest import (
+    SPLITS,
     TABLE_NAMES,
     TABLE_SCHEMAS,
     read_table_metadata,
@@ -61,9 +63,12 @@ __all__ = [
     "ShardPlan",
     "cache_bytes_needed",
     "check_cache_space",
+    "lineage",
     "make_cache",
     "prepare_data",
+    "split_digest",
     "sweep_orphaned_caches",
+    "table_versions",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,25 +87,30 @@ table and the uncompressed cache, plus Parquet footers and Hadoop's .crc files."
 
 @dataclass
 class PreparedData:
-    """The per-run caches and plans. ``train``/``val`` are sent to the workers as dicts."""
+    """The per-run caches and plans. ``train``/``val``/``test`` are sent to the workers as
+    dicts."""
 
     train: ShardPlan
     val: ShardPlan
+    test: ShardPlan
     num_partitions: int
     label_names: list[str]
     cache_dir_url: str
     example_images: list[bytes]
     """A few stored val images: the registered model's input example."""
+    lineage: dict[str, object]
+    """What the run was trained and scored on (:func:`lineage`): each table's path and the
+    Delta version read, the ingest fingerprint and the test split's digest."""
 
 
 def _check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
-    """Check that the four tables are one complete ingest that training can read.
+    """Check that the five tables are one complete ingest that training can read.
 
     Runs before any Petastorm cache is written. Checks, in order: every table is a
-    flowers_job Delta table; all four come from the same ingest run (:func:`tables_mismatch`);
-    each has the expected columns and types; ``images``, ``train`` and ``val`` have rows; and
-    the labels in ``train`` and ``val`` are the ``label_names`` recorded at ingest, with
-    their recorded indices.
+    flowers_job Delta table; all five come from the same ingest run (:func:`tables_mismatch`);
+    each has the expected columns and types; ``images`` and the three splits have rows; and
+    the labels in the splits are the ``label_names`` recorded at ingest, with their
+    recorded indices.
 
     Returns:
         The recorded label names; a label's index is its position.
@@ -128,16 +138,17 @@ def _check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
     tables = {name: spark.read.format("delta").load(str(path)) for name, path in paths.items()}
     for name, df in tables.items():
         _check_schema(name, paths[name], df.schema)
-    for name in ("images", "train", "val"):
+    for name in ("images", *SPLITS):
         if tables[name].isEmpty():
             raise DataError(
                 f"the {name} table {paths[name]} is empty; training needs rows in images, "
-                "train and val: add photos (or change data.val_fraction) and ingest again"
+                "train, val and test: add photos (or change data.val_fraction or "
+                "data.test_fraction) and ingest again"
             )
     meta = metas["images"]
     assert meta is not None
     label_names = [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
-    _check_labels(tables["train"], tables["val"], label_names, cfg.paths.tables_dir)
+    _check_labels([tables[s] for s in SPLITS], label_names, cfg.paths.tables_dir)
     return label_names
 
 
@@ -164,18 +175,18 @@ def _check_schema(name: str, path: Path, schema: StructType) -> None:
         )
 
 
-def _check_labels(train: DataFrame, val: DataFrame, label_names: list[str], where: Path) -> None:
-    """Raise ``DataError`` if the (label, label_index) pairs in train and val differ from
+def _check_labels(splits: list[DataFrame], label_names: list[str], where: Path) -> None:
+    """Raise ``DataError`` if the (label, label_index) pairs in the split tables differ from
     ``label_names`` (a label's index is its position), naming both label sets."""
     pairs = {
         (r["label"], r["label_index"])
-        for df in (train, val)
+        for df in splits
         for r in df.select("label", "label_index").distinct().limit(10_000).collect()
     }
     found = sorted({str(label) for label, _ in pairs})
     if found != sorted(label_names):
         raise DataError(
-            f"the labels in the train and val tables under {where}, {found}, differ from the "
+            f"the labels in the split tables under {where}, {found}, differ from the "
             f"label_names recorded at ingest, {label_names} (missing "
             f"{sorted(set(label_names) - set(found))}, unexpected "
             f"{sorted(set(found) - set(label_names))}); run `flowers-job ingest` again"
@@ -187,7 +198,7 @@ def _check_labels(train: DataFrame, val: DataFrame, label_names: list[str], wher
     )
     if wrong:
         raise DataError(
-            f"label_index in the train and val tables under {where} does not match the "
+            f"label_index in the split tables under {where} does not match the "
             f"label_names recorded at ingest, {label_names}: {', '.join(wrong)}; run "
             "`flowers-job ingest` again"
         )
@@ -355,6 +366,62 @@ def _streaming_plan(df: DataFrame, cache_url: str, cfg: JobConfig, split: str) -
     )
 
 
+def table_versions(spark: SparkSession, cfg: JobConfig) -> dict[str, int]:
+    """The latest Delta version of each of the job's tables (``TABLE_NAMES``): the version
+    this run reads (``versionAsOf``) and records as its lineage."""
+    from delta.tables import DeltaTable
+
+    versions = {}
+    for name in TABLE_NAMES:
+        row = DeltaTable.forPath(spark, str(cfg.paths.table(name))).history(1).first()
+        assert row is not None
+        versions[name] = int(row["version"])
+    return versions
+
+
+def split_digest(df: DataFrame, label_names: list[str]) -> str:
+    """A digest (SHA-256 hex) of the set of ``(content_sha256, label)`` pairs of a split table,
+    and of ``label_names``: equal digests mean the same photos with the same labels, however
+    the table was partitioned or re-written. Two models' test scores are comparable only on
+    splits with the same digest (the ``champion`` rule, :mod:`flowers_job.promotion`)."""
+    row = df.agg(
+        F.count(F.lit(1)).alias("n"),
+        F.sum(F.xxhash64("content_sha256", "label").cast("decimal(38,0)")).alias("a"),
+        F.sum(F.xxhash64("label", "content_sha256").cast("decimal(38,0)")).alias("b"),
+    ).first()
+    assert row is not None
+    text = json.dumps(
+        {"n": int(row["n"]), "a": str(row["a"]), "b": str(row["b"]), "labels": label_names},
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def lineage(
+    spark: SparkSession, cfg: JobConfig, versions: dict[str, int], label_names: list[str]
+) -> dict[str, object]:
+    """What a run reads, for its MLflow run (rank 0 logs it; :mod:`flowers_job.tracking`).
+
+    Returns:
+        ``{"tables": {name: {"path", "version"}}, "ingest_fingerprint": str,
+        "test_split_digest": str}``.
+    """
+    meta = read_table_metadata(spark, cfg.paths.table("images")) or {}
+    test = (
+        spark.read.format("delta")
+        .option("versionAsOf", versions["test"])
+        .load(str(cfg.paths.table("test")))
+    )
+    return {
+        "tables": {
+            name: {"path": str(cfg.paths.table(name)), "version": version}
+            for name, version in versions.items()
+        },
+        "ingest_fingerprint": str(meta.get("fingerprint", "")),
+        "test_split_digest": split_digest(test, label_names),
+    }
+
+
 def example_images(spark: SparkSession, cfg: JobConfig, n: int = 2) -> list[bytes]:
     """Up to ``n`` stored images of the val table (the smallest ``row_id`` first): the
     registered model's input example. Bytes of re-encoded JPEGs, a few kB each."""
@@ -371,12 +438,14 @@ def example_images(spark: SparkSession, cfg: JobConfig, n: int = 2) -> list[byte
 
 @contextmanager
 def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
-    """Materialise the train and val splits for the configured loader; remove the cache on exit.
+    """Materialise the train, val and test splits for the configured loader; remove the cache
+    on exit.
 
     The loader is ``cfg.data.loader``, resolved by :func:`flowers_job.data.stack.resolve_loader`
     ('auto' becomes the one that runs here). Each split is read from its Delta table,
-    repartitioned to ``num_partitions`` and written into this run's cache folder: Petastorm's
-    Parquet files, or Streaming's MDS shards.
+    at the Delta version recorded in :attr:`PreparedData.lineage`, repartitioned to
+    ``num_partitions`` and written into this run's cache folder: Petastorm's Parquet files,
+    or Streaming's MDS shards.
 
     Yields:
         :class:`PreparedData` with one :class:`ShardPlan` per split.
@@ -391,6 +460,7 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     if loader == "petastorm":
         quiet_petastorm()
     label_names = _check_tables(spark, cfg)
+    versions = table_versions(spark, cfg)
     num_partitions = cfg.num_partitions
     sweep_orphaned_caches(cfg.paths.cache_parent_url)
     cache_url = f"{cfg.paths.cache_parent_url}/run-{uuid.uuid4().hex[:12]}"
@@ -402,9 +472,10 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     converters = []
     try:
         plans = {}
-        for split in ("train", "val"):
+        for split in SPLITS:
             df = (
                 spark.read.format("delta")
+                .option("versionAsOf", versions[split])
                 .load(str(cfg.paths.table(split)))
                 .select(*LOADER_COLUMNS)
                 .withColumn("label_index", F.col("label_index").cast("long"))
@@ -422,10 +493,12 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
         yield PreparedData(
             plans["train"],
             plans["val"],
+            plans["test"],
             num_partitions,
             label_names,
             cache_url,
             example_images(spark, cfg),
+            lineage(spark, cfg, versions, label_names),
         )
     finally:
         for converter in converters:

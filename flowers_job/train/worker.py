@@ -8,7 +8,9 @@ STACK.md trap 4).
 Per epoch: every rank runs exactly ``steps_per_epoch`` steps; losses, accuracies and
 row counts are all-reduced; rank 0 decides early stopping and broadcasts the decision;
 rank 0 writes the checkpoint and logs to MLflow. Only rank 0 has a ``RunTracker``;
-other ranks hold None (the timm habit).
+other ranks hold None (the timm habit). After the last epoch every rank restores the best
+weights and scores its shard of the held-out test split once (:func:`evaluate_test`);
+rank 0 gathers the rows and builds the test report (:mod:`flowers_job.report`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -38,6 +41,7 @@ from flowers_job.config import JobConfig, TrainConfig
 from flowers_job.data.shards import CHECKSUM_MODULUS, ShardPlan, quiet_petastorm
 from flowers_job.distributed import (
     DistContext,
+    all_gather_object,
     all_reduce_sum,
     broadcast_object,
     describe_hosts,
@@ -48,6 +52,7 @@ from flowers_job.distributed import (
 )
 from flowers_job.models import Classifier, build_model, preprocessing_for
 from flowers_job.processes import watch_driver
+from flowers_job.report import WORST_MISTAKES, Mistake, TestReport, build_test_report
 from flowers_job.train.checkpoint import (
     load_checkpoint,
     read_run_id,
@@ -72,8 +77,10 @@ __all__ = [
     "check_shard",
     "check_totals",
     "evaluate",
+    "evaluate_test",
     "fit",
     "run_epoch",
+    "score_shard",
     "train_one_epoch",
     "train_worker",
 ]
@@ -86,7 +93,8 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         job: plain data from the driver: ``config`` (``JobConfig.model_dump(mode="json")``),
-            ``train``/``val`` (:meth:`ShardPlan.to_dict`), ``label_names``, ``use_gpu``,
+            ``train``/``val``/``test`` (:meth:`ShardPlan.to_dict`), ``label_names``,
+            ``lineage`` (:func:`flowers_job.data.prepare.lineage`), ``use_gpu``,
             ``threads_per_process``, ``failure_dir`` and ``driver``
             (:func:`~flowers_job.processes.driver_identity`; this rank exits if the
             driver dies).
@@ -130,8 +138,10 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
                 ctx,
                 ShardPlan.from_dict(job["train"]),
                 ShardPlan.from_dict(job["val"]),
+                ShardPlan.from_dict(job["test"]),
                 list(job["label_names"]),
                 [bytes(b) for b in job.get("example_images", [])],
+                dict(job.get("lineage") or {}),
                 ranks,
             )
             result = broadcast_object(result, ctx)  # the last collective
@@ -457,6 +467,118 @@ SUMS = 5
 """Entries of the sums :func:`train_one_epoch` and :func:`evaluate` return."""
 
 
+@dataclass
+class ShardScores:
+    """One rank's scores of its test shard (:func:`score_shard`).
+
+    Attributes:
+        sums: ``[loss_sum, correct, rows, row_checksum, rows_read]``, as :func:`evaluate`.
+        labels / predicted: int64 ``[rows]`` label indices of every valid row.
+        mistakes: this rank's worst misclassified rows (highest loss first), with pixels.
+    """
+
+    sums: list[float]
+    labels: np.ndarray
+    predicted: np.ndarray
+    mistakes: list[Mistake]
+
+
+@torch.inference_mode()
+def score_shard(
+    model: Classifier,
+    batches: Iterable[dict[str, torch.Tensor]],
+    criterion: nn.Module,
+    normalize: DeviceNormalize,
+    amp_dtype: torch.dtype | None,
+    keep_mistakes: int = WORST_MISTAKES,
+) -> ShardScores:
+    """Score every row of this rank's shard once, keeping each row's label and prediction.
+
+    ``batches`` as :func:`evaluate`'s (uint8 images, unaugmented); pass the unwrapped model.
+    The ``keep_mistakes`` misclassified rows with the highest cross-entropy keep their
+    uint8 ``[3, S, S]`` image, for the report's grid.
+    """
+    model.eval()
+    loss_sum, correct, rows, checksum, read = 0.0, 0, 0, 0, 0
+    labels: list[np.ndarray] = []
+    predicted: list[np.ndarray] = []
+    mistakes: list[Mistake] = []
+    for batch in batches:
+        y, logits, loss, valid = _forward(model, batch, criterion, normalize, amp_dtype)
+        b_loss, b_correct, b_rows, b_checksum, b_read = _sums(
+            y, logits, loss, valid, batch["row_id"]
+        )
+        loss_sum += float(b_loss)
+        correct += int(b_correct)
+        rows, checksum, read = rows + b_rows, checksum + b_checksum, read + b_read
+        probs = torch.softmax(logits.float(), dim=1)
+        keep = valid.cpu()
+        y_cpu, pred_cpu = y.cpu()[keep], probs.argmax(1).cpu()[keep]
+        labels.append(y_cpu.numpy())
+        predicted.append(pred_cpu.numpy())
+        row_loss = criterion(logits.float(), y).cpu()[keep]
+        p_pred = probs.max(1).values.cpu()[keep]
+        row_ids, images = batch["row_id"][keep], batch["image"][keep]
+        for i in torch.nonzero(y_cpu != pred_cpu).flatten().tolist():
+            mistakes.append(
+                Mistake(
+                    float(row_loss[i]),
+                    int(row_ids[i]),
+                    int(y_cpu[i]),
+                    int(pred_cpu[i]),
+                    float(p_pred[i]),
+                    images[i].numpy().copy(),
+                )
+            )
+        mistakes = sorted(mistakes, key=lambda m: -m.loss)[:keep_mistakes]
+    return ShardScores(
+        [loss_sum, float(correct), float(rows), float(checksum), float(read)],
+        np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64),
+        np.concatenate(predicted) if predicted else np.zeros(0, dtype=np.int64),
+        mistakes,
+    )
+
+
+def evaluate_test(loop: _Loop) -> TestReport | None:
+    """Score the held-out test split once, with the model as it is now (the restored best
+    weights): every rank its shard, rows checked against the plan as every epoch's are.
+
+    A collective: every rank calls it. The test split takes no part in training, early
+    stopping or the choice of the best epoch.
+
+    Returns:
+        On rank 0 the :class:`~flowers_job.report.TestReport` over all ranks; None elsewhere.
+
+    Raises:
+        ShardError: a rank read other rows than planned, or a row was dropped or read twice.
+    """
+    ctx, plan = loop.ctx, loop.test_plan
+    t0 = time.perf_counter()
+    loader = _loader(loop, plan, train=False)
+    try:
+        scores = score_shard(
+            loop.model, loader.epoch(1), loop.criterion, loop.normalize, loop.amp_dtype
+        )
+    finally:
+        loader.close()
+    check_shard("test", plan, ctx.rank, scores.sums)
+    totals = all_reduce_sum(scores.sums, ctx)
+    check_totals("test", plan, totals)
+    gathered = all_gather_object(
+        (scores.labels, scores.predicted, scores.mistakes, time.perf_counter() - t0), ctx
+    )
+    if not ctx.is_main:
+        return None
+    return build_test_report(
+        np.concatenate([g[0] for g in gathered]),
+        np.concatenate([g[1] for g in gathered]),
+        totals[0],
+        loop.label_names,
+        max(g[3] for g in gathered),
+        [m for g in gathered for m in g[2]],
+    )
+
+
 def check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> None:
     """This rank's rows against the plan: how many it read (padding included), and, when a
     rank reads the same rows every epoch (Petastorm), their count and checksum.
@@ -518,6 +640,7 @@ class _Loop:
     ctx: DistContext
     train_plan: ShardPlan
     val_plan: ShardPlan
+    test_plan: ShardPlan
     label_names: list[str]
     model: Classifier
     ddp: DDP
@@ -529,6 +652,7 @@ class _Loop:
     amp_dtype: torch.dtype | None
     stopper: EarlyStopping
     lr: float
+    num_nodes: int = 1
     train_loader: ShardLoader | None = None
     val_loader: ShardLoader | None = None
     val_features: FrozenFeatures | None = None
@@ -544,25 +668,30 @@ def fit(
     ctx: DistContext,
     train_plan: ShardPlan,
     val_plan: ShardPlan,
+    test_plan: ShardPlan,
     label_names: list[str],
     example_images: list[bytes],
+    lineage: dict[str, Any],
     ranks: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any] | None, Callable[[], dict[str, Any]] | None]:
-    """Train, validate, early-stop and checkpoint; (rank 0) log to MLflow.
+    """Train, validate, early-stop and checkpoint; restore the best weights and score the
+    test split once; (rank 0) log to MLflow.
 
     ``example_images`` (stored JPEG bytes) become the registered model's input example;
+    ``lineage`` (:func:`flowers_job.data.prepare.lineage`) is logged with the run;
     ``ranks`` (:func:`~flowers_job.distributed.gather_ranks`, gathered when None) go into
     the summary. On resume, rank 0 alone reads the checkpoint and broadcasts it: ranks never
     read it separately (on a cluster they could see different files, or none).
 
     Returns:
         ``(summary, register)``. On rank 0: the training summary (:func:`_finish`) and
-        ``register``, which logs the model, registers it and ends the MLflow run, returning
-        ``{"model_uri", "registered_model_version"}``; call it after the last collective.
-        ``(None, None)`` on other ranks.
+        ``register``, which logs the test report, figures and lineage, logs and registers
+        the model and ends the MLflow run, returning ``{"model_uri",
+        "registered_model_version"}``; call it after the last collective. ``(None, None)``
+        on other ranks.
     """
     t_start = time.perf_counter()
-    loop = _setup(cfg, ctx, train_plan, val_plan, label_names)
+    loop = _setup(cfg, ctx, train_plan, val_plan, test_plan, label_names)
     _resume(loop)
     _start_tracking(loop)
     ranks = ranks if ranks is not None else gather_ranks(ctx)
@@ -577,7 +706,11 @@ def fit(
         for opened in (loop.train_loader, loop.val_loader):
             if opened is not None:
                 opened.close()
-    return _finish(loop, ranks, example_images, time.perf_counter() - t_start)
+    restored = _restore_best(loop)
+    test = evaluate_test(loop)
+    return _finish(
+        loop, ranks, example_images, lineage, restored, test, time.perf_counter() - t_start
+    )
 
 
 def _setup(
@@ -585,6 +718,7 @@ def _setup(
     ctx: DistContext,
     train_plan: ShardPlan,
     val_plan: ShardPlan,
+    test_plan: ShardPlan,
     label_names: list[str],
 ) -> _Loop:
     """The model (pretrained, channels-last, DDP), optimizer, warm-up schedule, AMP, loss
@@ -619,6 +753,7 @@ def _setup(
         ctx=ctx,
         train_plan=train_plan,
         val_plan=val_plan,
+        test_plan=test_plan,
         label_names=label_names,
         model=model,
         ddp=ddp,
@@ -705,13 +840,13 @@ def _start_tracking(loop: _Loop) -> None:
 
 
 def _open_loaders(loop: _Loop, ranks: list[dict[str, Any]]) -> None:
-    """Open this rank's train and validation loaders (:func:`open_loader`), after making
+    """Open this rank's train and validation loaders (:func:`_loader`), after making
     ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` describe the hosts (a collective).
 
     Raises:
         RuntimeError: ``data.loader=streaming`` with ranks laid out irregularly on hosts.
     """
-    cfg, ctx = loop.cfg, loop.ctx
+    ctx = loop.ctx
     num_nodes = describe_hosts(ctx, ranks)
     if ctx.is_main:
         log.info(
@@ -728,23 +863,26 @@ def _open_loaders(loop: _Loop, ranks: list[dict[str, Any]]) -> None:
             "host, with consecutive ranks; this run's layout is irregular (use "
             "data.loader=petastorm, or one task slot per GPU on equal hosts)"
         )
-    size, resize = cfg.data.image_size, cfg.data.stored_short_side
+    loop.num_nodes = num_nodes or 1
+    loop.train_loader = _loader(loop, loop.train_plan, train=True)
+    loop.val_loader = _loader(loop, loop.val_plan, train=False)
 
-    def loader(plan: ShardPlan, train: bool) -> ShardLoader:
-        return open_loader(
-            plan,
-            ctx.rank,
-            ctx.world_size,
-            num_nodes or 1,
-            DecodeTransform(train, size, resize),
-            shuffle=train,
-            seed=cfg.train.seed,
-            data=cfg.data.model_dump(mode="json"),
-            pin_memory=ctx.device.type == "cuda",
-        )
 
-    loop.train_loader = loader(loop.train_plan, True)
-    loop.val_loader = loader(loop.val_plan, False)
+def _loader(loop: _Loop, plan: ShardPlan, train: bool) -> ShardLoader:
+    """This rank's loader of ``plan`` (:func:`open_loader`): augmented and shuffled for
+    training, in stored order with the eval resize/crop otherwise."""
+    cfg, ctx = loop.cfg, loop.ctx
+    return open_loader(
+        plan,
+        ctx.rank,
+        ctx.world_size,
+        loop.num_nodes,
+        DecodeTransform(train, cfg.data.image_size, cfg.data.stored_short_side),
+        shuffle=train,
+        seed=cfg.train.seed,
+        data=cfg.data.model_dump(mode="json"),
+        pin_memory=ctx.device.type == "cuda",
+    )
 
 
 def run_epoch(loop: _Loop, epoch: int) -> dict[str, float]:
@@ -866,21 +1004,33 @@ def _end_epoch(loop: _Loop, epoch: int, metrics: dict[str, float]) -> None:
     )
 
 
+def _restore_best(loop: _Loop) -> bool:
+    """Every rank: load the best epoch's weights (``early_stopping.restore_best_weights``).
+
+    Returns:
+        True if the best weights were restored.
+    """
+    if not (loop.cfg.train.early_stopping.restore_best_weights and loop.best_state is not None):
+        return False
+    loop.model.load_state_dict(loop.best_state)
+    return True
+
+
 def _finish(
-    loop: _Loop, ranks: list[dict[str, Any]], example_images: list[bytes], seconds: float
+    loop: _Loop,
+    ranks: list[dict[str, Any]],
+    example_images: list[bytes],
+    lineage: dict[str, Any],
+    restored: bool,
+    test: TestReport | None,
+    seconds: float,
 ) -> tuple[dict[str, Any] | None, Callable[[], dict[str, Any]] | None]:
-    """Restore the best weights (every rank); on rank 0 build the summary and the
-    ``register`` step (see :func:`fit`)."""
-    cfg, ctx, es = loop.cfg, loop.ctx, loop.cfg.train.early_stopping
-    stop_reason = loop.stop_reason or "max_epochs"
-    restored = es.restore_best_weights and loop.best_state is not None
-    if restored:
-        assert loop.best_state is not None
-        loop.model.load_state_dict(loop.best_state)
+    """On rank 0: the summary and the ``register`` step (see :func:`fit`)."""
+    cfg, ctx = loop.cfg, loop.ctx
     if not ctx.is_main:
         return None, None
     tracker = loop.tracker
-    assert tracker is not None
+    assert tracker is not None and test is not None
     history, best_epoch = loop.history, loop.stopper.best_epoch
     final = next(h for h in history if h["epoch"] == best_epoch) if restored else history[-1]
     pre = preprocessing_for(cfg.model.architecture)
@@ -897,12 +1047,15 @@ def _finish(
     }
     epoch_seconds = [h["epoch_seconds"] for h in history]
     summary = {
+        **test.metrics(),
+        "test_rows": test.rows,
+        "test": test.to_dict(),
         "val_accuracy": final["val_accuracy"],
         "val_loss": final["val_loss"],
         "best_epoch": best_epoch,
         "epochs_completed": len(history),
         "epochs_this_run": sum(h["epoch"] >= loop.start_epoch for h in history),
-        "stop_reason": stop_reason,
+        "stop_reason": loop.stop_reason or "max_epochs",
         "loader": loop.train_plan.loader,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
@@ -920,6 +1073,7 @@ def _finish(
         "train_seconds": seconds,
         "history": history,
         "ranks": ranks,
+        "lineage": lineage,
         "mlflow_run_id": tracker.run_id,
         "registered_model_name": cfg.tracking.registered_model_name,
     }
@@ -927,12 +1081,14 @@ def _finish(
 
     def register() -> dict[str, Any]:
         faults.delay("slow_registration", ctx.rank)
+        tracker.log_final(
+            {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]},
+            step=best_epoch,
+        )
+        tracker.log_test(test, history, best_epoch)
+        tracker.log_lineage(lineage)
         model_uri, version = tracker.log_model(
             model, model_config, pd.DataFrame({"image": example_images})
-        )
-        tracker.log_epoch(
-            {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]},
-            best_epoch,
         )
         tracker.finish()
         return {"model_uri": model_uri, "registered_model_version": version}
