@@ -168,6 +168,8 @@ def curves_figure(history: list[dict[str, float]], best_epoch: int | None) -> An
         A matplotlib ``Figure`` (two panels).
     """
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     epochs = [h["epoch"] for h in history]
     for ax, key, title in ((ax_loss, "loss", "Loss"), (ax_acc, "accuracy", "Accuracy")):
@@ -176,6 +178,7 @@ def curves_figure(history: list[dict[str, float]], best_epoch: int | None) -> An
         if best_epoch is not None:
             ax.axvline(best_epoch, color="grey", linestyle="--", label=f"best epoch {best_epoch}")
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -214,5 +217,5 @@ def mistakes_figure(report: TestReport) -> Any:
             fontsize=9,
         )
     fig.suptitle(f"Worst test mistakes ({len(worst)} of {report.rows} images)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # leave the top strip to the title
     return fig

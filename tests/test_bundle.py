@@ -132,8 +132,8 @@ def _variables(bundle: dict[str, Any], target: str) -> dict[str, str]:
     return {name: str(value) for name, value in values.items() if value is not None}
 
 
-def _task(bundle: dict[str, Any]) -> dict[str, Any]:
-    (task,) = bundle["resources"]["jobs"][JOB]["tasks"]
+def _task(bundle: dict[str, Any], key: str = "train") -> dict[str, Any]:
+    (task,) = [t for t in bundle["resources"]["jobs"][JOB]["tasks"] if t["task_key"] == key]
     return task
 
 
@@ -225,6 +225,28 @@ def test_task_passes_images_and_output_dir_from_variables(bundle: dict[str, Any]
     raw = _task(bundle)["spark_python_task"]["parameters"]
     assert _flag(raw, "--images") == "${var.images_path}"
     assert _flag(raw, "--output-dir") == "${var.output_dir}"
+
+
+def test_score_task_scores_the_test_table_with_the_model_train_registered(
+    bundle: dict[str, Any],
+) -> None:
+    """The job's second task runs `flowers-job predict` after training, on the same cluster,
+    with the wheel: the model is the one summary.json in the output dir names."""
+    score, train = _task(bundle, "score"), _task(bundle)
+    assert score["depends_on"] == [{"task_key": "train"}]
+    assert score["job_cluster_key"] == train["job_cluster_key"]
+    spec = score["spark_python_task"]
+    entry = ROOT / spec["python_file"]
+    assert 'main(["predict", *sys.argv[1:]])' in entry.read_text()
+    args = spec["parameters"]
+    assert _flag(args, "--output-dir") == _flag(
+        train["spark_python_task"]["parameters"], "--output-dir"
+    )
+    assert _flag(args, "--table") == "${var.output_dir}/tables/test"
+    assert _flag(args, "--output-table").startswith("${var.output_dir}/")
+    assert "--model" not in args  # the version summary.json names
+    assert _settings(args)["tracking.tracking_uri"] == "databricks"
+    assert {"whl": "dist/flowers_job-*.whl"} in score["libraries"]
 
 
 def test_prod_trains_on_gpu_workers_with_barrier_mode(bundle: dict[str, Any]) -> None:
