@@ -260,7 +260,7 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ModelRef:
     name, alias = m["name"], m["alias"]
     try:
         with _fail_fast(FAIL_FAST_SECONDS):
-            client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+            client = MlflowClient(tracking_uri=tracking_uri)
             try:
                 mv = (
                     client.get_model_version_by_alias(name, alias)
@@ -328,7 +328,7 @@ def _ship_model(spark: SparkSession, ref: ModelRef) -> _Shipped:
     parent = tempfile.mkdtemp(prefix="flowers-model-")
     atexit.register(shutil.rmtree, parent, True)
     name = f"flowers_model_{ref.version}_{uuid.uuid4().hex[:8]}"
-    client = mlflow.MlflowClient(tracking_uri=ref.tracking_uri, registry_uri=ref.tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=ref.tracking_uri)
     source = client.get_model_version_download_uri(ref.name, str(ref.version))
     with _fail_fast(FAIL_FAST_SECONDS), _no_download_bar():
         local = mlflow.artifacts.download_artifacts(

@@ -31,9 +31,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
+from flowers_job.config import JobConfig
 from flowers_job.data.images import ImageRejected
 
-__all__ = ["MAX_ROWS_NAMED", "FlowersClassifierModel", "Scores"]
+__all__ = ["MAX_ROWS_NAMED", "FlowersClassifierModel", "Scores", "model_config"]
 
 MAX_ROWS_NAMED = 5
 """A refused request names at most this many bad rows (and counts the rest)."""
@@ -54,6 +55,27 @@ class Scores:
 
     probabilities: np.ndarray
     rejections: list[ImageRejected | None]
+
+
+def model_config(cfg: JobConfig, label_names: list[str]) -> dict[str, Any]:
+    """The pyfunc's ``model_config`` for a model trained with ``cfg``: what
+    :meth:`FlowersClassifierModel.load_context` rebuilds the network and its preprocessing
+    from (the architecture, labels, the stored size and crop of the training images, the
+    backbone's normalisation, the decompression-bomb guard)."""
+    from flowers_job.models import preprocessing_for
+
+    pre = preprocessing_for(cfg.model.architecture)
+    return {
+        "architecture": cfg.model.architecture,
+        "label_names": list(label_names),
+        "image_size": cfg.data.image_size,
+        "resize_size": cfg.data.stored_short_side,
+        "mean": list(pre.mean),
+        "std": list(pre.std),
+        "dropout": cfg.model.dropout,
+        "max_pixels": cfg.data.max_image_pixels,
+        "batch_size": 64,
+    }
 
 
 class FlowersClassifierModel(PythonModel):

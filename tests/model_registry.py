@@ -3,7 +3,7 @@ for the serving and predict tests and the serving benchmark.
 
 The model is the job's own: EfficientNet-Lite0 with its offline ImageNet weights and a new,
 untrained head (seeded, so the same every time), logged and registered by the job's own
-:meth:`flowers_job.tracking.RunTracker.log_model` with the ``model_config`` the worker builds,
+:meth:`flowers_job.tracking.RunTracker.log_model` with the ``model_config`` the worker builds (:func:`flowers_job.serving.model_config`),
 into a sqlite store under ``output_dir``. Its probabilities are not meaningful; its decode,
 transform and model path are exactly a trained model's.
 """
@@ -26,8 +26,9 @@ import pandas as pd
 import requests
 import torch
 
-from flowers_job.config import JobConfig, load_config
-from flowers_job.models import build_model, preprocessing_for
+from flowers_job.config import load_config
+from flowers_job.models import build_model
+from flowers_job.serving import model_config
 from flowers_job.tracking import RunTracker, preflight
 
 LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
@@ -35,22 +36,6 @@ START_SECONDS = 120
 """Longest wait for the server's /ping, seconds."""
 STOP_SECONDS = 20
 """Longest wait for the server to exit after SIGTERM (then SIGKILL), seconds."""
-
-
-def model_config(cfg: JobConfig, labels: list[str]) -> dict[str, Any]:
-    """The pyfunc's ``model_config`` as ``train/worker.py`` builds it for ``cfg``."""
-    pre = preprocessing_for(cfg.model.architecture)
-    return {
-        "architecture": cfg.model.architecture,
-        "label_names": labels,
-        "image_size": cfg.data.image_size,
-        "resize_size": cfg.data.stored_short_side,
-        "mean": list(pre.mean),
-        "std": list(pre.std),
-        "dropout": cfg.model.dropout,
-        "max_pixels": cfg.data.max_image_pixels,
-        "batch_size": 64,
-    }
 
 
 def register_model(

@@ -37,6 +37,7 @@ def _register(out: Path, seed: int, test_accuracy: float, digest: str) -> dict[s
     version = client.get_model_version(
         summary["registered_model_name"], str(summary["registered_model_version"])
     )
+    assert version.run_id is not None
     client.log_metric(version.run_id, "test_accuracy", test_accuracy)
     client.set_tag(version.run_id, TAG_TEST_SPLIT, digest)
     return {**summary, "mlflow_run_id": version.run_id, "test_accuracy": test_accuracy}
@@ -89,7 +90,7 @@ def test_the_champion_moves_only_to_an_equal_or_better_score_on_the_same_split(
     mlflow.set_tracking_uri(cfg.tracking_uri)
     model = mlflow.pyfunc.load_model(f"models:/flowers_classifier@{CHAMPION}")
     assert model.metadata.run_id == client.get_model_version("flowers_classifier", "3").run_id
-    mlflow.set_tracking_uri(None)
+    mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # MLflow's own reset
 
 
 def test_a_champion_scored_on_another_split_is_rescored_on_this_one(
@@ -111,7 +112,7 @@ def test_a_champion_scored_on_another_split_is_rescored_on_this_one(
     champion = mlflow.pyfunc.load_model(old["model_uri"])
     probs = champion.predict(pd.DataFrame({"image": [image for _, image in photos]}))
     expected = float((probs.idxmax(axis=1) == [label for label, _ in photos]).mean())
-    mlflow.set_tracking_uri(None)
+    mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # MLflow's own reset
 
     new = _register(tmp_path, 1, expected, "new-split")
     decision = promote(spark, cfg, _summary(new, "new-split", table))

@@ -1033,18 +1033,9 @@ def _finish(
     assert tracker is not None and test is not None
     history, best_epoch = loop.history, loop.stopper.best_epoch
     final = next(h for h in history if h["epoch"] == best_epoch) if restored else history[-1]
-    pre = preprocessing_for(cfg.model.architecture)
-    model_config = {
-        "architecture": cfg.model.architecture,
-        "label_names": loop.label_names,
-        "image_size": cfg.data.image_size,
-        "resize_size": cfg.data.stored_short_side,
-        "mean": list(pre.mean),
-        "std": list(pre.std),
-        "dropout": cfg.model.dropout,
-        "max_pixels": cfg.data.max_image_pixels,
-        "batch_size": 64,
-    }
+    from flowers_job.serving import model_config  # MLflow: rank 0 only
+
+    config = model_config(cfg, loop.label_names)
     epoch_seconds = [h["epoch_seconds"] for h in history]
     summary = {
         **test.metrics(),
@@ -1088,7 +1079,7 @@ def _finish(
         tracker.log_test(test, history, best_epoch)
         tracker.log_lineage(lineage)
         model_uri, version = tracker.log_model(
-            model, model_config, pd.DataFrame({"image": example_images})
+            model, config, pd.DataFrame({"image": example_images})
         )
         tracker.finish()
         return {"model_uri": model_uri, "registered_model_version": version}
