@@ -113,6 +113,9 @@ def _check_mlflow(summary: dict[str, Any], epochs: int) -> None:
 def _check_review(summary: dict[str, Any]) -> None:
     """What a reviewer reads in the MLflow run: the best and test scores, the figures and
     tables, the lineage, and the champion decision."""
+    # MLflow 3.0.1 resolves a run's artifact location through the process-wide store, not
+    # the client's: point both at this run's store
+    mlflow.set_tracking_uri(summary["mlflow_tracking_uri"])
     client = mlflow.MlflowClient(tracking_uri=summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     metrics = run.data.metrics
