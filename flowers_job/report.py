@@ -21,6 +21,7 @@ __all__ = [
     "confusion_figure",
     "curves_figure",
     "mistakes_figure",
+    "report_figures",
 ]
 
 WORST_MISTAKES = 16
@@ -219,3 +220,16 @@ def mistakes_figure(report: TestReport) -> Any:
     fig.suptitle(f"Worst test mistakes ({len(worst)} of {report.rows} images)")
     fig.tight_layout(rect=(0, 0, 1, 0.97))  # leave the top strip to the title
     return fig
+
+
+def report_figures(
+    report: TestReport, history: list[dict[str, float]], best_epoch: int | None
+) -> dict[str, Any]:
+    """The run's three figures by name: ``curves`` (:func:`curves_figure`),
+    ``confusion_matrix`` (:func:`confusion_figure`), ``worst_mistakes``
+    (:func:`mistakes_figure`)."""
+    return {
+        "curves": curves_figure(history, best_epoch),
+        "confusion_matrix": confusion_figure(report),
+        "worst_mistakes": mistakes_figure(report),
+    }

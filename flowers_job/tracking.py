@@ -262,9 +262,7 @@ class RunTracker:
         again; MLflow shows the latest value."""
         mlflow.log_metrics(metrics, step=step)
 
-    def log_test(
-        self, report: TestReport, history: list[dict[str, float]], best_epoch: int | None
-    ) -> None:
+    def log_test(self, report: TestReport, figures: dict[str, Any]) -> None:
         """The test report and the figures, under the run's artifacts:
 
         - metrics ``test_accuracy``, ``test_loss``, ``test_macro_f1``,
@@ -272,12 +270,11 @@ class RunTracker:
         - ``test/per_class.json`` (a table: label, precision, recall, f1, support) and
           ``test/confusion_matrix.json`` (a table: one row per true label, one column per
           predicted label), both ``{"columns": [...], "data": [[...], ...]}``;
-        - ``figures/curves.png`` (loss and accuracy over epochs),
-          ``figures/confusion_matrix.png``, ``figures/worst_mistakes.png``.
+        - ``figures/<name>.png`` for each of ``figures``
+          (:func:`flowers_job.report.report_figures`: ``curves``, ``confusion_matrix``,
+          ``worst_mistakes``), closed once logged.
         """
         import matplotlib.pyplot as plt
-
-        from flowers_job.report import confusion_figure, curves_figure, mistakes_figure
 
         self.log_final(report.metrics())
         # Tables in mlflow.log_table's JSON layout ({"columns", "data"}), written with
@@ -290,11 +287,7 @@ class RunTracker:
             ("confusion_matrix", confusion),
         ):
             mlflow.log_dict(table.to_dict(orient="split", index=False), f"test/{name}.json")
-        for name, fig in (
-            ("curves", curves_figure(history, best_epoch)),
-            ("confusion_matrix", confusion_figure(report)),
-            ("worst_mistakes", mistakes_figure(report)),
-        ):
+        for name, fig in figures.items():
             mlflow.log_figure(fig, f"figures/{name}.png")
             plt.close(fig)
 

@@ -52,7 +52,13 @@ from flowers_job.distributed import (
 )
 from flowers_job.models import Classifier, build_model, preprocessing_for
 from flowers_job.processes import watch_driver
-from flowers_job.report import WORST_MISTAKES, Mistake, TestReport, build_test_report
+from flowers_job.report import (
+    WORST_MISTAKES,
+    Mistake,
+    TestReport,
+    build_test_report,
+    report_figures,
+)
 from flowers_job.train.checkpoint import (
     load_checkpoint,
     read_run_id,
@@ -1036,6 +1042,9 @@ def _finish(
     from flowers_job.serving import model_config  # MLflow: rank 0 only
 
     config = model_config(cfg, loop.label_names)
+    # Drawn now, while the other ranks wait at the last collective: after it they exit, and
+    # rank 0's work after it (MLflow I/O only) stays short.
+    figures = report_figures(test, loop.history, loop.stopper.best_epoch)
     epoch_seconds = [h["epoch_seconds"] for h in history]
     summary = {
         **test.metrics(),
@@ -1076,7 +1085,7 @@ def _finish(
             {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]},
             step=best_epoch,
         )
-        tracker.log_test(test, history, best_epoch)
+        tracker.log_test(test, figures)
         tracker.log_lineage(lineage)
         model_uri, version = tracker.log_model(
             model, config, pd.DataFrame({"image": example_images})
