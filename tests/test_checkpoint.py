@@ -68,31 +68,37 @@ def test_malicious_checkpoint_does_not_execute_code(tmp_path: Path) -> None:
 
 def test_a_writer_killed_mid_write_leaves_last_pt_whole(tmp_path: Path) -> None:
     """SIGKILL the writer while it writes the epoch-2 checkpoint (a real process, paused
-    there by the test-only fault setting, before fsync and rename): last.pt is still
-    epoch 1, and the unfinished temporary file is removed by the next load."""
-    save_checkpoint({"epoch": 1, "w": torch.ones(1000)}, tmp_path)
+    there by the test-only fault setting, after the payload is written and flushed, before
+    fsync and rename): last.pt is still epoch 1, and the unfinished temporary file is
+    removed by the next load."""
+    ckpt = tmp_path / "checkpoints"
+    save_checkpoint({"epoch": 1, "w": torch.ones(1000)}, ckpt)
     code = (
         "import sys, torch; from pathlib import Path; "
         "from flowers_job.train.checkpoint import save_checkpoint; "
         "save_checkpoint({'epoch': 2, 'w': torch.zeros(1000)}, Path(sys.argv[1]))"
     )
     env = {**os.environ, FAULT_ENV: "pause_checkpoint:0:2"}
-    writer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    stderr = tmp_path / "writer.stderr"
+    with stderr.open("wb") as err:
+        writer = subprocess.Popen([sys.executable, "-c", code, str(ckpt)], env=env, stderr=err)
     try:
+        # The temporary file exists from mkstemp on, empty until torch.save returns: wait for
+        # the fault's warning, which comes after the payload is flushed.
         deadline = time.monotonic() + 120
-        while not list(tmp_path.glob(f".{CHECKPOINT_NAME}.*.tmp")):
-            assert writer.poll() is None, "the writer exited before pausing"
-            assert time.monotonic() < deadline, "the writer never started its write"
+        while "injected fault pause_checkpoint" not in stderr.read_text(errors="replace"):
+            assert writer.poll() is None, f"the writer exited before pausing: {stderr.read_text()}"
+            assert time.monotonic() < deadline, "the writer never reached the pause"
             time.sleep(0.2)
     finally:
         writer.kill()
         writer.wait(timeout=30)
-    torn = list(tmp_path.glob(f".{CHECKPOINT_NAME}.*.tmp"))
+    torn = list(ckpt.glob(f".{CHECKPOINT_NAME}.*.tmp"))
     assert len(torn) == 1 and torn[0].stat().st_size > 0
-    loaded = load_checkpoint(tmp_path)
+    loaded = load_checkpoint(ckpt)
     assert loaded is not None and loaded["epoch"] == 1
     assert torch.equal(loaded["w"], torch.ones(1000))
-    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+    assert [p.name for p in ckpt.iterdir()] == [CHECKPOINT_NAME]
 
 
 def test_run_id_survives_next_to_the_checkpoint(tmp_path: Path) -> None:
