@@ -7,8 +7,11 @@ Every collective here runs on *all* ranks; none may be called from a rank-0-only
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +33,8 @@ __all__ = [
     "set_socket_interface",
     "shutdown_distributed",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,10 +122,56 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
 
 
 def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
-    """Return ``src``'s ``obj`` on every rank (pickled; keep it small)."""
-    box = [obj if ctx.rank == src else None]
-    dist.broadcast_object_list(box, src=src, device=ctx.device if ctx.backend == "nccl" else None)
-    return box[0]
+    """Return ``src``'s ``obj`` on every rank (pickled; keep it small).
+
+    Two broadcasts, the pickle's size (int64, shape ``(1,)``) then its bytes (uint8, shape
+    ``(size,)``), as ``torch.distributed.broadcast_object_list`` does, with one difference:
+    this returns only once the process group's threads have released both tensors
+    (:func:`_settle`). ``train_worker`` ends with this collective, and the process exits
+    right after it; a gloo worker thread that drops the last reference to a tensor created
+    in Python must take the GIL, and if the interpreter has begun finalizing by then the
+    thread exits inside C++ and the rank dies of SIGABRT ("terminate called without an
+    active exception"; core dumps here show ``ProcessGroupGloo::runLoop`` destroying an
+    ``AsyncBroadcastWork``). DDP keeps the process group, and so its threads, alive past
+    ``destroy_process_group`` (torch 2.13), so leaving the group does not join them.
+    pytorch/pytorch#179291 describes the same teardown race.
+
+    Raises:
+        RuntimeError: the collective fails or times out (``distributed.timeout_seconds``).
+    """
+    payload = pickle.dumps(obj) if ctx.rank == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=ctx.device)
+    _settle(dist.broadcast(size, src=src, async_op=True), size)
+    if ctx.rank == src:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
+    _settle(dist.broadcast(data, src=src, async_op=True), data)
+    return obj if ctx.rank == src else pickle.loads(data.cpu().numpy().tobytes())
+
+
+SETTLE_SECONDS = 30.0
+"""Upper bound of :func:`_settle`'s wait (seconds) for the process group to release a tensor."""
+
+
+def _settle(work: dist.Work | None, tensor: torch.Tensor) -> None:
+    """Wait for ``work``, then, for a CPU tensor (gloo), until the process group's threads hold no reference to
+    ``tensor`` (its use count is back to this frame's one), polling every millisecond with
+    the GIL released, for at most :data:`SETTLE_SECONDS`; past that, log and go on."""
+    if work is not None:
+        work.wait()
+        del work  # the Work object holds the tensor too
+    if tensor.device.type != "cpu":
+        return  # NCCL's watchdog retires its work items on its own schedule (untested here)
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while tensor._use_count() > 1:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            log.warning(
+                "the process group still holds a tensor %.0f s after its collective",
+                SETTLE_SECONDS,
+            )
+            return
+        time.sleep(0.001)
 
 
 def all_gather_object(obj: Any, ctx: DistContext) -> list[Any]:

@@ -15,6 +15,7 @@ rank 0 gathers the rows and builds the test report (:mod:`flowers_job.report`).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -115,6 +116,9 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     logging.basicConfig(
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
+    # A rank that dies of a signal (SIGSEGV, SIGABRT from a C++ library, SIGBUS) prints every
+    # thread's Python stack to its stderr, which torchrun and Spark show next to its rank.
+    faulthandler.enable(all_threads=True)
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
