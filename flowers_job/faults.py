@@ -9,10 +9,15 @@ kind                what that rank does at that epoch
                     bug, a corrupt batch)
 ``hang``            sleeps half-way through the epoch, for at most :data:`HANG_SECONDS` (a
                     stuck reader or a deadlock): the other ranks' next collective times out
+``abort``           the rank calls ``os.abort()`` half-way through the epoch: it dies of
+                    SIGABRT without a Python exception, as a crash in native code does
 ``pause_checkpoint`` stops while writing the epoch's checkpoint (rank 0 writes it): the
                     temporary file is written, not yet synced nor renamed over
                     ``last.pt``; for at most :data:`HANG_SECONDS`, so a test can kill
                     the driver there
+``fail_registration`` ``fail_registration:0:0``: rank 0 raises ``RuntimeError`` while it logs
+                    and registers the model, after the last collective: the other ranks
+                    have returned their result already
 ``slow_registration`` ``slow_registration:<rank>:<seconds>``: that rank (rank 0 registers the
                     model) sleeps ``<seconds>`` before logging and registering the model, as
                     a slow model registry does
@@ -51,17 +56,22 @@ def inject(kind: str, rank: int | None, epoch: int) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if f"{kind}:{rank}:{epoch}" not in spec.split(","):
         return
-    if kind == "raise":
+    if kind in ("raise", "fail_registration"):
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
+    if kind == "abort":
+        log.warning("injected fault %s:%s:%s: os.abort()", kind, rank, epoch)
+        os.abort()
     log.warning("injected fault %s:%s:%s: sleeping up to %.0f s", kind, rank, epoch, HANG_SECONDS)
     time.sleep(HANG_SECONDS)
 
 
 def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterator[T]:
-    """Yield ``batches``, acting out ``raise`` and ``hang`` faults before batch ``step``."""
+    """Yield ``batches``, acting out ``raise``, ``abort`` and ``hang`` faults before batch
+    ``step``."""
     for i, batch in enumerate(batches):
         if i == step:
             inject("raise", rank, epoch)
+            inject("abort", rank, epoch)
             inject("hang", rank, epoch)
         yield batch
 

@@ -184,26 +184,46 @@ def _threads_per_process(cfg: JobConfig) -> int | None:
 
 
 def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
-    """The driver's error for a failed TorchDistributor run, from the ranks' failure reports.
+    """The driver's error for a failed TorchDistributor run, from the ranks' reports.
 
-    The first report (by time) names the rank and its exception and traceback. Ranks that
-    wrote none were stopped from outside: hung (the others' collectives then time out),
-    killed by torchrun after another rank failed, or killed by the OS.
+    Two kinds of report, in ``failure_dir``: ``rank-<r>.json``, the exception and traceback
+    of a rank whose Python code raised, and ``rank-<r>.fatal``, what :mod:`faulthandler`
+    wrote when a rank died of a fatal signal (a crash in native code: SIGSEGV, SIGABRT, ...)
+    and every thread's Python stack. The first (by time) names the rank and its cause; the
+    others are usually its consequences (a collective that lost its peer, torchrun's
+    SIGTERM) and are listed after it. Ranks that wrote neither were stopped from outside:
+    hung (the others' collectives then time out), killed by torchrun after another rank
+    failed, or killed by the OS (SIGKILL, the OOM killer).
     """
+    from flowers_job.train.worker import FATAL_SUFFIX
+
     reports = []
     for path in sorted(failure_dir.glob("rank-*.json")):
         try:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
+    for path in sorted(failure_dir.glob(f"rank-*{FATAL_SUFFIX}")):
+        try:
+            text = path.read_text(errors="replace").strip()
+            if text:
+                reports.append(_fatal_report(path, text))
+        except OSError:
+            continue
     if not reports:
         return TrainingError(
             f"distributed training failed and no rank reported an exception (killed by the OS, "
             f"out of memory?): {exc}"
         )
-    first = min(reports, key=lambda r: r.get("time", 0.0))
+    reports.sort(key=lambda r: r.get("time", 0.0))
+    first = reports[0]
     where = _rank_hosts(failure_dir)
     silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
+    then = "".join(
+        f"\nthen rank {r['rank']}: {r['type']}: {r['message']}"
+        for r in reports[1:]
+        if r["rank"] != first["rank"]
+    )
     note = (
         f"\nranks {', '.join(f'{r}{where.get(r, str())}' for r in silent)} reported no "
         "exception: killed (with their host, executor or driver), stopped after the failure, "
@@ -211,14 +231,57 @@ def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> Training
         if silent
         else ""
     )
+    what = "died of a fatal signal" if first["type"] == "FatalSignal" else "failed"
     return TrainingError(
-        f"rank {first['rank']} failed{where.get(int(first['rank']), '')}: {first['type']}: "
-        f"{first['message']}{note}\n"
+        f"rank {first['rank']} {what}{where.get(int(first['rank']), '')}: {first['type']}: "
+        f"{first['message']}{then}{note}\n"
         f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
         rank=first["rank"],
         cause=f"{first['type']}: {first['message']}",
         reported_at=first.get("time"),
     )
+
+
+def _fatal_report(path: Path, text: str) -> dict[str, Any]:
+    """A ``rank-<r>.fatal`` file as a report: type ``FatalSignal``, the message from
+    faulthandler's first line ("Fatal Python error: Aborted" -> "Aborted"), the stacks as
+    the traceback, and the file's modification time as the time."""
+    rank = int(path.name.split("-", 1)[1].split(".", 1)[0])
+    first_line = text.splitlines()[0]
+    return {
+        "rank": rank,
+        "type": "FatalSignal",
+        "message": first_line.removeprefix("Fatal Python error:").strip(),
+        "traceback": text,
+        "time": path.stat().st_mtime,
+    }
+
+
+def _check_finished(failure_dir: Path, world_size: int) -> None:
+    """After TorchDistributor returned: raise if a rank failed anyway, or rank 0 did not
+    record the registered model.
+
+    TorchDistributor's local mode reads the result file that *any* rank wrote, and pyspark
+    4.0's ``torch_run_process_wrapper`` exits 0 whatever torchrun's status; so a run can
+    "succeed" while a rank crashed, or while torchrun stopped rank 0 in the middle of the
+    model registration that follows the last collective.
+
+    Raises:
+        TrainingError: a rank wrote a report, or ``model.json`` is missing.
+    """
+    from flowers_job.train.worker import FATAL_SUFFIX, MODEL_FILE
+
+    fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.stat().st_size > 0]
+    if fatal or list(failure_dir.glob("rank-*.json")):
+        raise _failure(failure_dir, RuntimeError("a rank failed after training"), world_size)
+    if not (failure_dir / MODEL_FILE).exists():
+        raise TrainingError(
+            f"rank 0 did not finish: TorchDistributor returned, but rank 0 wrote no {MODEL_FILE} "
+            "(it logs and registers the model after the last collective); it was stopped or "
+            "killed from outside (torchrun, the OS) without reporting an exception",
+            rank=0,
+            cause="no registered model",
+        )
 
 
 def _rank_hosts(report_dir: Path) -> dict[int, str]:
@@ -310,6 +373,7 @@ def run_training(
             result = distributor.run(train_worker, job)
         except Exception as exc:
             raise _failure(Path(failure_dir), exc, cfg.world_size) from exc
+        _check_finished(Path(failure_dir), cfg.world_size)
         if not isinstance(result, dict):
             raise _failure(
                 Path(failure_dir),

@@ -1,4 +1,4 @@
-"""Faults with real processes: a rank that raises or hangs, a driver killed with SIGKILL
+"""Faults with real processes: a rank that raises, dies of a signal or hangs, a driver killed with SIGKILL
 (during training and while writing a checkpoint) and resumed, an orphaned loader cache, a
 full cache volume; with each loader (``data.loader``).
 
@@ -138,6 +138,35 @@ def test_a_failing_rank_is_named_with_its_exception(
     assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
 
 
+def test_a_rank_killed_by_a_signal_is_named_with_it(
+    spark: SparkSession,
+    photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
+) -> None:
+    """Rank 1 dies of SIGABRT half-way through epoch 2 (``os.abort()``, as a crash in native
+    code does): no exception, so its faulthandler report (``rank-1.fatal``) names it; rank 0
+    loses its peer or is stopped by torchrun. The error names rank 1, the signal and its
+    Python stack first, not rank 0's consequences."""
+    cfg = _fault_config(photos, tmp_path, loader)
+    ingest(spark, cfg)
+    monkeypatch.setenv(FAULT_ENV, "abort:1:2")
+    with pytest.raises(TrainingError) as err:
+        run_training(spark, cfg)
+    message = str(err.value)
+    print(message.splitlines()[0])
+    assert err.value.rank == 1
+    assert err.value.cause == "FatalSignal: Aborted"
+    assert message.startswith("rank 1 died of a fatal signal")
+    assert "Current thread" in message and "in inject" in message  # its Python stack
+    assert not _training_processes()
+    assert not (tmp_path / "summary.json").exists()
+    assert _checkpoint_epoch(tmp_path / "checkpoints") == 1
+    run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
+    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
+
+
 def test_a_slow_model_registration_does_not_run_into_the_process_group_timeout(
     spark: SparkSession,
     photos: Path,
@@ -157,6 +186,30 @@ def test_a_slow_model_registration_does_not_run_into_the_process_group_timeout(
     client = mlflow.MlflowClient(cfg.tracking_uri)
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     assert not _training_processes()
+
+
+def test_a_registration_that_fails_after_the_last_collective_fails_the_run(
+    spark: SparkSession,
+    photos: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
+) -> None:
+    """Rank 0 raises while it registers the model, after rank 1 has returned and written
+    TorchDistributor's result file: TorchDistributor returns that result (pyspark 4.0's
+    torchrun wrapper exits 0 whatever torchrun's status), and the driver still fails the
+    run, naming rank 0 and its exception; no summary is written."""
+    cfg = _fault_config(photos, tmp_path, loader)
+    ingest(spark, cfg)
+    monkeypatch.setenv(FAULT_ENV, "fail_registration:0:0")
+    with pytest.raises(TrainingError) as err:
+        run_training(spark, cfg)
+    assert err.value.rank == 0
+    assert err.value.cause == f"RuntimeError: injected fault ({FAULT_ENV}=fail_registration:0:0)"
+    assert not (tmp_path / "summary.json").exists()
+    assert not _training_processes()
+    run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
+    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
 
 
 def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(

@@ -116,9 +116,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     logging.basicConfig(
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
-    # A rank that dies of a signal (SIGSEGV, SIGABRT from a C++ library, SIGBUS) prints every
-    # thread's Python stack to its stderr, which torchrun and Spark show next to its rank.
-    faulthandler.enable(all_threads=True)
+    _enable_fatal_report(Path(job["failure_dir"]))
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
@@ -176,6 +174,26 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         if explained is not None:
             raise explained from exc
         raise
+
+
+FATAL_SUFFIX = ".fatal"
+"""``rank-<rank>.fatal`` in the report dir: what :mod:`faulthandler` writes when that rank
+dies of a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE), a crash in native code
+that leaves no Python exception and so no ``rank-<rank>.json``: the signal and every
+thread's Python stack. Empty while the rank lives; the driver reports a non-empty one."""
+_FATAL_FILES: list[Any] = []  # kept open for the process's lifetime, as faulthandler requires
+
+
+def _enable_fatal_report(directory: Path) -> None:
+    """Point :mod:`faulthandler` at ``<directory>/rank-<rank>.fatal`` (stderr if it cannot
+    be created)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _FATAL_FILES.append((directory / f"rank-{env_rank()}{FATAL_SUFFIX}").open("w"))
+        faulthandler.enable(file=_FATAL_FILES[-1], all_threads=True)
+    except OSError:
+        log.exception("no fatal-signal report file in %s; faulthandler writes to stderr", directory)
+        faulthandler.enable(all_threads=True)
 
 
 RANKS_FILE = "ranks.json"
@@ -1091,6 +1109,7 @@ def _finish(
         )
         tracker.log_test(test, figures)
         tracker.log_lineage(lineage)
+        faults.inject("fail_registration", ctx.rank, 0)
         model_uri, version = tracker.log_model(
             model, config, pd.DataFrame({"image": example_images})
         )
