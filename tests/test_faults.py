@@ -106,6 +106,25 @@ def _fault_config(photos: Path, out: Path, loader: str, *extra: str) -> JobConfi
     )
 
 
+def _failing_run(
+    spark: SparkSession, cfg: JobConfig, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> TrainingError:
+    """Ingest, then train with ``FLOWERS_JOB_FAULT=fault``; the run's TrainingError."""
+    ingest(spark, cfg)
+    monkeypatch.setenv(FAULT_ENV, fault)
+    with pytest.raises(TrainingError) as err:
+        run_training(spark, cfg)
+    return err.value
+
+
+def _assert_nothing_left(out: Path, cfg: JobConfig) -> None:
+    """After a failed run: no training process, no summary, the MLflow run FAILED."""
+    assert not _training_processes()
+    assert not (out / "summary.json").exists()
+    run_id = json.loads((out / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
+    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
+
+
 def test_a_failing_rank_is_named_with_its_exception(
     spark: SparkSession,
     photos: Path,
@@ -117,25 +136,19 @@ def test_a_failing_rank_is_named_with_its_exception(
     and traceback, within 60 s of the fault, and leave no training process behind."""
     before = _streaming_state()
     cfg = _fault_config(photos, tmp_path, loader)
-    ingest(spark, cfg)
-    monkeypatch.setenv(FAULT_ENV, "raise:1:2")  # rank 1 raises half-way through epoch 2
-    with pytest.raises(TrainingError) as err:
-        run_training(spark, cfg)
+    error = _failing_run(spark, cfg, monkeypatch, "raise:1:2")  # half-way through epoch 2
     surfaced = time.time()
-    assert err.value.rank == 1
-    assert err.value.cause == f"RuntimeError: injected fault ({FAULT_ENV}=raise:1:2)"
-    assert "rank 1 failed" in str(err.value)
-    assert "Traceback" in str(err.value) and "in inject" in str(err.value)  # rank 1's own
-    assert err.value.reported_at is not None
-    print(f"raise: surfaced on the driver {surfaced - err.value.reported_at:.1f} s after the fault")
-    assert surfaced - err.value.reported_at < 60
-    assert not _training_processes()
-    assert not (tmp_path / "summary.json").exists()
+    assert error.rank == 1
+    assert error.cause == f"RuntimeError: injected fault ({FAULT_ENV}=raise:1:2)"
+    assert "rank 1 failed" in str(error)
+    assert "Traceback" in str(error) and "in inject" in str(error)  # rank 1's own
+    assert error.reported_at is not None
+    print(f"raise: surfaced on the driver {surfaced - error.reported_at:.1f} s after the fault")
+    assert surfaced - error.reported_at < 60
+    _assert_nothing_left(tmp_path, cfg)
     assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed on failure
     assert _streaming_state() <= before  # no shared memory or lock file left
     assert _checkpoint_epoch(tmp_path / "checkpoints") == 1  # epoch 1 is kept for --resume
-    run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
-    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
 
 
 def test_a_rank_killed_by_a_signal_is_named_with_it(
@@ -150,21 +163,14 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(
     loses its peer or is stopped by torchrun. The error names rank 1, the signal and its
     Python stack first, not rank 0's consequences."""
     cfg = _fault_config(photos, tmp_path, loader)
-    ingest(spark, cfg)
-    monkeypatch.setenv(FAULT_ENV, "abort:1:2")
-    with pytest.raises(TrainingError) as err:
-        run_training(spark, cfg)
-    message = str(err.value)
-    print(message.splitlines()[0])
-    assert err.value.rank == 1
-    assert err.value.cause == "FatalSignal: Aborted"
-    assert message.startswith("rank 1 died of a fatal signal")
-    assert "Current thread" in message and "in inject" in message  # its Python stack
-    assert not _training_processes()
-    assert not (tmp_path / "summary.json").exists()
+    error = _failing_run(spark, cfg, monkeypatch, "abort:1:2")
+    print(str(error).splitlines()[0])
+    assert error.rank == 1
+    assert error.cause == "FatalSignal: Aborted"
+    assert str(error).startswith("rank 1 died of a fatal signal")
+    assert "Current thread" in str(error) and "in inject" in str(error)  # its Python stack
+    _assert_nothing_left(tmp_path, cfg)
     assert _checkpoint_epoch(tmp_path / "checkpoints") == 1
-    run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
-    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
 
 
 def test_a_slow_model_registration_does_not_run_into_the_process_group_timeout(
@@ -200,16 +206,10 @@ def test_a_registration_that_fails_after_the_last_collective_fails_the_run(
     torchrun wrapper exits 0 whatever torchrun's status), and the driver still fails the
     run, naming rank 0 and its exception; no summary is written."""
     cfg = _fault_config(photos, tmp_path, loader)
-    ingest(spark, cfg)
-    monkeypatch.setenv(FAULT_ENV, "fail_registration:0:0")
-    with pytest.raises(TrainingError) as err:
-        run_training(spark, cfg)
-    assert err.value.rank == 0
-    assert err.value.cause == f"RuntimeError: injected fault ({FAULT_ENV}=fail_registration:0:0)"
-    assert not (tmp_path / "summary.json").exists()
-    assert not _training_processes()
-    run_id = json.loads((tmp_path / "checkpoints" / RUN_FILE_NAME).read_text())["mlflow_run_id"]
-    assert mlflow.MlflowClient(cfg.tracking_uri).get_run(run_id).info.status == "FAILED"
+    error = _failing_run(spark, cfg, monkeypatch, "fail_registration:0:0")
+    assert error.rank == 0
+    assert error.cause == f"RuntimeError: injected fault ({FAULT_ENV}=fail_registration:0:0)"
+    _assert_nothing_left(tmp_path, cfg)
 
 
 def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
