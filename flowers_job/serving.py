@@ -108,6 +108,10 @@ class FlowersClassifierModel(PythonModel):
         )
         state = torch.load(context.artifacts["state_dict"], map_location="cpu", weights_only=True)
         self.model.load_state_dict(state)
+        # Channels-last, as training runs it: on 320 real photos, 224 px, batches of 64, the
+        # model scored 108 img/s against 50 img/s contiguous at 1 thread, and 154 against 108
+        # at 2 threads (this 2-core machine, 2026-11-24).
+        self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model.eval()
         self.transform = eval_transform(
             int(cfg["image_size"]), int(cfg["resize_size"]), tuple(cfg["mean"]), tuple(cfg["std"])
@@ -135,7 +139,9 @@ class FlowersClassifierModel(PythonModel):
 
         def flush() -> None:
             with torch.inference_mode():
-                logits = self.model(torch.stack(tensors))
+                logits = self.model(
+                    torch.stack(tensors).contiguous(memory_format=torch.channels_last)
+                )
             probabilities[rows] = torch.softmax(logits.float(), dim=1).double().numpy()
             tensors.clear()
             rows.clear()
