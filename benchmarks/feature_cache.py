@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.data.images import eval_pixels
     from flowers_job.models import build_model, preprocessing_for
     from flowers_job.spark import get_spark
-    from flowers_job.train.loader import DeviceNormalize
+    from flowers_job.train.step import DeviceNormalize
 
     summary: dict[str, Any] = json.loads((args.job_output / "summary.json").read_text())
     history = summary["history"]

@@ -7,11 +7,11 @@ TorchDistributor processes (local mode, gloo, CPU):
 - ``plain``: the baseline. Each rank reads its share of the train Delta table's current
   Parquet files with pyarrow only (row group ``i`` of all files, in file order, goes to rank
   ``i % world_size``), decodes every image with the very same
-  :meth:`flowers_job.train.loader.DecodeTransform.decode` (the TRAIN transform: decode,
+  :meth:`flowers_job.data.images.DecodeTransform.decode` (the TRAIN transform: decode,
   RandomResizedCrop, flip; uint8 as the loaders deliver it) and stacks each batch with ``torch.stack``. The same
   work minus the loader library (and minus its shuffling: the plain loop reads in file order).
-- every loader of :data:`flowers_job.data.stack.LOADERS` that runs on this stack
-  (:func:`~flowers_job.data.stack.loader_problem`; the others are skipped with the reason):
+- every loader of :data:`flowers_job.loaders.LOADERS` that runs on this stack
+  (:func:`~flowers_job.loaders.loader_problem`; the others are skipped with the reason):
   the train split prepared exactly as training prepares it
   (:func:`flowers_job.data.prepare.prepare_data`, timed), then read for ``--epochs`` epochs
   with :func:`flowers_job.train.probe.read_shards` (the training loader boundary,
@@ -99,8 +99,8 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from flowers_job.data.images import DecodeTransform
     from flowers_job.distributed import broadcast_object, init_distributed, shutdown_distributed
-    from flowers_job.train.loader import DecodeTransform
 
     ctx = init_distributed(use_gpu=False, timeout_seconds=float(job["timeout_seconds"]))
     try:
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.config import load_config
     from flowers_job.data.ingest import ingest
     from flowers_job.data.prepare import prepare_data
-    from flowers_job.data.stack import LOADERS, loader_problem
+    from flowers_job.loaders import LOADERS, loader_problem
     from flowers_job.spark import get_spark
     from flowers_job.train.probe import read_shards
 
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 "epochs": list(range(1, args.epochs + 1)),
                 "shuffle": True,
                 "seed": lcfg.train.seed,
-                "data": lcfg.data.model_dump(mode="json"),
+                "config": lcfg.model_dump(mode="json"),
             }
             print(f"{name}: reading ({plan.steps_per_epoch} steps per epoch)", flush=True)
             t0 = time.perf_counter()

@@ -1,9 +1,11 @@
 """Command line: ``flowers-job {ingest,train,run,predict}`` (also ``python -m flowers_job``).
 
 Configuration is parsed and validated before Spark starts: an invalid value exits
-with status 2 and a message naming the field, within a second or two. ``train`` and
-``run`` then check the MLflow store, still before Spark starts (an unusable store exits
-with status 1 within seconds), and the cluster right after it starts (status 2).
+with status 2 and a message naming the field, within a second or two. The checks that need
+no Spark follow, still before Spark starts (:func:`flowers_job.pipeline.preflight`): the
+images root (``ingest``, ``run``: status 1), the loader on this stack and the packages the
+run needs (status 2), the MLflow store (status 1). The cluster is checked once, right after
+Spark starts (status 2).
 ``predict`` resolves the model in the registry and checks its input before Spark starts
 (an unknown model, version or alias, or a missing input, exits with status 1).
 """
@@ -97,10 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         return _predict(args)
     try:
         cfg = _config(args)
-        if args.command != "ingest":
-            from flowers_job.data.stack import resolve_loader
-
-            cfg = resolve_loader(cfg)  # the wrong stack stops here, before Spark starts
     except ConfigError as exc:
         print(f"flowers-job: {exc}", file=sys.stderr)
         return 2
@@ -113,21 +111,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from flowers_job import pipeline
     from flowers_job.data.ingest import IngestError
-    from flowers_job.data.prepare import DataError
-    from flowers_job.spark import get_spark
-    from flowers_job.tracking import TrackingError, preflight
+    from flowers_job.errors import DataError
+    from flowers_job.tracking import TrackingError
 
     try:
+        cfg = pipeline.preflight(cfg, args.command)  # seconds, and no JVM yet
         if args.command != "ingest":
-            preflight(cfg)  # seconds, and no JVM yet
+            pipeline.check_tracking(cfg)
+        from flowers_job.spark import get_spark
+
         spark = get_spark()
-        if args.command == "ingest":
-            result: object = pipeline.run_ingest(spark, cfg).to_dict()
-        elif args.command == "train":
-            result = pipeline.run_training(spark, cfg)
-        else:
-            result = pipeline.run_job(spark, cfg)
-    except ConfigError as exc:  # the configuration does not fit this cluster
+        if args.command != "ingest":
+            pipeline.check_on_cluster(spark, cfg)
+        result = pipeline.execute(spark, cfg, args.command)
+    except ConfigError as exc:  # the configuration does not fit this stack or cluster
         print(f"flowers-job: {exc}", file=sys.stderr)
         return 2
     except (IngestError, DataError, TrackingError, pipeline.TrainingError) as exc:

@@ -25,7 +25,11 @@ kind                what that rank does at that epoch
 
 The tests in ``tests/test_faults.py`` use it with real TorchDistributor processes;
 workers inherit the variable from the driver's environment. Ingest has its own test-only
-pause, ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>`` (:mod:`flowers_job.data.ingest`).
+pause, ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>`` (:func:`ingest_pause`).
+
+Production code calls a fault point in one line (:func:`mid_epoch`, :func:`inject`,
+:func:`delay`, :func:`ingest_pause`); what a fault does lives here. Without the variables
+every fault point does nothing.
 """
 
 from __future__ import annotations
@@ -36,11 +40,23 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-__all__ = ["FAULT_ENV", "HANG_SECONDS", "delay", "inject", "mid_epoch"]
+__all__ = [
+    "FAULT_ENV",
+    "HANG_SECONDS",
+    "INGEST_FAULT_ENV",
+    "delay",
+    "ingest_pause",
+    "inject",
+    "mid_epoch",
+]
 
 T = TypeVar("T")
 
 FAULT_ENV = "FLOWERS_JOB_FAULT"
+INGEST_FAULT_ENV = "FLOWERS_JOB_INGEST_FAULT"
+"""Test only: ``pause_after:<table>`` pauses ingest after writing ``<table>``."""
+INGEST_PAUSE_SECONDS = 3600.0
+"""Upper bound of an injected ingest pause (seconds)."""
 HANG_SECONDS = 900.0
 """Upper bound of an injected hang (seconds): even a forgotten fault never blocks forever."""
 
@@ -65,9 +81,15 @@ def inject(kind: str, rank: int | None, epoch: int) -> None:
     time.sleep(HANG_SECONDS)
 
 
-def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterator[T]:
-    """Yield ``batches``, acting out ``raise``, ``abort`` and ``hang`` faults before batch
-    ``step``."""
+def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterable[T]:
+    """``batches``, acting out ``raise``, ``abort`` and ``hang`` faults before batch ``step``
+    when ``FLOWERS_JOB_FAULT`` is set; ``batches`` itself otherwise."""
+    if not os.environ.get(FAULT_ENV):
+        return batches
+    return _mid_epoch(batches, rank, epoch, step)
+
+
+def _mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterator[T]:
     for i, batch in enumerate(batches):
         if i == step:
             inject("raise", rank, epoch)
@@ -85,3 +107,11 @@ def delay(kind: str, rank: int | None) -> None:
             seconds = min(float(parts[2]), HANG_SECONDS)
             log.warning("injected fault %s: sleeping %.0f s", entry, seconds)
             time.sleep(seconds)
+
+
+def ingest_pause(table: str) -> None:
+    """Pause ingest (at most :data:`INGEST_PAUSE_SECONDS`) right after it wrote ``table``,
+    if ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>``, so that a test can kill it there."""
+    if os.environ.get(INGEST_FAULT_ENV) == f"pause_after:{table}":
+        log.warning("%s: ingest paused after writing the %s table", INGEST_FAULT_ENV, table)
+        time.sleep(INGEST_PAUSE_SECONDS)

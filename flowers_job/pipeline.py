@@ -1,8 +1,15 @@
-"""The job, driver side: ingest -> prepare -> TorchDistributor -> summary.json -> champion.
+"""The job, driver side: checks -> ingest -> prepare -> TorchDistributor -> summary -> champion.
 
-``run_job`` = ``run_ingest`` + ``run_training``. Everything here runs on the Spark
-driver; the only code shipped to the training processes is
-:func:`flowers_job.train.worker.train_worker` with plain data.
+Everything here runs on the Spark driver; the only code shipped to the training processes
+is :func:`flowers_job.train.rank.train_worker` with plain data (:func:`training_job`).
+
+Every check runs once, and the ones that leave nothing behind come first: :func:`preflight`
+(the loader on this stack, the images root, the packages the end of the run needs; no
+Spark), :func:`check_cluster` (task slots, GPUs, the tracking store's reach), then
+:func:`check_tracking` (it creates the MLflow experiment) and the shared-storage probe.
+:func:`run_job` and :func:`run_training` run them all, then the work. The CLI runs
+:func:`preflight` and :func:`check_tracking` before it starts Spark (an unusable store
+fails in seconds, with no JVM), then :func:`check_on_cluster` and :func:`execute`.
 """
 
 from __future__ import annotations
@@ -13,25 +20,33 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
 from flowers_job.allocator import apply_to_environ
 from flowers_job.config import ConfigError, JobConfig
-from flowers_job.data.ingest import TABLE_NAMES, IngestReport, ingest
+from flowers_job.data.ingest import IngestReport, check_images_root, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
-from flowers_job.data.stack import resolve_loader
+from flowers_job.data.tables import TABLE_NAMES
+from flowers_job.failures import TrainingError, check_finished, failure, registered_model
+from flowers_job.loaders import resolve_loader
 from flowers_job.processes import driver_identity
 from flowers_job.promotion import promote
 from flowers_job.spark import driver_gpus, executor_cores, task_slots, wait_for_slots
 from flowers_job.storage import check_shared_storage, is_local_master
-from flowers_job.tracking import TrackingError, preflight
+from flowers_job.tracking import TrackingError
+from flowers_job.tracking import preflight as tracking_preflight
 
 __all__ = [
+    "Command",
     "TrainingError",
     "check_cluster",
+    "check_on_cluster",
+    "check_tracking",
+    "execute",
+    "preflight",
     "run_ingest",
     "run_job",
     "run_training",
@@ -41,22 +56,111 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+Command = Literal["ingest", "train", "run"]
+"""What the job does: ingest the photos, train on the tables, or both."""
 
-class TrainingError(RuntimeError):
-    """Distributed training failed. ``rank`` and ``cause`` name the first failing rank;
-    ``reported_at`` is when that rank reported it (seconds since the epoch)."""
 
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        cause: str | None = None,
-        reported_at: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.cause = cause
-        self.reported_at = reported_at
+def preflight(cfg: JobConfig, command: Command) -> JobConfig:
+    """The checks that need no Spark and leave nothing behind (seconds, no JVM).
+
+    - ``ingest``/``run``: ``data.images`` is a directory with label folders;
+    - ``train``/``run``: ``data.loader`` can run on this stack ('auto' resolved), and the
+      packages the end of the run needs are importable.
+
+    Returns:
+        ``cfg``, with ``data.loader`` resolved for ``train``/``run``.
+
+    Raises:
+        ConfigError: the loader cannot run here, or a package the run needs is missing.
+        IngestError: ``data.images`` is not a usable images root.
+    """
+    from flowers_job.packages import check_run_packages
+
+    if command in ("ingest", "run"):
+        check_images_root(cfg)
+    if command in ("train", "run"):
+        cfg = resolve_loader(cfg)
+        check_run_packages()
+    return cfg
+
+
+def check_tracking(cfg: JobConfig) -> None:
+    """The MLflow store answers and holds the experiment (created if need be); the
+    configured credentials are exported for the training processes
+    (:func:`flowers_job.tracking.preflight`). No Spark.
+
+    Raises:
+        TrackingError: the MLflow store cannot be used.
+    """
+    tracking_preflight(cfg)
+
+
+def check_on_cluster(spark: SparkSession, cfg: JobConfig) -> None:
+    """The checks against the Spark session, before any data is touched:
+    :func:`check_cluster`, then the storage every host must share
+    (:func:`~flowers_job.storage.check_shared_storage`).
+
+    Raises:
+        ConfigError: naming the setting that does not fit this cluster or its storage.
+    """
+    check_cluster(spark, cfg)
+    check_shared_storage(spark, cfg)
+
+
+def _check_all(spark: SparkSession, cfg: JobConfig, command: Command) -> JobConfig:
+    """Every check once, those that write nothing first (:func:`preflight`,
+    :func:`check_cluster`); returns ``cfg`` with the loader resolved."""
+    cfg = preflight(cfg, command)
+    check_cluster(spark, cfg)
+    check_tracking(cfg)
+    check_shared_storage(spark, cfg)
+    return cfg
+
+
+def execute(spark: SparkSession, cfg: JobConfig, command: Command) -> dict[str, Any]:
+    """Run ``command`` on a configuration that passed :func:`preflight` and
+    :func:`check_on_cluster` (for ``train``/``run``).
+
+    Returns:
+        The ingest report as a dict (``ingest``), or the run's summary.
+    """
+    t0 = time.perf_counter()
+    if command == "ingest":
+        return run_ingest(spark, cfg).to_dict()
+    report = run_ingest(spark, cfg) if command == "run" else None
+    summary = _train(spark, cfg, report)
+    if command == "run":
+        summary["job_seconds"] = time.perf_counter() - t0
+        write_summary(summary, cfg.paths.summary_path)
+    return summary
+
+
+def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
+    """Train on the Delta tables with TorchDistributor and write ``summary.json``.
+
+    Returns:
+        The summary (also written to ``<output_dir>/summary.json``).
+
+    Raises:
+        ConfigError: ``data.loader`` cannot run on this stack, a package is missing
+            (:func:`preflight`), or ``distributed`` does not fit this cluster
+            (:func:`check_cluster`), before any work.
+        DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
+        TrackingError: the MLflow store is unusable (before any worker starts), or the
+            champion decision (:func:`~flowers_job.promotion.promote`) failed after the
+            model was registered (``summary.json`` is written first).
+        TrainingError: a rank failed; the message names the rank and its exception.
+    """
+    return execute(spark, _check_all(spark, cfg, "train"), "train")
+
+
+def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
+    """Ingest, then train: the whole Databricks "flowers" pipeline.
+
+    Every check runs once, before the ingest, so that a job bound to fail does no work
+    (errors as for :func:`run_training`, plus ``IngestError``).
+    """
+    return execute(spark, _check_all(spark, cfg, "run"), "run")
 
 
 def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
@@ -177,132 +281,10 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
 
 def _threads_per_process(cfg: JobConfig) -> int | None:
     """Local mode: the driver's cores shared by the ranks. Barrier mode: None, each rank
-    decides from its executor's cores (:func:`flowers_job.train.worker.threads_for_rank`)."""
+    decides from its executor's cores (:func:`flowers_job.train.rank.threads_for_rank`)."""
     if cfg.distributed.local_mode:
         return max(1, (os.cpu_count() or 1) // cfg.world_size)
     return None
-
-
-def _failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
-    """The driver's error for a failed TorchDistributor run, from the ranks' reports.
-
-    Two kinds of report, in ``failure_dir``: ``rank-<r>.json``, the exception and traceback
-    of a rank whose Python code raised, and ``rank-<r>.fatal``, what :mod:`faulthandler`
-    wrote when a rank died of a fatal signal (a crash in native code: SIGSEGV, SIGABRT, ...)
-    and every thread's Python stack. The first (by time) names the rank and its cause; the
-    others are usually its consequences (a collective that lost its peer, torchrun's
-    SIGTERM) and are listed after it. Ranks that wrote neither were stopped from outside:
-    hung (the others' collectives then time out), killed by torchrun after another rank
-    failed, or killed by the OS (SIGKILL, the OOM killer).
-    """
-    from flowers_job.train.worker import FATAL_SUFFIX
-
-    reports = []
-    for path in sorted(failure_dir.glob("rank-*.json")):
-        try:
-            reports.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    for path in sorted(failure_dir.glob(f"rank-*{FATAL_SUFFIX}")):
-        try:
-            text = path.read_text(errors="replace").strip()
-            if text:
-                reports.append(_fatal_report(path, text))
-        except OSError:
-            continue
-    if not reports:
-        return TrainingError(
-            f"distributed training failed and no rank reported an exception (killed by the OS, "
-            f"out of memory?): {exc}"
-        )
-    reports.sort(key=lambda r: r.get("time", 0.0))
-    first = reports[0]
-    where = _rank_hosts(failure_dir)
-    silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
-    then = "".join(
-        f"\nthen rank {r['rank']}: {r['type']}: {r['message']}"
-        for r in reports[1:]
-        if r["rank"] != first["rank"]
-    )
-    note = (
-        f"\nranks {', '.join(f'{r}{where.get(r, str())}' for r in silent)} reported no "
-        "exception: killed (with their host, executor or driver), stopped after the failure, "
-        "or hung (a collective that times out names distributed.timeout_seconds)"
-        if silent
-        else ""
-    )
-    what = "died of a fatal signal" if first["type"] == "FatalSignal" else "failed"
-    return TrainingError(
-        f"rank {first['rank']} {what}{where.get(int(first['rank']), '')}: {first['type']}: "
-        f"{first['message']}{then}{note}\n"
-        f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
-        rank=first["rank"],
-        cause=f"{first['type']}: {first['message']}",
-        reported_at=first.get("time"),
-    )
-
-
-def _fatal_report(path: Path, text: str) -> dict[str, Any]:
-    """A ``rank-<r>.fatal`` file as a report: type ``FatalSignal``, the message from
-    faulthandler's first line ("Fatal Python error: Aborted" -> "Aborted"), the stacks as
-    the traceback, and the file's modification time as the time."""
-    rank = int(path.name.split("-", 1)[1].split(".", 1)[0])
-    first_line = text.splitlines()[0]
-    return {
-        "rank": rank,
-        "type": "FatalSignal",
-        "message": first_line.removeprefix("Fatal Python error:").strip(),
-        "traceback": text,
-        "time": path.stat().st_mtime,
-    }
-
-
-def _check_finished(failure_dir: Path, world_size: int) -> None:
-    """After TorchDistributor returned: raise if a rank failed anyway, or rank 0 did not
-    record the registered model.
-
-    TorchDistributor's local mode reads the result file that *any* rank wrote, and pyspark
-    4.0's ``torch_run_process_wrapper`` exits 0 whatever torchrun's status; so a run can
-    "succeed" while a rank crashed, or while torchrun stopped rank 0 in the middle of the
-    model registration that follows the last collective.
-
-    Raises:
-        TrainingError: a rank wrote a report, or ``model.json`` is missing.
-    """
-    from flowers_job.train.worker import FATAL_SUFFIX, MODEL_FILE
-
-    fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.stat().st_size > 0]
-    if fatal or list(failure_dir.glob("rank-*.json")):
-        raise _failure(failure_dir, RuntimeError("a rank failed after training"), world_size)
-    if not (failure_dir / MODEL_FILE).exists():
-        raise TrainingError(
-            f"rank 0 did not finish: TorchDistributor returned, but rank 0 wrote no {MODEL_FILE} "
-            "(it logs and registers the model after the last collective); it was stopped or "
-            "killed from outside (torchrun, the OS) without reporting an exception",
-            rank=0,
-            cause="no registered model",
-        )
-
-
-def _rank_hosts(report_dir: Path) -> dict[int, str]:
-    """`` on host (address)`` of each rank, from rank 0's ``ranks.json`` ({} without one)."""
-    from flowers_job.train.worker import RANKS_FILE
-
-    try:
-        ranks = json.loads((report_dir / RANKS_FILE).read_text())["ranks"]
-        return {int(r["rank"]): f" on host {r['host']} ({r['address']})" for r in ranks}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def _registered_model(report_dir: Path) -> dict[str, Any]:
-    """What rank 0 wrote after registering the model (``model.json``), or {}."""
-    from flowers_job.train.worker import MODEL_FILE
-
-    try:
-        return dict(json.loads((report_dir / MODEL_FILE).read_text()))
-    except (OSError, ValueError):
-        return {}
 
 
 def training_job(
@@ -331,33 +313,17 @@ def training_job(
     }
 
 
-def run_training(
+def _train(
     spark: SparkSession, cfg: JobConfig, ingest_report: IngestReport | None = None
 ) -> dict[str, Any]:
-    """Train on the Delta tables with TorchDistributor and write ``summary.json``.
-
-    Returns:
-        The summary (also written to ``<output_dir>/summary.json``).
-
-    Raises:
-        ConfigError: ``distributed`` does not fit this cluster (:func:`check_cluster`), or
-            ``data.loader`` cannot run on this stack (:func:`resolve_loader`), before any work.
-        DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
-        TrackingError: the MLflow store is unusable (before any worker starts), or the
-            champion decision (:func:`~flowers_job.promotion.promote`) failed after the
-            model was registered (``summary.json`` is written first).
-        TrainingError: a rank failed; the message names the rank and its exception.
-    """
+    """Train on the Delta tables with TorchDistributor (checks done), write ``summary.json``
+    and decide the champion; errors as :func:`run_training`'s after its checks."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    from flowers_job.train.worker import train_worker
+    from flowers_job.train.rank import train_worker
 
-    cfg = resolve_loader(cfg)
     d = cfg.distributed
-    check_cluster(spark, cfg)
-    check_shared_storage(spark, cfg)
     use_gpu = _use_gpu(spark, cfg)
-    preflight(cfg)
     with (
         prepare_data(spark, cfg) as data,
         tempfile.TemporaryDirectory(
@@ -372,15 +338,15 @@ def run_training(
         try:
             result = distributor.run(train_worker, job)
         except Exception as exc:
-            raise _failure(Path(failure_dir), exc, cfg.world_size) from exc
-        _check_finished(Path(failure_dir), cfg.world_size)
+            raise failure(Path(failure_dir), exc, cfg.world_size) from exc
+        check_finished(Path(failure_dir), cfg.world_size)
         if not isinstance(result, dict):
-            raise _failure(
+            raise failure(
                 Path(failure_dir),
                 RuntimeError(f"no result from rank 0 ({result!r})"),
                 cfg.world_size,
             )
-        result = {**result, **_registered_model(Path(failure_dir))}
+        result = {**result, **registered_model(Path(failure_dir))}
         quarantined = (
             ingest_report.quarantined_rows
             if ingest_report is not None
@@ -417,24 +383,6 @@ def run_training(
     if decision is not None:
         summary["promotion"] = decision.to_dict()
         write_summary(summary, cfg.paths.summary_path)
-    return summary
-
-
-def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
-    """Ingest, then train: the whole Databricks "flowers" pipeline.
-
-    The cluster and the MLflow store are checked before the ingest, so that a job bound to
-    fail does no work (errors as for :func:`run_training`, plus ``IngestError``).
-    """
-    t0 = time.perf_counter()
-    cfg = resolve_loader(cfg)
-    check_cluster(spark, cfg)
-    preflight(cfg)
-    check_shared_storage(spark, cfg)
-    report = run_ingest(spark, cfg)
-    summary = run_training(spark, cfg, report)
-    summary["job_seconds"] = time.perf_counter() - t0
-    write_summary(summary, cfg.paths.summary_path)
     return summary
 
 

@@ -11,9 +11,13 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -26,6 +30,7 @@ __all__ = [
     "executor_cores",
     "get_spark",
     "local_gpu_conf",
+    "task_progress",
     "task_slots",
     "wait_for_slots",
 ]
@@ -215,3 +220,58 @@ def executor_cores(spark: SparkSession) -> dict[str, int]:
     except Exception:
         return {}
     return cores
+
+
+PROGRESS_POLL_SECONDS = 0.5
+"""How often :func:`task_progress` reads Spark's StatusTracker, seconds."""
+PROGRESS_JOIN_SECONDS = 5.0
+"""Longest wait for the progress thread to stop once the block is done, seconds."""
+
+
+@contextmanager
+def task_progress(spark: SparkSession, description: str) -> Iterator[None]:
+    """A tqdm bar of the Spark tasks of the jobs run in the block (StatusTracker, polled
+    every :data:`PROGRESS_POLL_SECONDS`); the thread is stopped within
+    :data:`PROGRESS_JOIN_SECONDS` when the block ends."""
+    from tqdm import tqdm
+
+    sc = spark.sparkContext
+    group = f"flowers-predict-{uuid.uuid4().hex[:8]}"
+    properties = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
+    before = {key: sc.getLocalProperty(key) for key in properties}
+    sc.setJobGroup(group, description)
+    tracker = sc.statusTracker()
+    done = threading.Event()
+
+    def counts() -> tuple[int, int]:
+        total = completed = 0
+        for job_id in tracker.getJobIdsForGroup(group):
+            job = tracker.getJobInfo(job_id)
+            for stage_id in job.stageIds if job else []:
+                stage = tracker.getStageInfo(stage_id)
+                if stage is not None:
+                    total += stage.numTasks
+                    # a stage skipped (its shuffle output reused) never completes a task
+                    done_job = job is not None and job.status == "SUCCEEDED"
+                    completed += stage.numTasks if done_job else stage.numCompletedTasks
+        return total, completed
+
+    def poll(bar: Any) -> None:
+        while not done.wait(PROGRESS_POLL_SECONDS):
+            total, completed = counts()
+            bar.total = max(total, 1)
+            bar.update(completed - bar.n)
+
+    with tqdm(desc=description, unit="task", total=1, dynamic_ncols=True) as bar:
+        thread = threading.Thread(target=poll, args=(bar,), name=group, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(PROGRESS_JOIN_SECONDS)
+            for key, value in before.items():  # None removes the property
+                sc.setLocalProperty(key, value)  # type: ignore[arg-type]
+            total, completed = counts()
+            bar.total = max(total, 1)
+            bar.update(completed - bar.n)

@@ -39,6 +39,7 @@ __all__ = [
     "RunTracker",
     "TrackingError",
     "end_failed_run",
+    "fail_fast",
     "flatten",
     "preflight",
     "use_credentials",
@@ -97,7 +98,7 @@ def use_credentials(cfg: JobConfig) -> None:
 
 
 @contextmanager
-def _fail_fast(timeout_seconds: int) -> Iterator[None]:
+def fail_fast(timeout_seconds: int) -> Iterator[None]:
     """MLflow's HTTP client within the block: one retry without back-off, ``timeout_seconds``
     per request. Its defaults (7 retries with exponential back-off, 120 s per request,
     ``mlflow.environment_variables``) take minutes to give up on an unreachable server. The
@@ -165,7 +166,7 @@ def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) 
         cfg.paths.output_dir.mkdir(parents=True, exist_ok=True)
     uri = cfg.tracking_uri
     try:
-        with _fail_fast(timeout_seconds):
+        with fail_fast(timeout_seconds):
             if urlparse(uri).scheme.partition("+")[0] in DATABASE_ENGINES:
                 _probe_database(uri)
             client = mlflow.MlflowClient(tracking_uri=uri)

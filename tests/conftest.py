@@ -94,7 +94,7 @@ def tables(spark: object, photos: Path, tmp_path_factory: pytest.TempPathFactory
 
 def loader_skip_reason(name: str) -> str | None:
     """Why the tests of loader ``name`` do not run here (None: they do)."""
-    from flowers_job.data.stack import loader_problem
+    from flowers_job.loaders import loader_problem
 
     problem = loader_problem(name)
     if problem is not None:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
 
-from flowers_job.config import ConfigError, load_config, parse_overrides
+from flowers_job.config import (
+    ConfigDeprecationWarning,
+    ConfigError,
+    JobConfig,
+    load_config,
+    parse_overrides,
+)
 
 from .conftest import run_cli
 
@@ -48,7 +55,9 @@ def test_yaml_file_then_overrides_take_precedence(tmp_path: Path) -> None:
         ("distributed.num_processes=0", "distributed.num_processes"),
         ("train.lr_scaling=cubic", "train.lr_scaling"),
         ("train.early_stopping.patience=-2", "train.early_stopping.patience"),
-        ("data.reader_pool_type=thread", "data.reader_pool_type"),
+        ("loaders.petastorm.reader_pool_type=thread", "loaders.petastorm.reader_pool_type"),
+        ("loaders.streaming.prefetch_batches=0", "loaders.streaming.prefetch_batches"),
+        ("data.loader=parquet", "data.loader"),
         ("trian.epochs=3", "trian"),
         ("train.epoch=3", "train.epoch"),
     ],
@@ -194,3 +203,81 @@ def test_the_finetune_preset_is_valid_and_trains_the_backbone(tmp_path: Path) ->
     cfg = load_config(preset, None, **{"paths.output_dir": tmp_path})
     assert cfg.model.freeze_backbone is False
     assert (cfg.data.image_size, cfg.train.epochs) == (160, 6)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("data.reader_pool_type", "loaders.petastorm.reader_pool_type", "process"),
+        ("data.shuffle_buffer_rows", "loaders.petastorm.shuffle_buffer_rows", 16),
+        ("data.prefetch_batches", "loaders.streaming.prefetch_batches", 4),
+        ("paths.petastorm_cache_url", "paths.cache_url", "file:///tmp/flowers-cache"),
+    ],
+)
+def test_a_renamed_key_still_works_for_one_release_and_its_warning_names_the_new_key(
+    tmp_path: Path, old: str, new: str, value: object
+) -> None:
+    with pytest.warns(ConfigDeprecationWarning, match=rf"{old} is deprecated: use {new}"):
+        cfg = load_config(None, [f"{old}={value}"], **{"paths.output_dir": tmp_path})
+    section, *path = new.split(".")
+    node: object = getattr(cfg, section)
+    for part in path:
+        node = getattr(node, part)
+    assert node == value
+    # the ranks, checkpoints and MLflow params see only the new key
+    old_section, old_key = old.split(".")
+    assert old_key not in cfg.model_dump(mode="json")[old_section]
+    assert JobConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+
+
+def test_an_old_and_a_new_key_that_disagree_are_refused_naming_both(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            ["data.reader_pool_type=process", "loaders.petastorm.reader_pool_type=dummy"],
+            **{"paths.output_dir": tmp_path},
+        )
+    message = str(err.value)
+    assert "  loaders.petastorm.reader_pool_type: set to 'dummy'" in message
+    assert "deprecated data.reader_pool_type" in message
+
+
+def test_a_config_file_with_the_old_keys_loads_with_warnings(tmp_path: Path) -> None:
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "data:\n  reader_pool_type: process\n  loader_workers: 2\n"
+        "paths:\n  petastorm_cache_url: file:///tmp/c\n"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(old, None, **{"paths.output_dir": tmp_path})
+    assert {str(w.message).split(" is ")[0] for w in caught} == {
+        "configuration key data.reader_pool_type",
+        "configuration key paths.petastorm_cache_url",
+    }
+    assert cfg.loaders.petastorm.reader_pool_type == "process"
+    assert cfg.data.loader_workers == 2 and cfg.paths.cache_url == "file:///tmp/c"
+
+
+def test_cli_refuses_a_missing_images_root_before_spark_starts(tmp_path: Path) -> None:
+    """The images root is checked with the configuration, before the JVM starts."""
+    proc = run_cli(
+        "run", "--images", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "out")
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"IngestError: data.images: {tmp_path / 'nowhere'} is not a directory" in proc.stderr
+    assert "Ivy" not in proc.stderr and "SparkContext" not in proc.stderr  # no JVM was started
+    assert not (tmp_path / "out").exists()
+
+
+def test_predict_with_an_unknown_model_and_no_store_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --output-dir the store is ./mlflow.db; a lookup there must not create it."""
+    from flowers_job.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["predict", "--model", "models:/nope/1", "--images", str(tmp_path)]
+    assert main([*args, "--output-table", str(tmp_path / "scored")]) == 1
+    assert f"no MLflow store at {tmp_path / 'mlflow.db'}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -234,4 +234,4 @@ def test_cli_exits_2_when_the_processes_do_not_fit_the_cluster(tmp_path: Path) -
     assert "flowers-job: invalid configuration:\n  distributed.num_processes: 3 processes" in (
         proc.stderr
     )
-    assert not (tmp_path / "out" / "petastorm_cache").exists()
+    assert not (tmp_path / "out" / "loader_cache").exists()

@@ -32,9 +32,11 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.ingest import ingest
-from flowers_job.data.mds import write_mds
-from flowers_job.data.prepare import DataError, make_cache, prepare_data
+from flowers_job.data.prepare import prepare_data
+from flowers_job.errors import DataError
 from flowers_job.faults import FAULT_ENV
+from flowers_job.loaders.petastorm import make_cache
+from flowers_job.loaders.streaming import write_mds
 from flowers_job.pipeline import TrainingError, run_training
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
 
@@ -148,7 +150,7 @@ def test_a_failing_rank_is_named_with_its_exception(
     print(f"raise: surfaced on the driver {surfaced - error.reported_at:.1f} s after the fault")
     assert surfaced - error.reported_at < 60
     _assert_nothing_left(tmp_path, cfg)
-    assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed on failure
+    assert not list((tmp_path / "loader_cache").glob("run-*"))  # cache removed on failure
     assert _streaming_state() <= before  # no shared memory or lock file left
     assert _checkpoint_epoch(tmp_path / "checkpoints") == 1  # epoch 1 is kept for --resume
 
@@ -245,7 +247,7 @@ def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
     )
     assert surfaced - err.value.reported_at < 60
     assert not _training_processes()
-    assert not list((tmp_path / "petastorm_cache").glob("run-*"))
+    assert not list((tmp_path / "loader_cache").glob("run-*"))
     assert _streaming_state() <= before
 
 
@@ -283,7 +285,7 @@ def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
 
 
 def _kill_and_resume(photos: Path, out: Path, log: Path, mark: str, loader: str) -> None:
-    ckpt, cache = out / "checkpoints", out / "petastorm_cache"
+    ckpt, cache = out / "checkpoints", out / "loader_cache"
     before = _streaming_state()
 
     # 1. Killed while rank 0 is writing the epoch-2 checkpoint.
@@ -358,9 +360,7 @@ def test_no_space_for_the_cache_is_a_clear_error_and_leaves_nothing(
     """A cache volume too small for the train table: DataError naming the directory, before
     any worker starts, and nothing of this run's cache left on the volume."""
     with _small_volume(tmp_path / "small", "512k") as volume:
-        cfg = _fault_config(
-            photos, tmp_path / "out", loader, f"paths.petastorm_cache_url={volume.as_uri()}"
-        )
+        cfg = _fault_config(photos, tmp_path / "out", loader, f"paths.cache_url={volume.as_uri()}")
         ingest(spark, cfg)
         with (
             pytest.raises(DataError, match="no space for the loader cache") as err,

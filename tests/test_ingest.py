@@ -16,7 +16,8 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data import ingest as ingest_module
-from flowers_job.data.ingest import SPLITS, TABLE_NAMES, IngestError, ingest
+from flowers_job.data.ingest import IngestError, ingest
+from flowers_job.data.tables import SPLITS, TABLE_NAMES
 
 from .conftest import LABELS, PHOTOS, sample_photos
 
@@ -198,7 +199,7 @@ def test_changed_clean_input_is_reingested_consistently(
     """Both ingests have an empty quarantine. Delta skips an empty overwrite of an empty
     table by default, which would leave the first run's metadata on the quarantine table and
     tables that training refuses however often ingest is re-run."""
-    from flowers_job.data.prepare import _check_tables
+    from flowers_job.data.tables import check_tables
 
     images = sample_photos(tmp_path / "images", per_label=1)
     cfg = _cfg(images, tmp_path / "out", *SMALL_SPLITS)
@@ -208,7 +209,7 @@ def test_changed_clean_input_is_reingested_consistently(
     assert second.written and second.fingerprint != first.fingerprint
     assert (second.images_rows, second.quarantined_rows) == (10, 0)
     assert _version(spark, second.tables["quarantine"]) == 1
-    assert _check_tables(spark, cfg) == sorted(LABELS)
+    assert check_tables(spark, cfg) == sorted(LABELS)
 
 
 @pytest.mark.slow
@@ -219,7 +220,8 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     """`flowers-job ingest` is killed with SIGKILL (with its JVM) after writing three of the
     five tables over those of an earlier input: the other two are unchanged, training
     refuses the mix, and a re-run writes the same tables as a fresh ingest."""
-    from flowers_job.data.prepare import DataError, _check_tables
+    from flowers_job.data.tables import check_tables
+    from flowers_job.errors import DataError
 
     images = sample_photos(tmp_path / "images", per_label=2)
     (images / "roses" / "notes.jpg").write_text("not an image\n")  # a non-empty quarantine
@@ -262,11 +264,11 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         val_before
     )
     with pytest.raises(DataError, match="come from different ingests"):
-        _check_tables(spark, cfg)
+        check_tables(spark, cfg)
 
     again = ingest(spark, cfg)
     assert again.written and (again.images_rows, again.quarantined_rows) == (15, 1)
-    assert _check_tables(spark, cfg) == sorted(LABELS)
+    assert check_tables(spark, cfg) == sorted(LABELS)
     fresh = ingest(spark, _cfg(images, tmp_path / "fresh", *overrides))
     for name in TABLE_NAMES:
         assert _contents(spark, again.tables[name]) == _contents(spark, fresh.tables[name]), name

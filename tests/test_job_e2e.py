@@ -205,7 +205,7 @@ def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path)
     from pyspark.ml.dl_util import FunctionPickler
 
     from flowers_job.data.prepare import prepare_data
-    from flowers_job.train.worker import train_worker
+    from flowers_job.train.rank import train_worker
 
     with prepare_data(spark, cfg) as data:
         job = training_job(spark, cfg, data, str(folder), use_gpu=False)
@@ -305,7 +305,7 @@ def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path, loa
     _check_mlflow(summary, epochs=2)
     _check_review(summary)
     _check_model_predicts(summary)
-    assert not list((tmp_path / "petastorm_cache").glob("run-*"))  # cache removed
+    assert not list((tmp_path / "loader_cache").glob("run-*"))  # cache removed
 
 
 def test_frozen_backbone_validation_features_once_give_the_same_metrics(

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from flowers_job.config import load_config
-from flowers_job.data.prepare import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
+from flowers_job.data.cache import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
 from flowers_job.processes import driver_identity, process_alive, watched_processes
 from flowers_job.tracking import RunTracker
 
@@ -149,7 +149,7 @@ def test_the_shared_memory_of_a_killed_runs_streaming_datasets_is_swept(tmp_path
 
     from streaming.base.shared.prefix import _pack_locals
 
-    from flowers_job.data.mds import remove_streaming_state
+    from flowers_job.loaders.streaming import remove_streaming_state
 
     ours, other = tmp_path / "run-a", tmp_path / "run-b"
     blocks = []

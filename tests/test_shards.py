@@ -14,9 +14,10 @@ import torch
 from pyspark.sql import SparkSession
 
 from flowers_job.config import load_config
+from flowers_job.data.images import DecodeTransform
 from flowers_job.data.prepare import prepare_data
-from flowers_job.data.shards import DataError, plan_shards
-from flowers_job.train.loader import DecodeTransform, ShardError, rebatch, shard_batches
+from flowers_job.errors import DataError, ShardError
+from flowers_job.loaders.petastorm import PetastormPlan, plan_shards, rebatch, shard_batches
 
 from .conftest import loader_skip_reason
 
@@ -54,6 +55,7 @@ def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
     )
     with prepare_data(spark, cfg) as data:
         assert data.num_partitions == world_size * per_process
+        assert isinstance(data.train, PetastormPlan)
         assert len(data.train.file_urls) == data.num_partitions  # one file per partition
         expected = {
             r["row_id"]: r["label_index"]
@@ -169,4 +171,4 @@ def test_training_refuses_too_large_a_batch_before_any_worker_starts(
     client = mlflow.MlflowClient(tracking_uri=cfg.tracking_uri)
     experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
     assert experiment is not None and not client.search_runs([experiment.experiment_id])
-    assert not list((tables / "petastorm_cache").glob("run-*"))  # cache removed
+    assert not list((tables / "loader_cache").glob("run-*"))  # cache removed

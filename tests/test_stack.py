@@ -15,8 +15,8 @@ import pytest
 from packaging.version import Version
 
 from flowers_job.config import ConfigError, JobConfig, load_config
-from flowers_job.data import stack
-from flowers_job.data.stack import LOADERS, loader_problem, resolve_loader
+from flowers_job.loaders import LOADERS, loader_problem, resolve_loader
+from flowers_job.loaders import petastorm as petastorm_loader
 
 from .conftest import run_cli
 
@@ -56,9 +56,9 @@ def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
     lookup only (see the module docstring)."""
     if loader_problem("streaming") is not None:
         pytest.skip(f"needs the streaming loader: {loader_problem('streaming')}")
-    real = stack._version
+    real = petastorm_loader._version
     fake = {"pyarrow": Version("19.0.1"), "numpy": Version("2.1.3"), "petastorm": Version("0.13.1")}
-    monkeypatch.setattr(stack, "_version", lambda dist: fake.get(dist) or real(dist))
+    monkeypatch.setattr(petastorm_loader, "_version", lambda dist: fake.get(dist) or real(dist))
     with pytest.raises(ConfigError) as err:
         resolve_loader(_cfg(tmp_path, "petastorm"))
     message = str(err.value)

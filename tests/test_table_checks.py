@@ -12,8 +12,11 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.ingest import ingest, read_table_metadata
-from flowers_job.data.prepare import DataError, _check_tables, prepare_data
+from flowers_job.data.ingest import ingest
+from flowers_job.data.prepare import prepare_data
+from flowers_job.data.tables import check_tables, read_table_metadata
+from flowers_job.errors import DataError
+from flowers_job.loaders import resolve_loader
 
 from .conftest import sample_photos
 
@@ -62,7 +65,7 @@ def _read(spark: SparkSession, cfg: JobConfig, name: str) -> DataFrame:
 
 
 def test_intact_tables_pass(spark: SparkSession, tables: JobConfig) -> None:
-    assert _check_tables(spark, tables) == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    assert check_tables(spark, tables) == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 
 
 def test_a_label_set_that_differs_from_the_recorded_one(
@@ -75,7 +78,7 @@ def test_a_label_set_that_differs_from_the_recorded_one(
     _rewrite(spark, tables, "train", relabelled)
     _rewrite(spark, tables, "val", _read(spark, tables, "val").where("label != 'tulips'"))
     with pytest.raises(DataError) as err:
-        _check_tables(spark, tables)
+        check_tables(spark, tables)
     message = str(err.value)
     assert "['daisy', 'dandelion', 'orchids', 'roses', 'sunflowers']" in message
     assert "['daisy', 'dandelion', 'roses', 'sunflowers', 'tulips']" in message
@@ -90,13 +93,13 @@ def test_a_label_index_that_differs_from_the_recorded_one(
     with pytest.raises(
         DataError, match=r"label_index in the split tables .*: \w+: \d \(expected \d\)"
     ):
-        _check_tables(spark, tables)
+        check_tables(spark, tables)
 
 
 def test_an_empty_table(spark: SparkSession, tables: JobConfig) -> None:
     _rewrite(spark, tables, "val", _read(spark, tables, "val").limit(0))
     with pytest.raises(DataError, match=rf"the val table {tables.paths.table('val')} is empty"):
-        _check_tables(spark, tables)
+        check_tables(spark, tables)
 
 
 def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -> None:
@@ -108,7 +111,7 @@ def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -
     )
     _rewrite(spark, tables, "train", damaged)
     with pytest.raises(DataError) as err:
-        _check_tables(spark, tables)
+        check_tables(spark, tables)
     message = str(err.value)
     assert f"the train table {tables.paths.table('train')} does not have" in message
     assert "missing columns ['notes']" in message
@@ -126,17 +129,17 @@ def test_tables_written_by_different_runs(
     shutil.rmtree(tables.paths.table("val"))
     shutil.copytree(other / "tables" / "val", tables.paths.table("val"))
     with pytest.raises(DataError, match=r"come from different ingests .* run `flowers-job ingest`"):
-        _check_tables(spark, tables)
+        check_tables(spark, tables)
     assert ingest(spark, _cfg(tables.paths.output_dir, source[0])).written
-    assert len(_check_tables(spark, tables)) == 5
+    assert len(check_tables(spark, tables)) == 5
 
 
 def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: JobConfig) -> None:
     _rewrite(spark, tables, "train", _read(spark, tables, "train").drop("image"))
     with (
         pytest.raises(DataError, match="missing columns \\['image'\\]"),
-        prepare_data(spark, tables),
+        prepare_data(spark, resolve_loader(tables)),
     ):
         pass
-    cache = tables.paths.output_dir / "petastorm_cache"
+    cache = tables.paths.output_dir / "loader_cache"
     assert not cache.exists() or not any(cache.glob("run-*/*.parquet"))

@@ -1,7 +1,7 @@
 """Pixels: decode and normalise one photo, and the tensors the model sees.
 
 Pure Python (Pillow, torchvision), no Spark: used by the ingest UDF on executors,
-by the Petastorm ``TransformSpec`` on workers, and by the served MLflow model, so
+by the loaders on the ranks (:class:`DecodeTransform`), and by the served MLflow model, so
 all three see exactly the same pixels. torch and torchvision are imported by the
 transforms only: ingest's driver and decode workers never load them (about 600 MB of
 resident memory per process).
@@ -13,15 +13,17 @@ import io
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
 if TYPE_CHECKING:
+    import pandas as pd
     import torch
 
 __all__ = [
+    "DecodeTransform",
     "ImageRejected",
     "NormalizedImage",
     "eval_pixels",
@@ -29,7 +31,6 @@ __all__ = [
     "normalize_image",
     "open_rgb",
     "train_pixels",
-    "train_transform",
 ]
 
 _SRGB = ImageCms.createProfile("sRGB")
@@ -223,7 +224,7 @@ def _eval_steps(image_size: int, resize_size: int) -> list[Callable[..., object]
 
 def train_pixels(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
     """Training augmentation: PIL RGB -> uint8 ``[3, image_size, image_size]`` (not normalised:
-    the training loop normalises on the device, :class:`flowers_job.train.loader.DeviceNormalize`).
+    the training loop normalises on the device, :class:`flowers_job.train.step.DeviceNormalize`).
 
     RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
     classification recipe, with a milder crop scale suited to a frozen backbone.
@@ -243,16 +244,6 @@ def eval_pixels(image_size: int, resize_size: int) -> Callable[[Image.Image], to
     return T.Compose(_eval_steps(image_size, resize_size))
 
 
-def train_transform(
-    image_size: int, mean: tuple[float, ...], std: tuple[float, ...]
-) -> Callable[[Image.Image], torch.Tensor]:
-    """:func:`train_pixels`, then normalised: float32 ``[3, image_size, image_size]``,
-    ``(x / 255 - mean) / std``."""
-    from torchvision.transforms import v2 as T
-
-    return T.Compose([*_train_steps(image_size), *_normalize(mean, std)])
-
-
 def eval_transform(
     image_size: int, resize_size: int, mean: tuple[float, ...], std: tuple[float, ...]
 ) -> Callable[[Image.Image], torch.Tensor]:
@@ -261,3 +252,50 @@ def eval_transform(
     from torchvision.transforms import v2 as T
 
     return T.Compose([*_eval_steps(image_size, resize_size), *_normalize(mean, std)])
+
+
+class DecodeTransform:
+    """Stored JPEG bytes -> uint8 ``[3, S, S]`` tensors: :meth:`decode` for one image (a
+    loader's per-sample path), ``__call__`` for a pandas batch (a loader's batch path, e.g.
+    Petastorm's ``TransformSpec``).
+
+    Training: random resized crop and flip (:func:`train_pixels`); evaluation: resize and
+    centre crop (:func:`eval_pixels`). Not normalised: the training loop normalises on the
+    device. A picklable class (not a closure) so that reader processes and DataLoader worker
+    processes can ship it.
+    """
+
+    def __init__(self, train: bool, image_size: int, resize_size: int) -> None:
+        self.train = train
+        self.image_size = image_size
+        self.resize_size = resize_size
+        self._tf: Callable[[Image.Image], torch.Tensor] | None = None
+
+    def warm_up(self) -> DecodeTransform:
+        """Build the torchvision transform now (its first use imports torchvision, ~2 s),
+        so that the first timed epoch does not pay for it. Returns ``self``."""
+        if self._tf is None:
+            self._tf = (
+                train_pixels(self.image_size)
+                if self.train
+                else eval_pixels(self.image_size, self.resize_size)
+            )
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tf": None}  # rebuilt where it is used
+
+    def decode(self, content: bytes) -> torch.Tensor:
+        """One stored JPEG -> uint8 ``[3, S, S]``, augmented (train), contiguous."""
+        tf = self.warm_up()._tf
+        assert tf is not None
+        with Image.open(io.BytesIO(content)) as img:
+            return tf(img.convert("RGB")).contiguous()
+
+    def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
+        """A pandas batch with an ``image`` column of stored JPEGs -> the same batch with
+        uint8 ``[3, S, S]`` C-contiguous arrays (STACK.md trap 10) in ``image``."""
+        images = [np.ascontiguousarray(self.decode(content).numpy()) for content in pdf["image"]]
+        pdf = pdf.copy()
+        pdf["image"] = images
+        return pdf

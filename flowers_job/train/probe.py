@@ -1,7 +1,7 @@
 """Read a split through the loader boundary on every rank, without a model.
 
 :func:`read_shards` is a TorchDistributor training function like
-:func:`flowers_job.train.worker.train_worker`, but it only reads: each rank opens its
+:func:`flowers_job.train.rank.train_worker`, but it only reads: each rank opens its
 loader exactly as training does and iterates the requested epochs. Rank 0 gathers what every
 rank read and returns it (broadcast, so every rank returns the same value: STACK.md trap 4).
 The tests use it to check the shard invariants of both loaders with real processes, and
@@ -16,14 +16,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flowers_job.data.shards import ShardPlan
+from flowers_job.config import JobConfig
+from flowers_job.data.images import DecodeTransform
 from flowers_job.distributed import (
+    DistContext,
     broadcast_object,
     describe_hosts,
     init_distributed,
     shutdown_distributed,
 )
-from flowers_job.train.loader import DecodeTransform, open_loader
+from flowers_job.loaders import loader_class
+from flowers_job.loaders.base import ShardPlan, ShardReader
 
 __all__ = ["read_shards"]
 
@@ -33,9 +36,9 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         job: ``plan`` (:meth:`ShardPlan.to_dict`), ``epochs`` (1-based epoch numbers, in the
-            order to read them), ``shuffle``, ``seed``, ``image_size``, ``resize_size``,
-            ``data`` (the ``data`` config section as a dict) and
-            ``timeout_seconds`` (process-group timeout).
+            order to read them), ``shuffle``, ``seed``, ``config`` (a
+            ``JobConfig.model_dump(mode="json")``: the image size and the loaders' settings)
+            and ``timeout_seconds`` (process-group timeout).
 
     Returns:
         ``{"row_ids": [rank][epoch_index] -> row ids read (valid rows, in order),
@@ -46,48 +49,11 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
     """
     ctx = init_distributed(use_gpu=False, timeout_seconds=float(job.get("timeout_seconds", 300)))
     try:
-        plan = ShardPlan.from_dict(job["plan"])
-        tf = DecodeTransform(
-            bool(job["shuffle"]),
-            int(job["image_size"]),
-            int(job["resize_size"]),
-        ).warm_up()  # every reader starts its first epoch with the transform built
-        num_nodes = describe_hosts(ctx) or 1
-        loader = open_loader(
-            plan,
-            ctx.rank,
-            ctx.world_size,
-            num_nodes,
-            tf,
-            shuffle=bool(job["shuffle"]),
-            seed=int(job["seed"]),
-            data=dict(job.get("data", {})),
-        )
-        mine: dict[str, list[Any]] = {
-            "row_ids": [],
-            "padding": [],
-            "steps": [],
-            "seconds": [],
-            "rows_read": [],
-        }
+        reader = _open(job, ctx)
         try:
-            for epoch in job["epochs"]:
-                t0 = time.perf_counter()
-                ids: list[int] = []
-                padding = steps = read = 0
-                for batch in loader.epoch(int(epoch)):
-                    valid = batch["valid"]
-                    ids.extend(batch["row_id"][valid].tolist())
-                    padding += int((~valid).sum())
-                    read += len(valid)
-                    steps += 1
-                mine["row_ids"].append(ids)
-                mine["padding"].append(padding)
-                mine["steps"].append(steps)
-                mine["rows_read"].append(read)
-                mine["seconds"].append(time.perf_counter() - t0)
+            mine = _read_epochs(reader, [int(e) for e in job["epochs"]])
         finally:
-            loader.close()
+            reader.close()
         mine["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # type: ignore[assignment]
         gathered: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(gathered, mine)
@@ -95,3 +61,52 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
         return dict(broadcast_object(result, ctx))
     finally:
         shutdown_distributed()
+
+
+def _open(job: dict[str, Any], ctx: DistContext) -> ShardReader:
+    """This rank's reader of ``job["plan"]``, opened as training opens it."""
+    plan = ShardPlan.from_dict(job["plan"])
+    cfg = JobConfig.model_validate(job["config"])
+    tf = DecodeTransform(
+        bool(job["shuffle"]), cfg.data.image_size, cfg.data.stored_short_side
+    ).warm_up()  # every reader starts its first epoch with the transform built
+    num_nodes = describe_hosts(ctx)
+    loader = loader_class(plan.loader)
+    loader.check_layout(num_nodes)
+    return loader.open(
+        plan,
+        tf,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        num_nodes=num_nodes or 1,
+        shuffle=bool(job["shuffle"]),
+        seed=int(job["seed"]),
+        cfg=cfg,
+    )
+
+
+def _read_epochs(reader: ShardReader, epochs: list[int]) -> dict[str, list[Any]]:
+    """What this rank read in each of ``epochs``: row ids, padding, steps, rows, seconds."""
+    mine: dict[str, list[Any]] = {
+        "row_ids": [],
+        "padding": [],
+        "steps": [],
+        "seconds": [],
+        "rows_read": [],
+    }
+    for epoch in epochs:
+        t0 = time.perf_counter()
+        ids: list[int] = []
+        padding = steps = read = 0
+        for batch in reader.epoch(epoch):
+            valid = batch["valid"]
+            ids.extend(batch["row_id"][valid].tolist())
+            padding += int((~valid).sum())
+            read += len(valid)
+            steps += 1
+        mine["row_ids"].append(ids)
+        mine["padding"].append(padding)
+        mine["steps"].append(steps)
+        mine["rows_read"].append(read)
+        mine["seconds"].append(time.perf_counter() - t0)
+    return mine

@@ -1,47 +1,34 @@
-"""Typed configuration: defaults, a YAML file and ``--set KEY=VALUE`` overrides.
+"""The configuration tree: one pydantic section per concern, frozen, every key checked.
 
-The whole job is described by one :class:`JobConfig` tree. It is built and
-validated once, on the driver, before Spark starts; workers receive
-``config.model_dump(mode="json")`` (plain data) and rebuild it with
-:meth:`JobConfig.model_validate`.
-
-Precedence (lowest to highest): field defaults, the YAML file, command-line
-flags (``--images``, ``--output-dir``), ``--set`` overrides.
-
-Secrets (``tracking.password``, ``tracking.token``) are :class:`~pydantic.SecretStr` fields
-excluded from every dump: they print as ``'**********'``, never reach the workers' job,
-MLflow params or checkpoints, and travel to the training processes only through the
-environment (``MLFLOW_TRACKING_PASSWORD``/``MLFLOW_TRACKING_TOKEN``, see
-:func:`flowers_job.tracking.use_credentials`).
+:class:`JobConfig` is built and validated once, on the driver, before Spark starts
+(:func:`flowers_job.config.load_config`); workers receive ``config.model_dump(mode="json")``
+(plain data) and rebuild it with :meth:`JobConfig.model_validate`. Every field's docstring
+gives its meaning and unit; docs/configuration.md lists them all.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from flowers_job.config.deprecated import migrate_deprecated
 
 __all__ = [
-    "ConfigError",
     "DataConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
     "JobConfig",
+    "LoadersConfig",
     "ModelConfig",
     "PathsConfig",
+    "PetastormConfig",
+    "StreamingConfig",
     "TrackingConfig",
     "TrainConfig",
-    "load_config",
-    "parse_overrides",
 ]
-
-
-class ConfigError(ValueError):
-    """Invalid configuration. The message names every offending field (``train.epochs: ...``)."""
 
 
 class _Section(BaseModel):
@@ -62,7 +49,7 @@ class DataConfig(_Section):
     jpeg_quality: int = Field(90, ge=50, le=100)
     """JPEG quality of the re-encoded images stored in the Delta table."""
     val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """Fraction of photos in the validation split (decided by a content hash, see README).
+    """Fraction of photos in the validation split (decided by a content hash: docs/architecture.md).
     Validation picks the best epoch and decides early stopping."""
     test_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     """Fraction of photos in the test split: held out of training, early stopping and the
@@ -79,26 +66,28 @@ class DataConfig(_Section):
     """Decompression-bomb guard (Pillow's default): larger images are quarantined."""
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Ingest fails, writing nothing, when more than this fraction of files is quarantined."""
-    loader: Literal["auto", "petastorm", "streaming"] = "auto"
-    """How the ranks read their shards: 'petastorm' (Parquet cache, the local pinned stack;
-    needs pyarrow < 15 and NumPy < 2), 'streaming' (Mosaic Streaming MDS shards, shipped with
-    Databricks Runtime ML 15.2+ and the only one that runs on 16.4+), or 'auto' = petastorm
-    where it can run, else streaming. Checked before Spark starts
-    (:func:`flowers_job.data.stack.resolve_loader`)."""
-    reader_pool_type: Literal["dummy", "process"] = "dummy"
-    """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md trap 1)."""
-    shuffle_buffer_rows: int = Field(256, ge=0)
-    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle).
-    Streaming shuffles the whole split every epoch and ignores it."""
+    loader: str = "auto"
+    """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
+    'petastorm' (Parquet cache, the local pinned stack; needs pyarrow < 15 and NumPy < 2),
+    'streaming' (Mosaic Streaming MDS shards, shipped with Databricks Runtime ML 15.2+ and the
+    only one that runs on 16.4+), or 'auto' = the first that can run here. Checked before
+    Spark starts (:func:`flowers_job.loaders.resolve_loader`). Each loader's own settings
+    are under ``loaders.<name>``."""
     loader_workers: int = Field(0, ge=0, le=64)
     """Processes per rank that decode and augment ahead of the training step, overlapping it
-    with compute: Streaming's DataLoader workers, Petastorm's reader processes (with
-    ``reader_pool_type='process'``). 0 decodes in the rank itself, the right choice when
-    the ranks already use every core (this machine: 2 ranks on 2 cores); on a GPU host with
-    spare cores, 2-4 per GPU."""
-    prefetch_batches: int = Field(2, ge=1, le=64)
-    """Batches each loader worker decodes ahead (Streaming's ``prefetch_factor``; with
-    ``loader_workers`` > 0)."""
+    with compute, for every loader: Streaming's DataLoader workers, Petastorm's reader
+    processes (with ``loaders.petastorm.reader_pool_type='process'``). 0 decodes in the rank
+    itself, the right choice when the ranks already use every core (this machine: 2 ranks on
+    2 cores); on a GPU host with spare cores, 2-4 per GPU."""
+
+    @field_validator("loader")
+    @classmethod
+    def _known_loader(cls, value: str) -> str:
+        from flowers_job.loaders import LOADERS
+
+        if value != "auto" and value not in LOADERS:
+            raise ValueError(f"Input should be 'auto' or one of {sorted(LOADERS)}, not {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -116,6 +105,32 @@ class DataConfig(_Section):
     def stored_short_side(self) -> int:
         """Shorter side, in pixels, of the images stored in the Delta tables."""
         return round(self.image_size * self.resize_ratio)
+
+
+class PetastormConfig(_Section):
+    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm`)."""
+
+    reader_pool_type: Literal["dummy", "process"] = "dummy"
+    """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md
+    trap 1). 'process' decodes in ``data.loader_workers`` processes per rank."""
+    shuffle_buffer_rows: int = Field(256, ge=0)
+    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
+
+
+class StreamingConfig(_Section):
+    """``data.loader=streaming`` only (:mod:`flowers_job.loaders.streaming`). Streaming
+    shuffles the whole split every epoch (no buffer to size)."""
+
+    prefetch_batches: int = Field(2, ge=1, le=64)
+    """Batches each DataLoader worker decodes ahead (Streaming's ``prefetch_factor``; with
+    ``data.loader_workers`` > 0)."""
+
+
+class LoadersConfig(_Section):
+    """Each loader's own settings, one section per registered loader."""
+
+    petastorm: PetastormConfig = PetastormConfig()
+    streaming: StreamingConfig = StreamingConfig()
 
 
 class ModelConfig(_Section):
@@ -321,11 +336,12 @@ class PathsConfig(_Section):
     """Everything the job writes lives under ``output_dir``."""
 
     output_dir: Path
-    """Holds ``tables/``, ``checkpoints/``, ``petastorm_cache/`` and ``summary.json``."""
-    petastorm_cache_url: str | None = None
-    """Parent of the per-run loader cache (Petastorm's Parquet files or Streaming's MDS shards);
-    must be visible to every worker (a ``file://`` URL on shared storage, e.g.
-    ``file:///dbfs/tmp/petastorm`` on Databricks). None = ``<output_dir>/petastorm_cache``."""
+    """Holds ``tables/``, ``checkpoints/``, ``loader_cache/`` and ``summary.json``."""
+    cache_url: str | None = None
+    """Parent of the per-run loader cache (Petastorm's Parquet files or Streaming's MDS
+    shards); must be visible to every rank (a ``file://`` URL on shared storage, e.g.
+    ``file:///dbfs/tmp/flowers_cache`` or a ``/Volumes`` path on Databricks). None =
+    ``<output_dir>/loader_cache``."""
 
     @property
     def tables_dir(self) -> Path:
@@ -345,15 +361,17 @@ class PathsConfig(_Section):
 
     @property
     def cache_parent_url(self) -> str:
-        if self.petastorm_cache_url:
-            return self.petastorm_cache_url.rstrip("/")
-        return (self.output_dir / "petastorm_cache").resolve().as_uri()
+        """``cache_url`` without a trailing slash, or ``<output_dir>/loader_cache`` as a URL."""
+        if self.cache_url:
+            return self.cache_url.rstrip("/")
+        return (self.output_dir / "loader_cache").resolve().as_uri()
 
 
 class JobConfig(_Section):
-    """The whole job: data, model, train, distributed, tracking, paths."""
+    """The whole job: data, loaders, model, train, distributed, tracking, paths."""
 
     data: DataConfig = DataConfig()
+    loaders: LoadersConfig = LoadersConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -363,8 +381,10 @@ class JobConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _require_output_dir(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not (data.get("paths") or {}).get("output_dir"):
-            raise ValueError("paths.output_dir: required (use --output-dir DIR)")
+        if isinstance(data, dict):
+            data = migrate_deprecated(data)
+            if not (data.get("paths") or {}).get("output_dir"):
+                raise ValueError("paths.output_dir: required (use --output-dir DIR)")
         return data
 
     @property
@@ -394,105 +414,3 @@ class JobConfig(_Section):
         if self.tracking.tracking_uri:
             return None
         return (self.paths.output_dir / "mlartifacts").resolve().as_uri()
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """Turn ``["train.epochs=3", "distributed.local_mode=false"]`` into a nested dict.
-
-    Values are parsed as YAML scalars (``3`` -> int, ``false`` -> bool, ``null`` -> None).
-
-    Raises:
-        ConfigError: an item without ``=`` or with an empty key.
-    """
-    tree: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.epochs=3")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
-        _set(tree, key.strip(), value)
-    return tree
-
-
-def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    if not all(parts):
-        raise ConfigError(f"--set {dotted!r}: empty key part")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted!r}: {part!r} is both a value and a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-_NAMED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.DOTALL)
-"""A cross-field check's message starts with the field it blames: ``"weights_path: ..."``."""
-
-
-def _format(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "value_error" and (named := _NAMED.match(msg)):
-            loc, msg = [*loc, named[1]], named[2]  # "model" + "weights_path: ..."
-        field = ".".join(loc)
-        got = "" if e["type"] in ("missing", "value_error") else f" (got {e.get('input')!r})"
-        lines.append(f"  {field}: {msg}{got}" if field else f"  {msg}")
-    return "invalid configuration:\n" + "\n".join(lines)
-
-
-def load_config(
-    path: Path | str | None = None,
-    overrides: list[str] | None = None,
-    **flags: Any,
-) -> JobConfig:
-    """Build and validate the job configuration.
-
-    Args:
-        path: optional YAML file with any subset of the sections.
-        overrides: ``KEY=VALUE`` strings with dotted keys (``train.epochs=3``).
-        **flags: command-line shortcuts given as dotted keys, e.g.
-            ``{"data.images": "photos", "paths.output_dir": "out"}``; None values are skipped.
-
-    Returns:
-        A validated, immutable :class:`JobConfig`.
-
-    Raises:
-        ConfigError: unreadable file, malformed override, or invalid values; the message
-            names each field (``train.per_device_batch_size: ...``).
-    """
-    tree: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"config file {path}: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping")
-        tree = loaded or {}
-    flag_tree: dict[str, Any] = {}
-    for dotted, value in flags.items():
-        if value is not None:
-            _set(flag_tree, dotted, str(value) if isinstance(value, Path) else value)
-    tree = _merge(tree, flag_tree)
-    tree = _merge(tree, parse_overrides(overrides or []))
-    try:
-        return JobConfig.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(_format(exc)) from None

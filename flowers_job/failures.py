@@ -1,0 +1,168 @@
+"""The driver's side of the ranks' reports: which rank failed, how, and on which host.
+
+The ranks write into the job's report dir (:mod:`flowers_job.train.rank`): ``rank-<r>.json``
+(a Python exception), ``rank-<r>.fatal`` (a fatal signal), ``ranks.json`` (every rank's host)
+and ``model.json`` (rank 0, once the model is registered). After TorchDistributor returns or
+raises, the driver turns them into one :class:`TrainingError` that names the first failing
+rank, its host and its cause, ahead of the others' consequences.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FATAL_SUFFIX",
+    "MODEL_FILE",
+    "RANKS_FILE",
+    "TrainingError",
+    "check_finished",
+    "failure",
+    "registered_model",
+]
+
+FATAL_SUFFIX = ".fatal"
+"""``rank-<rank>.fatal`` in the report dir: what :mod:`faulthandler` writes when that rank
+dies of a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE), a crash in native code
+that leaves no Python exception and so no ``rank-<rank>.json``: the signal and every
+thread's Python stack. Empty while the rank lives; the driver reports a non-empty one."""
+RANKS_FILE = "ranks.json"
+"""Written by rank 0 into the report dir once the group is up: every rank's host, address
+and pid (:func:`~flowers_job.distributed.gather_ranks`), for the driver's failure report."""
+MODEL_FILE = "model.json"
+"""Written by rank 0 into the job's report dir after registering the model: the model URI,
+version and run id, which the driver adds to the summary (local mode returns whichever
+rank's result was written last: STACK.md trap 4)."""
+
+
+class TrainingError(RuntimeError):
+    """Distributed training failed. ``rank`` and ``cause`` name the first failing rank;
+    ``reported_at`` is when that rank reported it (seconds since the epoch)."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        cause: str | None = None,
+        reported_at: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+        self.reported_at = reported_at
+
+
+def failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
+    """The driver's error for a failed TorchDistributor run, from the ranks' reports.
+
+    Two kinds of report, in ``failure_dir``: ``rank-<r>.json``, the exception and traceback
+    of a rank whose Python code raised, and ``rank-<r>.fatal``, what :mod:`faulthandler`
+    wrote when a rank died of a fatal signal (a crash in native code: SIGSEGV, SIGABRT, ...)
+    and every thread's Python stack. The first (by time) names the rank and its cause; the
+    others are usually its consequences (a collective that lost its peer, torchrun's
+    SIGTERM) and are listed after it. Ranks that wrote neither were stopped from outside:
+    hung (the others' collectives then time out), killed by torchrun after another rank
+    failed, or killed by the OS (SIGKILL, the OOM killer).
+    """
+    reports = []
+    for path in sorted(failure_dir.glob("rank-*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    for path in sorted(failure_dir.glob(f"rank-*{FATAL_SUFFIX}")):
+        try:
+            text = path.read_text(errors="replace").strip()
+            if text:
+                reports.append(_fatal_report(path, text))
+        except OSError:
+            continue
+    if not reports:
+        return TrainingError(
+            f"distributed training failed and no rank reported an exception (killed by the OS, "
+            f"out of memory?): {exc}"
+        )
+    reports.sort(key=lambda r: r.get("time", 0.0))
+    first = reports[0]
+    where = _rank_hosts(failure_dir)
+    silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
+    then = "".join(
+        f"\nthen rank {r['rank']}: {r['type']}: {r['message']}"
+        for r in reports[1:]
+        if r["rank"] != first["rank"]
+    )
+    note = (
+        f"\nranks {', '.join(f'{r}{where.get(r, str())}' for r in silent)} reported no "
+        "exception: killed (with their host, executor or driver), stopped after the failure, "
+        "or hung (a collective that times out names distributed.timeout_seconds)"
+        if silent
+        else ""
+    )
+    what = "died of a fatal signal" if first["type"] == "FatalSignal" else "failed"
+    return TrainingError(
+        f"rank {first['rank']} {what}{where.get(int(first['rank']), '')}: {first['type']}: "
+        f"{first['message']}{then}{note}\n"
+        f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
+        rank=first["rank"],
+        cause=f"{first['type']}: {first['message']}",
+        reported_at=first.get("time"),
+    )
+
+
+def _fatal_report(path: Path, text: str) -> dict[str, Any]:
+    """A ``rank-<r>.fatal`` file as a report: type ``FatalSignal``, the message from
+    faulthandler's first line ("Fatal Python error: Aborted" -> "Aborted"), the stacks as
+    the traceback, and the file's modification time as the time."""
+    rank = int(path.name.split("-", 1)[1].split(".", 1)[0])
+    first_line = text.splitlines()[0]
+    return {
+        "rank": rank,
+        "type": "FatalSignal",
+        "message": first_line.removeprefix("Fatal Python error:").strip(),
+        "traceback": text,
+        "time": path.stat().st_mtime,
+    }
+
+
+def check_finished(failure_dir: Path, world_size: int) -> None:
+    """After TorchDistributor returned: raise if a rank failed anyway, or rank 0 did not
+    record the registered model.
+
+    TorchDistributor's local mode reads the result file that *any* rank wrote, and pyspark
+    4.0's ``torch_run_process_wrapper`` exits 0 whatever torchrun's status; so a run can
+    "succeed" while a rank crashed, or while torchrun stopped rank 0 in the middle of the
+    model registration that follows the last collective.
+
+    Raises:
+        TrainingError: a rank wrote a report, or ``model.json`` is missing.
+    """
+    fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.stat().st_size > 0]
+    if fatal or list(failure_dir.glob("rank-*.json")):
+        raise failure(failure_dir, RuntimeError("a rank failed after training"), world_size)
+    if not (failure_dir / MODEL_FILE).exists():
+        raise TrainingError(
+            f"rank 0 did not finish: TorchDistributor returned, but rank 0 wrote no {MODEL_FILE} "
+            "(it logs and registers the model after the last collective); it was stopped or "
+            "killed from outside (torchrun, the OS) without reporting an exception",
+            rank=0,
+            cause="no registered model",
+        )
+
+
+def _rank_hosts(report_dir: Path) -> dict[int, str]:
+    """`` on host (address)`` of each rank, from rank 0's ``ranks.json`` ({} without one)."""
+    try:
+        ranks = json.loads((report_dir / RANKS_FILE).read_text())["ranks"]
+        return {int(r["rank"]): f" on host {r['host']} ({r['address']})" for r in ranks}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def registered_model(report_dir: Path) -> dict[str, Any]:
+    """What rank 0 wrote after registering the model (``model.json``), or {}."""
+    try:
+        return dict(json.loads((report_dir / MODEL_FILE).read_text()))
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,97 @@
+"""The data loaders, one module each behind :class:`~flowers_job.loaders.base.Loader`, and
+the registry that picks one from ``data.loader``.
+
+- ``petastorm`` (:mod:`flowers_job.loaders.petastorm`): Petastorm 0.13.1, its latest
+  release; runs on the local pinned stack and on Databricks Runtime ML up to 15.4 LTS
+  (pyarrow < 15, NumPy < 2).
+- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, pre-installed on
+  Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare data for
+  distributed training" now recommends.
+
+A third loader is one new module with a :class:`~flowers_job.loaders.base.Loader` subclass
+and one line in :data:`LOADERS` (docs/architecture.md). Importing this package imports no
+loader library, no Spark and no torch: each loader module is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flowers_job.config import JobConfig
+    from flowers_job.loaders.base import Loader
+
+__all__ = ["LOADERS", "loader_class", "loader_problem", "resolve_loader"]
+
+LOADERS: dict[str, str] = {
+    "petastorm": "flowers_job.loaders.petastorm:PetastormLoader",
+    "streaming": "flowers_job.loaders.streaming:StreamingLoader",
+}
+"""Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
+order and takes the first that runs here."""
+
+log = logging.getLogger(__name__)
+
+
+def loader_class(name: str) -> type[Loader]:
+    """The :class:`~flowers_job.loaders.base.Loader` registered as ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the loaders).
+    """
+    try:
+        module, _, attr = LOADERS[name].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown loader {name!r}; the loaders are {sorted(LOADERS)}") from None
+    cls: type[Loader] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def loader_problem(name: str) -> str | None:
+    """Why loader ``name`` cannot run on this Python environment; None when it can
+    (:meth:`~flowers_job.loaders.base.Loader.problem`).
+
+    Raises:
+        ValueError: ``name`` is not registered.
+    """
+    return loader_class(name).problem()
+
+
+def resolve_loader(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with ``data.loader`` resolved to a loader that runs here, checked before
+    Spark starts.
+
+    'auto' becomes the first registered loader that can run here: 'petastorm' on the local
+    pinned stack, 'streaming' on Databricks Runtime ML 16.4 and later.
+
+    Raises:
+        ConfigError: the configured loader (or, for 'auto', every loader) cannot run on
+            this stack; the message names ``data.loader``, the package and version that
+            cannot work, and the loader that can, if any.
+    """
+    from flowers_job.config import ConfigError
+
+    wanted = cfg.data.loader
+    candidates = list(LOADERS) if wanted == "auto" else [wanted]
+    problems: dict[str, str] = {}
+    for name in candidates:
+        problem = loader_problem(name)
+        if problem is None:
+            if wanted == "auto" and problems:
+                log.info("data.loader=auto: %s (%s)", name, "; ".join(problems.values()))
+            return cfg.model_copy(update={"data": cfg.data.model_copy(update={"loader": name})})
+        problems[name] = problem
+    working = [x for x in LOADERS if x not in problems and loader_problem(x) is None]
+    advice = (
+        f"; use data.loader={working[0]} instead (it can run here)"
+        if working
+        else "; no loader can run here: install flowers-job[streaming] (or [petastorm] on "
+        "pyarrow < 15 and numpy < 2)"
+    )
+    detail = "; ".join(f"{name}: {text}" for name, text in problems.items())
+    raise ConfigError(
+        f"invalid configuration:\n  data.loader: {wanted!r} cannot run on this stack: "
+        f"{detail}{advice}"
+    )

@@ -1,0 +1,276 @@
+"""The loader interface: a backend is one module holding both of its sides behind it.
+
+A loader turns a split's Delta table into a cache that ``world_size`` ranks read in exactly
+``steps_per_epoch`` batches each, every row once per epoch:
+
+- **driver side** (Spark, :mod:`flowers_job.data.prepare` calls it): ``Loader(cfg)``, then
+  :meth:`Loader.write` once per split (write the split's cache, plan its shards: a
+  :class:`ShardPlan`), :meth:`Loader.release` when the run ends, and
+  :meth:`Loader.sweep` for what a killed run left on this host;
+- **rank side** (torch, :mod:`flowers_job.train` calls it): :meth:`Loader.check_layout` with
+  the hosts the ranks run on, then :meth:`Loader.open` -> a :class:`ShardReader` whose
+  :meth:`~ShardReader.epoch` yields the planned batches, and :meth:`~ShardReader.close`.
+
+Every batch is a dict of tensors (:data:`Batch`):
+
+- ``image``: uint8 ``[B, 3, S, S]``, decoded and, for training, augmented
+  (:class:`~flowers_job.data.images.DecodeTransform`); normalised later, on the device;
+- ``label_index``: int64 ``[B]``; ``row_id``: int64 ``[B]``;
+- ``valid``: bool ``[B]``: False for padding rows, which count in no loss, metric or checksum.
+
+Plans are plain data sent to the ranks (:meth:`ShardPlan.to_dict`,
+:meth:`ShardPlan.from_dict`); a loader that needs more than the common fields subclasses
+:class:`ShardPlan` (:attr:`Loader.plan_type`). The pipeline and the training loop never ask
+which loader they have: they go through this interface and the registry
+(:func:`flowers_job.loaders.loader_class`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from urllib.parse import urlparse
+
+from flowers_job.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
+    from pyspark.sql import DataFrame, SparkSession
+
+    from flowers_job.config import JobConfig
+    from flowers_job.data.images import DecodeTransform
+
+__all__ = [
+    "CHECKSUM_MODULUS",
+    "Batch",
+    "Loader",
+    "ShardPlan",
+    "ShardReader",
+    "check_batch_fits",
+    "local_dir",
+]
+
+Batch = dict[str, "torch.Tensor"]
+"""One step's rows: ``image``, ``label_index``, ``row_id``, ``valid`` (module doc)."""
+
+CHECKSUM_MODULUS = 2**31
+"""Row checksum = sum of ``row_id mod 2**31``: exact in float64 up to 2**22 rows per shard."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one split is read by ``world_size`` ranks. Plain data: it is sent to the ranks.
+
+    Attributes:
+        loader: the registered name of the loader that wrote the cache and reads it.
+        cache_dir_url: the split's cache directory (``file://`` URL).
+        dataset_size: rows in the split.
+        checksum: sum of ``row_id mod CHECKSUM_MODULUS`` over every row of the split.
+        rows_per_shard: rows each rank reads per epoch (index = rank), padding included.
+        checksum_per_shard: per-rank row checksums when a rank reads the same rows every epoch;
+            None when the ranks' rows change every epoch: then only the all-reduced totals
+            are checked.
+        steps_per_epoch: batches per epoch, the same on every rank.
+        per_device_batch_size: nominal images per rank per step (the largest batch).
+    """
+
+    loader: str
+    cache_dir_url: str
+    dataset_size: int
+    checksum: int
+    rows_per_shard: list[int]
+    checksum_per_shard: list[int] | None
+    steps_per_epoch: int
+    per_device_batch_size: int
+
+    def batch_sizes(self, rank: int) -> list[int]:
+        """Per-step batch sizes of ``rank``: ``steps_per_epoch`` numbers summing to its rows.
+
+        Rank ``r`` splits its rows into batches of ``floor`` or ``ceil(rows_r /
+        steps_per_epoch)`` rows, so no rank pads, drops or repeats a row.
+        """
+        q, r = divmod(self.rows_per_shard[rank], self.steps_per_epoch)
+        return [q + 1] * r + [q] * (self.steps_per_epoch - r)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the ranks (:meth:`from_dict` rebuilds it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardPlan:
+        """The plan of ``d["loader"]``, as its loader's :attr:`Loader.plan_type`.
+
+        Raises:
+            ValueError: ``d["loader"]`` is not a registered loader.
+        """
+        from flowers_job.loaders import loader_class
+
+        return loader_class(str(d["loader"])).plan_type(**d)
+
+
+class ShardReader(Protocol):
+    """The rank side of a loader, as the training loop sees it: one iterator per epoch."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch, the same on every rank."""
+        ...
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """This rank's batches of ``epoch`` (1-based): exactly ``steps_per_epoch`` of them.
+
+        Raises:
+            ShardError: the loader yielded more or fewer batches or rows than planned.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the reader's resources (processes, shared memory, lock files)."""
+        ...
+
+
+class Loader(ABC):
+    """A data loader backend. Subclasses live in one module each and are registered by
+    name in :data:`flowers_job.loaders.LOADERS`.
+
+    The driver side is an instance (it may keep what it wrote until :meth:`release`); the
+    rank side and the stack check are class methods (a rank has no driver state).
+    """
+
+    name: ClassVar[str]
+    """The registered name, the value of ``data.loader``."""
+    distribution: ClassVar[str]
+    """The PyPI distribution that provides the backend."""
+    module: ClassVar[str]
+    """The module whose import proves the backend is usable."""
+    extra: ClassVar[str]
+    """The flowers-job extra that installs it, e.g. ``flowers-job[streaming]``."""
+    plan_type: ClassVar[type[ShardPlan]] = ShardPlan
+    """The plan this loader writes and reads."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+
+    # ---------------------------------------------------------------- the stack
+
+    @classmethod
+    def problem(cls) -> str | None:
+        """Why this loader cannot run on this Python environment; None when it can.
+
+        The base check: the distribution is installed and its module imports. Subclasses
+        put their own version checks first (the reasons users can act on).
+        """
+        try:
+            version = metadata.version(cls.distribution)
+        except metadata.PackageNotFoundError:
+            return f"{cls.distribution} is not installed (pip install '{cls.extra}')"
+        try:
+            importlib.import_module(cls.module)
+        except Exception as exc:
+            return (
+                f"{cls.distribution} {version} is installed but `import {cls.module}` fails: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        return None
+
+    # ---------------------------------------------------------------- driver side
+
+    @abstractmethod
+    def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
+        """Write ``df`` (``row_id`` long, ``image`` binary, ``label_index`` long) into this
+        run's cache folder ``cache_url`` and plan its shards.
+
+        Raises:
+            DataError: an empty split, unworkable shards, or no space left (naming the
+                directory); the caller removes the run's cache folder.
+        """
+
+    def release(self, cache_dir: Path | None) -> None:
+        """The run ended: release what :meth:`write` holds beyond the cache folder's files,
+        which the caller removes (``cache_dir``: the run's folder, None if not local)."""
+        return None
+
+    @classmethod
+    def sweep(cls, cache_dir: Path) -> list[str]:
+        """Remove what readers of ``cache_dir`` left on this host outside the folder (shared
+        memory, lock files) after a run was killed; the names removed."""
+        return []
+
+    # ---------------------------------------------------------------- rank side
+
+    @classmethod
+    def check_layout(cls, num_nodes: int | None) -> None:
+        """Refuse a layout of ranks on hosts this loader cannot read with.
+
+        Args:
+            num_nodes: hosts with the same number of consecutive ranks each, or None when
+                the ranks are laid out irregularly
+                (:func:`flowers_job.distributed.describe_hosts`).
+
+        Raises:
+            RuntimeError: naming the loader and what it needs.
+        """
+        return None
+
+    @classmethod
+    @abstractmethod
+    def open(
+        cls,
+        plan: ShardPlan,
+        transform: DecodeTransform,
+        *,
+        rank: int,
+        world_size: int,
+        num_nodes: int,
+        shuffle: bool,
+        seed: int,
+        cfg: JobConfig,
+        pin_memory: bool = False,
+    ) -> ShardReader:
+        """This rank's reader of ``plan``.
+
+        Args:
+            plan: the split's plan, from the driver.
+            transform: decodes (and for training augments) one stored image.
+            rank, world_size: this process's place; num_nodes: hosts the ranks run on.
+            shuffle: a new order every epoch (training) or the stored order.
+            seed: the order of epoch ``e`` is a function of ``(seed, e)``.
+            cfg: the job's configuration (the loader reads its own section and
+                ``data.loader_workers``).
+            pin_memory: page-locked batches, for asynchronous copies to a CUDA device.
+        """
+
+
+def check_batch_fits(
+    rows: list[int], per_device_batch_size: int, world_size: int, split: str, full_batches: bool
+) -> None:
+    """With ``full_batches``, require every shard to hold at least one full batch.
+
+    A rank with fewer rows than ``per_device_batch_size`` would take smaller optimizer steps
+    than configured, every step of every epoch. Validation needs no such thing (its sums are
+    exact whatever the batches), so it passes ``full_batches=False``.
+
+    Raises:
+        DataError: naming ``train.per_device_batch_size``, the global batch size,
+            ``world_size`` and the rows per shard, and the largest batch that would work.
+    """
+    if full_batches and min(rows) < per_device_batch_size:
+        raise DataError(
+            f"train.per_device_batch_size={per_device_batch_size} (global batch size "
+            f"{per_device_batch_size * world_size} over world_size {world_size}) is larger than "
+            f"the smallest {split} shard: rows per shard {rows}; every rank needs at least one "
+            f"full batch per epoch: set train.per_device_batch_size <= {min(rows)}, or fewer "
+            "distributed.num_processes, or train on more images"
+        )
+
+
+def local_dir(url: str) -> Path | None:
+    """The local (or FUSE-mounted) directory of a ``file://`` URL or plain path; None for
+    any other scheme (object stores)."""
+    parsed = urlparse(url)
+    return Path(parsed.path) if parsed.scheme in ("file", "") else None

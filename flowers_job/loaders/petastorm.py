@@ -1,0 +1,444 @@
+"""Petastorm (``data.loader=petastorm``): both sides of the loader.
+
+**Driver side.** Each split is repartitioned to ``num_partitions`` (a multiple of
+``world_size``; the guides use ``2 x devices``) and materialised by Petastorm's
+``make_spark_converter`` into the run's cache folder (Parquet, one file per partition, row
+groups of at most ~32 MB, uncompressed: the images are JPEG already). Petastorm shards by
+row group: shard ``r`` of ``world_size`` reads the row groups whose index ``i`` satisfies
+``i % world_size == r`` (petastorm ``Reader._partition_row_groups``). :func:`plan_shards`
+reads the Parquet footers with Petastorm's own row-group listing, computes each shard's exact
+row count and a row checksum, and fixes ``steps_per_epoch`` so that every rank runs the same
+number of steps and reads every row of its shard once per epoch.
+
+**Rank side.** :class:`PetastormReader` reads shard ``rank`` of ``world_size``; a
+``TransformSpec`` decodes and augments in the loader; Petastorm's ``BatchedDataLoader``
+assembles batches from whole row groups as arrays (its row-by-row ``DataLoader`` is not
+used), and :func:`rebatch` re-cuts them to :meth:`ShardPlan.batch_sizes`. No padding: every
+``valid`` is True.
+
+The stack: Petastorm 0.13.1, its latest release, reads with pyarrow's legacy
+``ParquetDataset`` (removed in pyarrow 15), imports ``pyarrow.hdfs``/``pyarrow.filesystem``
+(removed in 16) and uses ``np.unicode_`` (removed in NumPy 2). It runs on the local pinned
+stack and on Databricks Runtime ML up to 15.4 LTS, and on nothing newer
+(``../shared/runtimes/README.md``). Its ``'thread'`` reader pool can end a shard early
+(STACK.md trap 1): only ``'dummy'`` and ``'process'`` are offered.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from packaging.version import Version
+
+from flowers_job.errors import DataError, ShardError
+from flowers_job.loaders.base import (
+    CHECKSUM_MODULUS,
+    Batch,
+    Loader,
+    ShardPlan,
+    check_batch_fits,
+    local_dir,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from flowers_job.config import JobConfig
+    from flowers_job.data.images import DecodeTransform
+
+__all__ = [
+    "PetastormLoader",
+    "PetastormPlan",
+    "PetastormReader",
+    "plan_shards",
+    "quiet_petastorm",
+    "rebatch",
+    "shard_batches",
+]
+
+CACHE_CONF = "petastorm.spark.converter.parentCacheDirUrl"
+"""The Spark setting Petastorm's converter writes under (STACK.md trap 7)."""
+
+
+@dataclass(frozen=True)
+class PetastormPlan(ShardPlan):
+    """A :class:`ShardPlan` plus the cache's Parquet files, in Petastorm's order."""
+
+    file_urls: list[str] = field(default_factory=list)
+
+
+def quiet_petastorm() -> None:
+    """Silence Petastorm's per-reader INFO lines and pyarrow-legacy FutureWarnings, and the
+    warning torch gives when ``BatchedDataLoader`` wraps Arrow's read-only arrays (the
+    batches are never written to: normalisation makes a new tensor)."""
+    for name in ("petastorm", "petastorm.etl.dataset_metadata", "petastorm.reader"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\..*)?")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyarrow(\..*)?")
+    warnings.filterwarnings(
+        "ignore", message="The given NumPy array is not writable", category=UserWarning
+    )
+
+
+def _version(dist: str) -> Version | None:
+    try:
+        return Version(metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class PetastormLoader(Loader):
+    """Petastorm's Spark converter on the driver, its sharded reader on the ranks."""
+
+    name = "petastorm"
+    distribution = "petastorm"
+    module = "petastorm.spark"
+    extra = "flowers-job[petastorm]"
+    plan_type = PetastormPlan
+
+    def __init__(self, cfg: JobConfig) -> None:
+        super().__init__(cfg)
+        self._converters: list[Any] = []
+
+    @classmethod
+    def problem(cls) -> str | None:
+        """pyarrow and NumPy first (installing petastorm would not help), then the install."""
+        version, pyarrow, numpy = _version("petastorm"), _version("pyarrow"), _version("numpy")
+        name = f"petastorm {version}" if version else "petastorm (0.13.1, its latest release)"
+        if pyarrow is not None and pyarrow >= Version("15"):
+            return (
+                f"{name} cannot run with pyarrow {pyarrow}: it reads with pyarrow's legacy "
+                "ParquetDataset (removed in pyarrow 15) and imports pyarrow.hdfs and "
+                "pyarrow.filesystem (removed in 16); it needs pyarrow < 15"
+            )
+        if numpy is not None and numpy >= Version("2"):
+            return (
+                f"{name} cannot run with numpy {numpy}: it uses np.unicode_, removed in "
+                "NumPy 2; it needs numpy < 2"
+            )
+        return super().problem()
+
+    def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
+        """Materialise ``df`` in ``num_partitions`` partitions with Petastorm and plan its
+        shards (row group ``i`` -> rank ``i % world_size``).
+
+        Raises:
+            DataError: an empty split, unworkable shards (:func:`plan_shards`), or the volume
+                filling up during the write (naming the directory).
+        """
+        cfg = self.cfg
+        quiet_petastorm()
+        spark.conf.set(CACHE_CONF, cache_url)
+        converter = make_cache(df.repartition(cfg.num_partitions), cache_url, f"the {split} table")
+        self._converters.append(converter)
+        if len(converter) == 0:
+            raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
+        file_urls = sorted(converter.file_urls)  # part-00000, ...: the same order on every run
+        rows, checksum, steps = plan_shards(
+            file_urls,
+            cfg.world_size,
+            cfg.train.per_device_batch_size,
+            full_batches=split == "train",
+            split=split,
+        )
+        logging.getLogger(__name__).info(
+            "%s: %d rows in %d partitions, rows per shard %s, %d steps per epoch",
+            split,
+            len(converter),
+            cfg.num_partitions,
+            rows,
+            steps,
+        )
+        return PetastormPlan(
+            loader=self.name,
+            cache_dir_url=converter.cache_dir_url,
+            dataset_size=len(converter),
+            checksum=sum(checksum),
+            rows_per_shard=rows,
+            checksum_per_shard=checksum,
+            steps_per_epoch=steps,
+            per_device_batch_size=cfg.train.per_device_batch_size,
+            file_urls=file_urls,
+        )
+
+    def release(self, cache_dir: Path | None) -> None:
+        """Delete each converter's cache (the caller then removes the folder)."""
+        for converter in self._converters:
+            try:
+                converter.delete()
+            except OSError as exc:  # pragma: no cover - best effort, the rmtree follows
+                logging.getLogger(__name__).warning(
+                    "could not delete Petastorm cache %s: %s", converter.cache_dir_url, exc
+                )
+        self._converters.clear()
+
+    @classmethod
+    def open(
+        cls,
+        plan: ShardPlan,
+        transform: DecodeTransform,
+        *,
+        rank: int,
+        world_size: int,
+        num_nodes: int,
+        shuffle: bool,
+        seed: int,
+        cfg: JobConfig,
+        pin_memory: bool = False,
+    ) -> PetastormReader:
+        quiet_petastorm()
+        assert isinstance(plan, PetastormPlan), plan
+        settings = cfg.loaders.petastorm
+        return PetastormReader(
+            plan,
+            rank,
+            world_size,
+            transform,
+            shuffle=shuffle,
+            seed=seed,
+            reader_pool_type=settings.reader_pool_type,
+            shuffle_buffer_rows=settings.shuffle_buffer_rows,
+            workers_count=cfg.data.loader_workers or 1,
+            pin_memory=pin_memory,
+        )
+
+
+def make_cache(df: DataFrame, cache_dir_url: str, what: str) -> Any:
+    """Materialise ``df`` with Petastorm's ``make_spark_converter`` under ``cache_dir_url``
+    (which must be the session's ``petastorm.spark.converter.parentCacheDirUrl``).
+
+    Row groups of at most ~32 MB, one file per partition, no compression: the images are
+    JPEG already.
+
+    Returns:
+        Petastorm's ``SparkDatasetConverter``.
+
+    Raises:
+        DataError: the volume filled up during the write ("No space left on device"); names
+            the directory. The caller removes the partial cache.
+    """
+    from petastorm.spark import make_spark_converter
+
+    try:
+        return make_spark_converter(df, compression_codec="uncompressed")
+    except Exception as exc:
+        if "No space left on device" in str(exc):
+            folder = local_dir(cache_dir_url) or cache_dir_url
+            raise DataError(
+                f"no space left for the loader cache of {what} in {folder}; free some space "
+                "or set paths.cache_url to a larger volume"
+            ) from exc
+        raise
+
+
+def plan_shards(
+    file_urls: list[str],
+    world_size: int,
+    per_device_batch_size: int,
+    *,
+    full_batches: bool = False,
+    split: str = "train",
+) -> tuple[list[int], list[int], int]:
+    """Rows and row checksum per Petastorm shard, and the common steps per epoch.
+
+    Uses Petastorm's own row-group listing (``load_row_groups``) and its shard rule
+    (row group ``i`` goes to shard ``i % world_size``).
+
+    Args:
+        file_urls: the split's Parquet files (``file://`` URLs), in Petastorm's order.
+        world_size: number of ranks (shards).
+        per_device_batch_size: images per rank per step.
+        full_batches: require every shard to hold at least one full batch, as training does
+            (:func:`~flowers_job.loaders.base.check_batch_fits`).
+        split: the split's name, for messages.
+
+    Returns:
+        ``(rows_per_shard, checksum_per_shard, steps_per_epoch)``.
+
+    Raises:
+        DataError: fewer row groups than ranks; with ``full_batches``, a shard smaller than
+            ``per_device_batch_size``; or shards so uneven that the smallest cannot fill
+            ``steps_per_epoch`` batches.
+    """
+    import pyarrow.parquet as pq
+    from petastorm.etl.dataset_metadata import load_row_groups
+    from petastorm.fs_utils import get_filesystem_and_path_or_paths
+
+    fs, paths = get_filesystem_and_path_or_paths(file_urls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # pyarrow's legacy dataset API
+        dataset = pq.ParquetDataset(paths, filesystem=fs, validate_schema=False)
+        pieces = load_row_groups(dataset)
+    if len(pieces) < world_size:
+        raise DataError(
+            f"{len(pieces)} Parquet row groups for {world_size} ranks: Petastorm needs at least "
+            "one row group per rank; raise data.partitions_per_process"
+        )
+    rows = [0] * world_size
+    checksum = [0] * world_size
+    for i, piece in enumerate(pieces):
+        with fs.open(piece.path, "rb") as f:
+            table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=["row_id"])
+        ids = table.column("row_id").to_pylist()
+        rows[i % world_size] += len(ids)
+        checksum[i % world_size] += sum(x % CHECKSUM_MODULUS for x in ids)
+    check_batch_fits(rows, per_device_batch_size, world_size, split, full_batches)
+    steps = max(math.ceil(n / per_device_batch_size) for n in rows)
+    if min(rows) < steps:
+        raise DataError(
+            f"uneven shards {rows}: the smallest cannot fill {steps} steps of at most "
+            f"{per_device_batch_size} images; raise data.partitions_per_process or "
+            "lower train.per_device_batch_size"
+        )
+    return rows, checksum, steps
+
+
+def transform_spec(transform: DecodeTransform) -> Any:
+    """The Petastorm ``TransformSpec`` that decodes a pandas batch's ``image`` column with
+    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (STACK.md trap 10)."""
+    from petastorm import TransformSpec
+
+    shape = (3, transform.image_size, transform.image_size)
+    return TransformSpec(transform, edit_fields=[("image", np.uint8, shape, False)])
+
+
+def rebatch(batches: Iterable[Batch], sizes: list[int]) -> Iterator[Batch]:
+    """Re-cut a stream of batches into batches of exactly ``sizes``. A batch that holds the
+    next batch's rows is sliced (views, no copy); only batches spanning two incoming ones
+    are concatenated.
+
+    Raises:
+        ShardError: the stream holds fewer or more rows than ``sum(sizes)``.
+    """
+    it = iter(batches)
+    pending: list[Batch] = []
+    have = 0
+    seen = 0
+    for size in sizes:
+        while have < size:
+            try:
+                b = next(it)
+            except StopIteration:
+                raise ShardError(
+                    f"shard ended after {seen + have} rows, the plan expects {sum(sizes)}"
+                ) from None
+            pending.append(b)
+            have += len(b["label_index"])
+        if len(pending) == 1:  # the batch arrived whole (or larger): views, no copy
+            merged = pending[0]
+        else:
+            merged = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
+        yield {k: v[:size] for k, v in merged.items()}
+        rest = {k: v[size:] for k, v in merged.items()}
+        have -= size
+        seen += size
+        pending = [rest] if have else []
+    extra = have + sum(len(b["label_index"]) for b in it)
+    if extra:
+        raise ShardError(f"shard holds {seen + extra} rows, the plan expects {sum(sizes)}")
+
+
+def shard_batches(
+    plan: PetastormPlan,
+    rank: int,
+    world_size: int,
+    transform: DecodeTransform,
+    *,
+    shuffle: bool,
+    seed: int,
+    reader_pool_type: str = "dummy",
+    shuffle_buffer_rows: int = 0,
+    workers_count: int = 1,
+) -> Iterator[Batch]:
+    """One epoch of this rank's shard: ``plan.steps_per_epoch`` batches.
+
+    Each batch: ``image`` uint8 ``[B, 3, S, S]``, ``label_index`` int64 ``[B]``,
+    ``row_id`` int64 ``[B]``, with ``B`` from ``plan.batch_sizes(rank)``. Petastorm's
+    ``BatchedDataLoader`` assembles them from whole row groups (array slices and one gather
+    when shuffling, no per-row Python); ``workers_count`` decoding processes with
+    ``reader_pool_type='process'`` (the 'dummy' pool decodes in this thread).
+
+    Raises:
+        ShardError: the shard yielded a different number of rows than planned (for
+            example Petastorm's thread pool ending a shard early, STACK.md trap 1).
+    """
+    from petastorm.pytorch import BatchedDataLoader
+    from petastorm.spark.spark_dataset_converter import SparkDatasetConverter
+
+    converter = SparkDatasetConverter(plan.cache_dir_url, plan.file_urls, plan.dataset_size)
+    with converter.make_torch_dataloader(
+        batch_size=plan.per_device_batch_size,
+        num_epochs=1,
+        cur_shard=rank,
+        shard_count=world_size,
+        transform_spec=transform_spec(transform),
+        data_loader_fn=BatchedDataLoader,
+        reader_pool_type=reader_pool_type,
+        workers_count=max(1, workers_count),
+        shuffling_queue_capacity=shuffle_buffer_rows if shuffle else 0,
+        shuffle_row_groups=shuffle,
+        shuffle_rows=shuffle,
+        seed=seed,
+    ) as loader:
+        yield from rebatch(loader, plan.batch_sizes(rank))
+
+
+def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    return (seed * 1_000_003 + epoch * 1_009 + rank) % 2**32
+
+
+@dataclass
+class PetastormReader:
+    """Petastorm: shard ``rank`` of ``world_size``, re-cut to the plan's batch sizes.
+
+    Shuffling (``shuffle=True``): row groups and rows within them are shuffled by
+    Petastorm with ``seed + epoch``; its shuffling buffer and the augmentation draw from
+    torch's global generator, which is seeded from ``(seed, epoch, rank)`` before each
+    epoch, so the order of an epoch is the same whenever it is run (with the 'dummy' reader
+    pool). ``pin_memory`` (CUDA): each batch is copied into page-locked memory, so that the
+    host-to-device copy can run asynchronously (``non_blocking=True``).
+    """
+
+    plan: PetastormPlan
+    rank: int
+    world_size: int
+    transform: DecodeTransform
+    shuffle: bool
+    seed: int
+    reader_pool_type: str = "dummy"
+    shuffle_buffer_rows: int = 0
+    workers_count: int = 1
+    pin_memory: bool = False
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        torch.manual_seed(_epoch_seed(self.seed, epoch, self.rank))  # shuffling and augmentation
+        for batch in shard_batches(
+            self.plan,
+            self.rank,
+            self.world_size,
+            self.transform,
+            shuffle=self.shuffle,
+            # Petastorm also orders row groups by the seed: validation keeps one order
+            seed=self.seed + epoch if self.shuffle else self.seed,
+            reader_pool_type=self.reader_pool_type,
+            shuffle_buffer_rows=self.shuffle_buffer_rows,
+            workers_count=self.workers_count,
+        ):
+            batch["valid"] = torch.ones(len(batch["row_id"]), dtype=torch.bool)
+            yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
+
+    def close(self) -> None:
+        pass

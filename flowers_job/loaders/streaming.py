@@ -1,0 +1,425 @@
+"""Mosaic Streaming (``data.loader=streaming``): both sides of the loader.
+
+**Driver side.** Each split is repartitioned to ``num_partitions`` and written with
+Mosaic's own ``streaming.base.converters.dataframe_to_mds`` (one MDS folder per Spark
+partition, written on the executors, then one merged ``index.json``), uncompressed: the
+images are JPEG already.
+
+StreamingDataset gives every rank the same number of samples per epoch and, when the sample
+count does not divide by ``world_size``, repeats samples to get there
+(``streaming.base.partition.orig``). That repetition is avoided here: the driver appends
+``(-rows) mod world_size`` padding rows (copies of real rows with ``valid = 0``), so the
+written count divides evenly and Streaming repeats nothing; the training loop masks
+``valid = 0`` rows out of the loss, of every metric and of the row checksum. Every real row
+is then read exactly once per epoch, checked on the ranks against the count and checksum
+computed here.
+
+**Rank side.** :class:`StreamingReader`: ``StreamingDataset`` and ``StreamingDataLoader``
+over the MDS shards; Streaming splits (and, for training, shuffles) the whole split across
+the ranks every epoch, and each rank gets the same number of rows, padding included. It
+needs the same number of consecutive ranks on every host (:meth:`StreamingLoader.check_layout`).
+
+The stack: ``mosaicml-streaming``, pre-installed on Databricks Runtime ML 15.2 and later
+(0.12.0 on 17.3 LTS), without its ``spark`` extra, which pins ``pyspark<4``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowers_job.errors import DataError, ShardError
+from flowers_job.loaders.base import (
+    CHECKSUM_MODULUS,
+    Batch,
+    Loader,
+    ShardPlan,
+    check_batch_fits,
+    local_dir,
+)
+from flowers_job.processes import at_driver_death
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from flowers_job.config import JobConfig
+    from flowers_job.data.images import DecodeTransform
+
+__all__ = [
+    "MDS_COLUMNS",
+    "StreamingLoader",
+    "StreamingPlan",
+    "StreamingReader",
+    "remove_streaming_state",
+    "write_mds",
+]
+
+log = logging.getLogger(__name__)
+
+MDS_COLUMNS = {"row_id": "int64", "image": "bytes", "label_index": "int64", "valid": "uint8"}
+"""Columns of the MDS shards and their Mosaic encodings."""
+SHARD_SIZE_LIMIT_BYTES = 1 << 26
+"""Largest MDS shard file (bytes), Mosaic's default (64 MiB)."""
+SHM_DIR = Path("/dev/shm")
+"""Where POSIX shared memory appears as files (Linux)."""
+
+
+@dataclass(frozen=True)
+class StreamingPlan(ShardPlan):
+    """A :class:`ShardPlan` plus the padding rows appended with ``valid = 0`` so that the
+    written count divides by ``world_size``."""
+
+    padding_rows: int = 0
+
+
+class StreamingLoader(Loader):
+    """Mosaic's MDS writer on the driver, ``StreamingDataset`` on the ranks."""
+
+    name = "streaming"
+    distribution = "mosaicml-streaming"
+    module = "streaming"
+    extra = "flowers-job[streaming]"
+    plan_type = StreamingPlan
+
+    def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
+        """Write ``df`` as MDS shards in ``<cache>/mds-<split>`` (:func:`write_mds`).
+
+        Raises:
+            DataError: the cache is not a local or mounted path, or as :func:`write_mds`.
+        """
+        folder = local_dir(cache_url)
+        if folder is None:
+            raise DataError(
+                f"paths.cache_url: {cache_url} is not a local or mounted path; "
+                "data.loader=streaming writes its MDS shards to a file:// URL (a FUSE mount such "
+                "as /Volumes or /dbfs on Databricks)"
+            )
+        cfg = self.cfg
+        return write_mds(
+            df,
+            folder / f"mds-{split}",
+            world_size=cfg.world_size,
+            num_partitions=cfg.num_partitions,
+            per_device_batch_size=cfg.train.per_device_batch_size,
+            full_batches=split == "train",
+            split=split,
+        )
+
+    def release(self, cache_dir: Path | None) -> None:
+        """The driver's last sweep of this host's Streaming state once the ranks are gone."""
+        if cache_dir is not None:
+            remove_streaming_state(cache_dir)
+
+    @classmethod
+    def sweep(cls, cache_dir: Path) -> list[str]:
+        return remove_streaming_state(cache_dir)
+
+    @classmethod
+    def check_layout(cls, num_nodes: int | None) -> None:
+        if num_nodes is None:
+            raise RuntimeError(
+                "data.loader=streaming: Mosaic Streaming needs the same number of ranks on "
+                "every host, with consecutive ranks; this run's layout is irregular (use "
+                "data.loader=petastorm, or one task slot per GPU on equal hosts)"
+            )
+
+    @classmethod
+    def open(
+        cls,
+        plan: ShardPlan,
+        transform: DecodeTransform,
+        *,
+        rank: int,
+        world_size: int,
+        num_nodes: int,
+        shuffle: bool,
+        seed: int,
+        cfg: JobConfig,
+        pin_memory: bool = False,
+    ) -> StreamingReader:
+        """``StreamingDataset`` reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+        ``LOCAL_WORLD_SIZE`` from the environment
+        (:func:`flowers_job.distributed.describe_hosts` sets them), not ``rank``."""
+        logging.getLogger("streaming").setLevel(logging.WARNING)  # per-dataset INFO lines
+        return StreamingReader(
+            plan,
+            transform,
+            shuffle=shuffle,
+            seed=seed,
+            num_nodes=num_nodes,
+            num_workers=cfg.data.loader_workers,
+            prefetch_factor=cfg.loaders.streaming.prefetch_batches,
+            pin_memory=pin_memory,
+        )
+
+
+def write_mds(
+    df: DataFrame,
+    out: Path,
+    *,
+    world_size: int,
+    num_partitions: int,
+    per_device_batch_size: int,
+    full_batches: bool,
+    split: str,
+) -> StreamingPlan:
+    """Write the rows of ``df`` (``row_id``, ``image``, ``label_index``) as MDS under ``out``.
+
+    Args:
+        df: the split's rows.
+        out: a new local (or FUSE-mounted) directory visible to every rank.
+        world_size: number of ranks; the written count is padded to a multiple of it.
+        num_partitions: Spark partitions, hence MDS sub-folders, of the write.
+        per_device_batch_size: images per rank per step.
+        full_batches: require every rank to get at least one full batch (training).
+        split: the split's name, for messages.
+
+    Returns:
+        The split's :class:`StreamingPlan`: every rank reads ``padded_rows / world_size``
+        rows in ``ceil(that / per_device_batch_size)`` steps.
+
+    Raises:
+        DataError: an empty split, a batch larger than a rank's rows (with ``full_batches``),
+            the volume filling up during the write (naming the directory), or MDS files that
+            do not hold the rows written.
+    """
+    from pyspark.sql import functions as F
+    from streaming.base.converters import dataframe_to_mds
+
+    stats = df.agg(
+        F.count(F.lit(1)).alias("rows"),
+        F.sum(F.pmod("row_id", F.lit(CHECKSUM_MODULUS))).alias("checksum"),
+    ).first()
+    rows = int(stats["rows"]) if stats is not None else 0
+    if rows == 0:
+        raise DataError(f"the {split} table is empty")
+    checksum = int(stats["checksum"]) if stats is not None else 0
+    padding = (-rows) % world_size
+    data = df.withColumn("valid", F.lit(1).cast("tinyint"))
+    if padding:
+        pads = df.orderBy("row_id").limit(padding).withColumn("valid", F.lit(0).cast("tinyint"))
+        data = data.unionByName(pads)
+    per_rank = (rows + padding) // world_size
+    check_batch_fits(
+        [per_rank] * world_size, per_device_batch_size, world_size, split, full_batches
+    )
+    try:
+        dataframe_to_mds(
+            data.repartition(num_partitions),
+            merge_index=True,
+            mds_kwargs={
+                "out": str(out),
+                "columns": MDS_COLUMNS,
+                "compression": None,
+                "size_limit": SHARD_SIZE_LIMIT_BYTES,
+            },
+        )
+    except Exception as exc:
+        if "No space left on device" in str(exc):
+            raise DataError(
+                f"no space left for the loader cache of the {split} table in {out.parent}; "
+                "free some space or set paths.cache_url to a larger volume"
+            ) from exc
+        raise
+    written = _index_samples(out)
+    if written != rows + padding:
+        raise DataError(
+            f"the MDS shards of the {split} table under {out} hold {written} samples, "
+            f"{rows} rows + {padding} padding were written"
+        )
+    steps = math.ceil(per_rank / per_device_batch_size)
+    log.info(
+        "%s: %d rows (+%d padding) as MDS in %d partitions, %d rows per rank, %d steps per epoch",
+        split,
+        rows,
+        padding,
+        num_partitions,
+        per_rank,
+        steps,
+    )
+    return StreamingPlan(
+        loader=StreamingLoader.name,
+        cache_dir_url=out.resolve().as_uri(),
+        dataset_size=rows,
+        checksum=checksum,
+        rows_per_shard=[per_rank] * world_size,
+        checksum_per_shard=None,
+        steps_per_epoch=steps,
+        per_device_batch_size=per_device_batch_size,
+        padding_rows=padding,
+    )
+
+
+def _index_samples(out: Path) -> int:
+    """Samples listed by the merged ``index.json`` (and its per-partition indexes)."""
+    index = json.loads((out / "index.json").read_text())
+    return sum(int(shard["samples"]) for shard in index["shards"])
+
+
+def remove_streaming_state(cache_dir: Path) -> list[str]:
+    """Remove the shared-memory blocks and lock files of Streaming datasets read from
+    ``cache_dir`` on this host; the names removed.
+
+    Each rank removes its datasets' state when it closes its reader, and the driver
+    watchdog does when the driver dies; this is the driver's last sweep after the ranks are
+    gone, for a rank that was killed before it could (SIGKILL, torchrun's escalation). A
+    dataset's ``<prefix>_locals`` block lists its local directories (Streaming's
+    ``shared/prefix.py`` format: int32 size, then the directories and the prefix joined by
+    NUL); blocks that name a directory under ``cache_dir`` are this run's.
+    """
+    root = str(cache_dir.resolve())
+    removed: list[str] = []
+    for locals_file in sorted(SHM_DIR.glob("[0-9][0-9][0-9][0-9][0-9][0-9]_locals")):
+        try:
+            data = locals_file.read_bytes()
+            size = int.from_bytes(data[:4], sys.byteorder, signed=True)
+            dirs = data[4:size].decode("utf-8", "replace").split("\0")[:-1]
+        except OSError:
+            continue
+        if not any(d == root or d.startswith(root + "/") for d in dirs):
+            continue
+        prefix = locals_file.name.split("_", 1)[0]
+        for path in [
+            *SHM_DIR.glob(f"{prefix}_*"),
+            *Path(tempfile.gettempdir()).glob(f"{prefix}_*"),
+        ]:
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except OSError:
+                continue
+    if removed:
+        log.warning("removed Streaming state left by a stopped rank: %s", ", ".join(removed))
+    return removed
+
+
+class StreamingReader:
+    """Mosaic Streaming: ``StreamingDataset`` + ``StreamingDataLoader`` over the MDS shards.
+
+    Built once per split and process (building it is a collective: every rank builds the
+    same datasets in the same order). Streaming partitions the epoch's sample ids over the
+    ranks (``partition_algo='orig'``); with the driver's padding every rank gets
+    ``rows_per_shard[rank]`` rows and no sample is repeated. The epoch is set through
+    Streaming's own resume state (``load_state_dict``) before each pass, so its shuffle
+    (``py1e``, seeded by ``shuffle_seed + epoch``) is a function of ``(seed, epoch)``.
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        transform: DecodeTransform,
+        *,
+        shuffle: bool,
+        seed: int,
+        num_nodes: int,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        pin_memory: bool = False,
+    ) -> None:
+        from streaming import StreamingDataLoader
+
+        self.plan, self.steps_per_epoch, self.seed = plan, plan.steps_per_epoch, seed
+        self.num_nodes = num_nodes
+        self.dataset = _decoding_dataset(
+            local=str(_local_path(plan.cache_dir_url)),
+            transform=transform,
+            batch_size=plan.per_device_batch_size,
+            shuffle=shuffle,
+            shuffle_seed=seed,
+            num_canonical_nodes=num_nodes,
+        )
+        at_driver_death(self._release)  # os._exit skips atexit: no shared memory left
+        self.loader = StreamingDataLoader(
+            self.dataset,
+            batch_size=plan.per_device_batch_size,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=pin_memory,
+            persistent_workers=False,
+            drop_last=False,
+        )
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        self.dataset.load_state_dict(
+            {
+                "epoch": epoch - 1,
+                "sample_in_epoch": 0,
+                "num_canonical_nodes": self.num_nodes,
+                "shuffle_seed": self.seed,
+                "initial_physical_nodes": self.num_nodes,
+            }
+        )
+        steps = 0
+        for batch in self.loader:
+            steps += 1
+            if steps > self.steps_per_epoch:
+                raise ShardError(
+                    f"Streaming yielded more than the planned {self.steps_per_epoch} batches"
+                )
+            yield {
+                "image": batch["image"],
+                "label_index": batch["label_index"].long(),
+                "row_id": batch["row_id"].long(),
+                "valid": batch["valid"].bool(),
+            }
+        if steps != self.steps_per_epoch:
+            raise ShardError(
+                f"Streaming yielded {steps} batches, the plan expects {self.steps_per_epoch}"
+            )
+
+    def close(self) -> None:
+        """Remove the lock files Streaming leaves in the temp dir: it never removes them, and
+        every later run on the host then skips their prefix. Its shared-memory blocks go
+        with Streaming's own ``atexit`` handlers when the process exits."""
+        from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+
+        prefix = getattr(self.dataset, "_shm_prefix_int", None)
+        if prefix is None:
+            return
+        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
+
+    def _release(self) -> None:
+        """The watchdog's cleanup: ``os._exit`` skips the ``atexit`` handlers, so unlink
+        Streaming's shared-memory blocks here, then remove the lock files."""
+        from multiprocessing import shared_memory
+
+        from streaming.base.constant import SHM_TO_CLEAN
+
+        prefix = getattr(self.dataset, "_shm_prefix_int", None)
+        for name in SHM_TO_CLEAN if prefix is not None else ():
+            with contextlib.suppress(OSError, ValueError):
+                block = shared_memory.SharedMemory(f"{prefix:06}_{name}")
+                block.close()
+                block.unlink()
+        self.close()
+
+
+def _local_path(url: str) -> Path:
+    path = local_dir(url)
+    if path is None:
+        raise ValueError(f"the loader cache {url} is not a local or mounted path")
+    return path
+
+
+def _decoding_dataset(transform: DecodeTransform, **kwargs: Any) -> Any:
+    """A ``StreamingDataset`` whose samples come out decoded: ``image`` uint8 ``[3, S, S]``."""
+    from streaming import StreamingDataset
+
+    class DecodingDataset(StreamingDataset):
+        def get_item(self, sample_id: int, retry: int = 7) -> Any:
+            sample = super().get_item(sample_id, retry)
+            sample["image"] = transform.decode(sample["image"])
+            return sample
+
+    return DecodingDataset(partition_algo="orig", **kwargs)

@@ -1,0 +1,282 @@
+"""The epoch loop of one rank: train, validate, check every row, decide once, checkpoint.
+
+Per epoch (:func:`run_epoch`, :func:`end_epoch`): every rank runs exactly
+``steps_per_epoch`` steps; losses, accuracies and row counts are all-reduced; rank 0
+decides early stopping and broadcasts the decision; rank 0 writes the checkpoint and logs to
+MLflow. After the last epoch every rank restores the best weights and scores its shard of
+the held-out test split once (:func:`~flowers_job.train.evaluate.evaluate_test`).
+The loop never asks which loader it has: it reads :class:`~flowers_job.loaders.base.ShardReader`
+batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from flowers_job import faults
+from flowers_job.config import JobConfig
+from flowers_job.distributed import DistContext, all_reduce_sum, broadcast_object, gather_ranks
+from flowers_job.train.checkpoint import save_checkpoint
+from flowers_job.train.early_stopping import Decision
+from flowers_job.train.evaluate import evaluate, evaluate_test
+from flowers_job.train.rank0 import finish, start_tracking
+from flowers_job.train.resume import resume
+from flowers_job.train.state import Plans, TrainState, build_state, open_readers
+from flowers_job.train.step import DeviceNormalize, forward
+from flowers_job.train.sums import SUMS, Sums, check_shard, check_totals
+
+__all__ = ["end_epoch", "fit", "run_epoch", "train_one_epoch"]
+
+log = logging.getLogger("flowers_job.train")
+
+
+class _LineStream:
+    """tqdm target that ends every redraw with a newline: TorchDistributor forwards the
+    workers' output line by line, so carriage-return redraws would never show."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def train_one_epoch(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    criterion: nn.Module,
+    normalize: DeviceNormalize,
+    amp_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler,
+) -> list[float]:
+    """One pass over this rank's training batches.
+
+    ``batches`` yields dicts with ``image`` uint8 ``[B, 3, S, S]`` (normalised here, on the
+    device, by ``normalize``), ``label_index`` int64 ``[B]``, ``row_id`` int64 ``[B]`` and
+    ``valid`` bool ``[B]`` (False: padding, masked out).
+
+    Returns:
+        This rank's :meth:`Sums.values <flowers_job.train.sums.Sums.values>`: sums over the
+        valid rows (loss summed over images), and every row read, padding included.
+    """
+    model.train()
+    sums = Sums(normalize.device)
+    for batch in batches:
+        y, logits, loss, valid = forward(model, batch, criterion, normalize, amp_dtype)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        sums.add(y, logits, loss, valid, batch["row_id"])
+    return sums.values()
+
+
+def _progress(state: TrainState, epoch: int) -> Iterable[dict[str, torch.Tensor]]:
+    """This epoch's training batches; on rank 0 with a progress line every 15 s."""
+    assert state.train_reader is not None
+    steps = state.plans.train.steps_per_epoch
+    batches = faults.mid_epoch(state.train_reader.epoch(epoch), state.ctx.rank, epoch, steps // 2)
+    if not state.ctx.is_main:
+        return batches
+    return tqdm(
+        batches,
+        file=_LineStream(sys.stderr),
+        total=steps,
+        desc=f"epoch {epoch}",
+        unit="step",
+        mininterval=15.0,
+        ascii=True,
+        ncols=100,
+    )
+
+
+def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
+    """Train one epoch, validate, check every rank's rows and all-reduce the metrics.
+
+    Returns:
+        ``train_loss``, ``train_accuracy``, ``val_loss``, ``val_accuracy`` (all ranks),
+        ``learning_rate``, ``epoch_seconds`` (seconds), ``train_images_per_second`` and
+        ``images_per_second`` (train + val images / epoch seconds), identical on every rank.
+
+    Raises:
+        ShardError: a rank read other rows than planned, or the ranks together did not read
+            every row exactly once.
+    """
+    ctx, plans, val_reader = state.ctx, state.plans, state.val_reader
+    assert val_reader is not None
+    torch.manual_seed(state.cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
+    t0 = time.perf_counter()
+    train_sums = train_one_epoch(
+        state.ddp,
+        _progress(state, epoch),
+        state.optimizer,
+        state.scheduler,
+        state.criterion,
+        state.normalize,
+        state.amp_dtype,
+        state.scaler,
+    )
+    t1 = time.perf_counter()
+    val_sums = evaluate(
+        state.model,
+        lambda: val_reader.epoch(epoch),
+        state.criterion,
+        state.normalize,
+        state.amp_dtype,
+        state.val_features,
+    )
+    t2 = time.perf_counter()
+    check_shard("train", plans.train, ctx.rank, train_sums)
+    check_shard("val", plans.val, ctx.rank, val_sums)
+    tot = all_reduce_sum([*train_sums, *val_sums], ctx)
+    check_totals("train", plans.train, tot[:SUMS])
+    check_totals("val", plans.val, tot[SUMS:])
+    return {
+        "train_loss": tot[0] / tot[2],
+        "train_accuracy": tot[1] / tot[2],
+        "val_loss": tot[SUMS] / tot[SUMS + 2],
+        "val_accuracy": tot[SUMS + 1] / tot[SUMS + 2],
+        "learning_rate": float(state.optimizer.param_groups[0]["lr"]),
+        "epoch_seconds": t2 - t0,
+        "train_images_per_second": tot[2] / (t1 - t0),
+        "images_per_second": (tot[2] + tot[SUMS + 2]) / (t2 - t0),
+    }
+
+
+def _decide(state: TrainState, epoch: int, metrics: dict[str, float]) -> Decision:
+    """Early stopping, decided once by rank 0 and broadcast: ranks can never disagree about
+    stopping."""
+    es = state.cfg.train.early_stopping
+    decision = Decision(improved=False, stop=False)
+    if state.ctx.is_main:
+        decision = state.stopper.step(metrics[es.monitor], epoch)
+        if not es.enabled:  # still track the best epoch, never stop early
+            decision = Decision(decision.improved, stop=False)
+    result: Decision = broadcast_object(decision, state.ctx)
+    return result
+
+
+def _checkpoint(state: TrainState, epoch: int) -> None:
+    """Rank 0: everything a resume needs, atomically (:func:`save_checkpoint`)."""
+    save_checkpoint(
+        {
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "epoch": epoch,
+            "early_stopping": state.stopper.state_dict(),
+            "best_model": state.best_state,
+            "history": state.history,
+            "stop_reason": state.stop_reason,
+            "label_names": state.label_names,
+            "config": state.cfg.model_dump(mode="json"),
+        },
+        state.cfg.paths.checkpoint_dir,
+    )
+
+
+def end_epoch(state: TrainState, epoch: int, metrics: dict[str, float]) -> None:
+    """The decision (:func:`_decide`), the best weights kept, then (rank 0) the checkpoint
+    and the MLflow metrics, in that order (see :class:`~flowers_job.tracking.RunTracker`)."""
+    decision = _decide(state, epoch, metrics)
+    if decision.improved:
+        state.best_state = {
+            k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()
+        }
+    if decision.stop:
+        state.stop_reason = decision.reason
+    state.history.append({"epoch": epoch, **metrics})
+    if not state.ctx.is_main:
+        return
+    assert state.tracker is not None
+    _checkpoint(state, epoch)
+    state.tracker.log_epoch(metrics, epoch)
+    log.info(
+        "epoch %d/%d | train loss %.4f acc %.4f | val loss %.4f acc %.4f | %.1f s | %.1f img/s%s",
+        epoch,
+        state.cfg.train.epochs,
+        metrics["train_loss"],
+        metrics["train_accuracy"],
+        metrics["val_loss"],
+        metrics["val_accuracy"],
+        metrics["epoch_seconds"],
+        metrics["images_per_second"],
+        f" | stop: {state.stop_reason}" if state.stop_reason else "",
+    )
+
+
+def restore_best(state: TrainState) -> bool:
+    """Every rank: load the best epoch's weights (``early_stopping.restore_best_weights``).
+
+    Returns:
+        True if the best weights were restored.
+    """
+    if not (state.cfg.train.early_stopping.restore_best_weights and state.best_state is not None):
+        return False
+    state.model.load_state_dict(state.best_state)
+    return True
+
+
+def _epochs(state: TrainState) -> None:
+    """Run the epochs left (after a resume, from its next epoch) until the last or a stop."""
+    try:
+        for epoch in range(state.start_epoch, state.cfg.train.epochs + 1):
+            if state.stop_reason is not None:
+                break
+            end_epoch(state, epoch, run_epoch(state, epoch))
+    finally:
+        for reader in (state.train_reader, state.val_reader):
+            if reader is not None:
+                reader.close()
+
+
+def fit(
+    cfg: JobConfig,
+    ctx: DistContext,
+    plans: Plans,
+    label_names: list[str],
+    example_images: list[bytes],
+    lineage: dict[str, Any],
+    ranks: list[dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any] | None, Callable[[], dict[str, Any]] | None]:
+    """Train, validate, early-stop and checkpoint; restore the best weights and score the
+    test split once; (rank 0) log to MLflow.
+
+    ``example_images`` (stored JPEG bytes) become the registered model's input example;
+    ``lineage`` (:func:`flowers_job.data.prepare.lineage`) is logged with the run;
+    ``ranks`` (:func:`~flowers_job.distributed.gather_ranks`, gathered when None) go into
+    the summary. On resume, rank 0 alone reads the checkpoint and broadcasts it
+    (:func:`~flowers_job.train.resume.resume`).
+
+    Returns:
+        ``(summary, register)`` on rank 0 (:func:`~flowers_job.train.rank0.finish`): call
+        ``register`` after the last collective. ``(None, None)`` on other ranks.
+    """
+    t_start = time.perf_counter()
+    state = build_state(cfg, ctx, plans, label_names)
+    resume(state)
+    start_tracking(state)
+    ranks = ranks if ranks is not None else gather_ranks(ctx)
+    open_readers(state, ranks)
+    _epochs(state)
+    restored = restore_best(state)
+    test = evaluate_test(state)
+    return finish(
+        state, ranks, example_images, lineage, restored, test, time.perf_counter() - t_start
+    )

@@ -1,0 +1,243 @@
+"""The function TorchDistributor runs on every rank, and how a rank reports its end.
+
+:func:`train_worker` takes plain data (the validated config as a dict and the driver's
+shard plans), joins the process group, trains (:func:`flowers_job.train.loop.fit`) and
+returns a small summary dict, identical on every rank (rank 0's, broadcast: STACK.md trap
+4). Around it, what makes a failure name its rank and never hang:
+
+- a rank whose Python code raises writes ``rank-<r>.json`` (exception and traceback) into the
+  job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);
+- a rank that dies of a fatal signal leaves ``rank-<r>.fatal`` (:mod:`faulthandler`);
+- SIGTERM (torchrun stopping the others) unwinds as :class:`Terminated`, so the rank reports
+  and rank 0 marks its MLflow run FAILED;
+- rank 0 writes ``ranks.json`` (every rank's host) and, once the model is registered,
+  ``model.json``; the driver reads them (:mod:`flowers_job.pipeline`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowers_job.allocator import tune_this_process
+from flowers_job.config import JobConfig
+from flowers_job.distributed import (
+    DistContext,
+    broadcast_object,
+    env_rank,
+    gather_ranks,
+    init_distributed,
+    shutdown_distributed,
+)
+from flowers_job.failures import FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
+from flowers_job.loaders.base import ShardPlan
+from flowers_job.processes import watch_driver
+from flowers_job.train.loop import fit
+from flowers_job.train.state import Plans
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "Terminated",
+    "threads_for_rank",
+    "train_worker",
+]
+
+log = logging.getLogger("flowers_job.train")
+
+_FATAL_FILES: list[Any] = []  # kept open for the process's lifetime, as faulthandler requires
+
+_TIMEOUT_MESSAGES = ("timed out waiting", "application timeout", "collective operation timeout")
+"""How gloo and NCCL word a process-group timeout (lower case); other errors that merely
+mention a timeout (an HTTP call to MLflow, say) are left as they are."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived: torchrun stops the other ranks this way when one fails."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than ``distributed.timeout_seconds`` for another rank."""
+
+
+def train_worker(job: dict[str, Any]) -> dict[str, Any]:
+    """Entry point on every rank (top level and importable, so TorchDistributor can pickle it).
+
+    Args:
+        job: plain data from the driver (:func:`flowers_job.pipeline.training_job`):
+            ``config`` (``JobConfig.model_dump(mode="json")``), ``train``/``val``/``test``
+            (:meth:`ShardPlan.to_dict`), ``label_names``, ``lineage``, ``example_images``,
+            ``use_gpu``, ``threads_per_process``, ``executor_cores``, ``task_cpus``,
+            ``failure_dir`` and ``driver`` (:func:`~flowers_job.processes.driver_identity`;
+            this rank exits if the driver dies).
+
+    Returns:
+        Rank 0's summary (:func:`flowers_job.train.rank0.finish`), on every rank.
+
+    Raises:
+        Whatever failed, after writing ``<failure_dir>/rank-<rank>.json`` with the rank,
+        the exception and its traceback for the driver to report.
+    """
+    _prepare_process(job)
+    try:
+        cfg = JobConfig.model_validate(job["config"])
+        result, register = _train(cfg, job)
+        if register is not None:
+            # Rank 0 logs and registers the model after every collective has ended: a slow
+            # registry never runs into distributed.timeout_seconds, and the other ranks
+            # have already returned. The driver merges model.json into its result.
+            registered = register()
+            _write_json(Path(job["failure_dir"]) / MODEL_FILE, registered)
+            result = {**result, **registered}
+        return result
+    except BaseException as exc:
+        explained = _explain_timeout(exc, job)
+        _report_failure(Path(job["failure_dir"]), explained or exc)
+        if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
+            from flowers_job.tracking import end_failed_run
+
+            end_failed_run()
+        if explained is not None:
+            raise explained from exc
+        raise
+
+
+def _prepare_process(job: dict[str, Any]) -> None:
+    """Logging with the rank, the fatal-signal report, the allocator, the driver watchdog and
+    the SIGTERM handler: before anything can fail."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
+    )
+    _enable_fatal_report(Path(job["failure_dir"]))
+    # The environment should have carried the allocator tuning here (spark.executorEnv.*,
+    # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
+    tune_this_process()
+    watch_driver(job.get("driver"))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _train(
+    cfg: JobConfig, job: dict[str, Any]
+) -> tuple[dict[str, Any], Callable[[], dict[str, Any]] | None]:
+    """Join the process group, place the threads, train, and broadcast rank 0's result (the
+    last collective); ``register`` is rank 0's, None elsewhere."""
+    ctx = init_distributed(
+        use_gpu=bool(job["use_gpu"]),
+        backend=cfg.distributed.backend,
+        timeout_seconds=cfg.distributed.timeout_seconds,
+        threads_per_process=job.get("threads_per_process"),
+    )
+    try:
+        ranks = _place_threads(ctx, job)
+        result, register = fit(
+            cfg,
+            ctx,
+            Plans(*(ShardPlan.from_dict(job[split]) for split in ("train", "val", "test"))),
+            list(job["label_names"]),
+            [bytes(b) for b in job.get("example_images", [])],
+            dict(job.get("lineage") or {}),
+            ranks,
+        )
+        result = broadcast_object(result, ctx)  # the last collective
+    finally:
+        shutdown_distributed()
+    assert isinstance(result, dict)
+    return result, register
+
+
+def _place_threads(ctx: DistContext, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Gather every rank's place, give each its intra-op threads (:func:`threads_for_rank`),
+    and (rank 0) write ``ranks.json`` so the driver can name the host of a rank that dies
+    silently."""
+    ranks = gather_ranks(ctx)
+    for r in ranks:
+        r["threads"] = job.get("threads_per_process") or threads_for_rank(job, ranks, r)
+    torch.set_num_threads(ranks[ctx.rank]["threads"])
+    if ctx.is_main:
+        _write_json(Path(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
+    return ranks
+
+
+def threads_for_rank(job: dict[str, Any], ranks: list[dict[str, Any]], me: dict[str, Any]) -> int:
+    """Intra-op threads of one barrier-mode rank: its executor's cores, shared by the ranks on
+    its host, and never fewer than ``spark.task.cpus``.
+
+    ``job["executor_cores"]`` maps each executor's host (address or name, from the driver's
+    status store) to its cores; the rank's executor is found by its address or host name,
+    else the smallest executor is assumed. Spark itself starts Python workers with
+    ``OMP_NUM_THREADS=spark.task.cpus`` (1 by default), which would leave all but one core
+    of an executor idle during training.
+    """
+    task_cpus = int(job.get("task_cpus") or 1)
+    cores_by_host: dict[str, int] = job.get("executor_cores") or {}
+    cores = cores_by_host.get(me.get("address") or "") or cores_by_host.get(me["host"])
+    if cores is None:
+        cores = min(cores_by_host.values()) if cores_by_host else task_cpus
+    sharing = sum(r["host"] == me["host"] for r in ranks)
+    return max(task_cpus, int(cores) // max(1, sharing))
+
+
+def _enable_fatal_report(directory: Path) -> None:
+    """Point :mod:`faulthandler` at ``<directory>/rank-<rank>.fatal`` (stderr if it cannot
+    be created)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _FATAL_FILES.append((directory / f"rank-{env_rank()}{FATAL_SUFFIX}").open("w"))
+        faulthandler.enable(file=_FATAL_FILES[-1], all_threads=True)
+    except OSError:
+        log.exception("no fatal-signal report file in %s; faulthandler writes to stderr", directory)
+        faulthandler.enable(all_threads=True)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    # As an exception, SIGTERM unwinds through train_worker's handler: the rank reports
+    # it and rank 0 marks its MLflow run FAILED instead of leaving it RUNNING.
+    raise Terminated(f"rank {env_rank()}: stopped by SIGTERM (signal {signum})")
+
+
+def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeoutError | None:
+    """gloo says "Timed out waiting 20000ms for recv" or "Application timeout caused pair
+    closure", NCCL's watchdog "Watchdog caught collective operation timeout"; say which
+    setting and why."""
+    text = str(exc).lower()
+    if not isinstance(exc, RuntimeError) or not any(m in text for m in _TIMEOUT_MESSAGES):
+        return None
+    seconds = job.get("config", {}).get("distributed", {}).get("timeout_seconds")
+    return CollectiveTimeoutError(
+        f"rank {env_rank()}: a collective waited more than distributed.timeout_seconds="
+        f"{seconds} s for the other ranks (one of them hung or died): {exc}"
+    )
+
+
+def _report_failure(directory: Path, exc: BaseException) -> None:
+    rank = env_rank()
+    report = {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "time": time.time(),
+    }
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank-{rank}.json").write_text(json.dumps(report))
+    except OSError:
+        log.exception("could not write the failure report of rank %s", rank)

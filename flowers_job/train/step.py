@@ -1,0 +1,115 @@
+"""One step's arithmetic on the device: normalisation, mixed precision, forward and loss, the
+optimizer.
+
+The loaders deliver uint8 images (:mod:`flowers_job.loaders.base`); :class:`DeviceNormalize`
+turns them into the model's float32 input once they are on the device, and :func:`forward`
+runs the model under autocast with the padding rows masked out of the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flowers_job.config import TrainConfig
+
+__all__ = [
+    "DeviceNormalize",
+    "amp_dtype",
+    "autocast",
+    "forward",
+    "make_optimizer",
+    "masked_loss",
+]
+
+
+class DeviceNormalize:
+    """uint8 images -> the model's float32 input, on the device: ``(x / 255 - mean) / std``.
+
+    The loaders deliver uint8 ``[B, 3, S, S]`` (a quarter of float32's bytes through the
+    loader, the pinned buffer and the host-to-device copy); this runs on the batch once it
+    is on ``device`` (one fused multiply-add per pixel, on the GPU when there is one).
+
+    Input: uint8 ``[B, 3, S, S]`` on any device. Output: float32 ``[B, 3, S, S]`` on
+    ``device``, channels-last.
+    """
+
+    def __init__(
+        self, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+    ) -> None:
+        self.device = device
+        scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32)
+        shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], dtype=torch.float32)
+        self.scale = scale.view(1, -1, 1, 1).to(device)
+        self.neg_shift = (-shift).view(1, -1, 1, 1).to(device)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+        return torch.addcmul(self.neg_shift, x.float(), self.scale)
+
+
+def make_optimizer(
+    train: TrainConfig, params: list[nn.Parameter], lr: float
+) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params`` at learning rate ``lr``: AdamW or Adam with
+    ``weight_decay``, or SGD with Nesterov ``momentum``."""
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay, nesterov=True
+        )
+    cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, weight_decay=train.weight_decay)
+
+
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``train.amp``: bf16, fp16, or for 'auto' bf16 on a CUDA device
+    that supports it; None = float32 (no autocast)."""
+    if amp == "bf16":
+        return torch.bfloat16
+    if amp == "fp16":
+        return torch.float16
+    if amp == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
+    """``torch.autocast`` on ``device`` with ``dtype``; disabled when ``dtype`` is None."""
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def masked_loss(
+    criterion: nn.Module, logits: torch.Tensor, y: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """The mean of ``criterion``'s per-image losses (``reduction='none'``) over the valid rows;
+    0 for a batch of padding only (which then contributes zero gradients).
+
+    Shapes: ``logits`` ``[B, C]``, ``y`` int64 ``[B]``, ``valid`` bool ``[B]``; returns a
+    float32 scalar.
+    """
+    per_image = criterion(logits.float(), y) * valid
+    return per_image.sum() / valid.sum().clamp(min=1)
+
+
+def forward(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    criterion: nn.Module,
+    normalize: DeviceNormalize,
+    dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move a batch to the device, normalise it there (channels-last) and run the model under
+    autocast.
+
+    ``batch["image"]`` is uint8 ``[B, 3, S, S]``; padding rows (``valid`` False) are masked
+    out of the loss (:func:`masked_loss`).
+
+    Returns:
+        ``(labels [B] int64, logits [B, C], loss [] float32, valid [B] bool)``, on the device.
+    """
+    x = normalize(batch["image"])
+    y = batch["label_index"].to(normalize.device, non_blocking=True)
+    valid = batch["valid"].to(normalize.device, non_blocking=True)
+    with autocast(normalize.device, dtype):
+        logits = model(x)
+    return y, logits, masked_loss(criterion, logits, y, valid), valid
