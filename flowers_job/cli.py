@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config(args)
         if args.command != "ingest":
             from flowers_job.data.stack import resolve_loader
+            from flowers_job.packages import check_run_packages
 
             cfg = resolve_loader(cfg)  # the wrong stack stops here, before Spark starts
+            check_run_packages()  # and so does a package the test report needs
     except ConfigError as exc:
         print(f"flowers-job: {exc}", file=sys.stderr)
         return 2
