@@ -142,9 +142,12 @@ def _versions(env: Path) -> dict[str, str]:
 
 def _figures(env: Path, summary: dict[str, object]) -> list[str]:
     """The run's ``figures/`` artifacts, read with the environment's own MLflow (the store's
-    schema is that MLflow's, which may be newer than this one's)."""
+    schema is that MLflow's, which may be newer than this one's). Some MLflow 3 releases
+    (3.0.1) resolve a run's artifacts through the process-wide store, not the client's:
+    both point at the run's store."""
     code = (
         "import json, sys, mlflow\n"
+        "mlflow.set_tracking_uri(sys.argv[1])\n"
         "client = mlflow.MlflowClient(tracking_uri=sys.argv[1])\n"
         "print(json.dumps(sorted(a.path for a in client.list_artifacts(sys.argv[2], 'figures'))))"
     )
