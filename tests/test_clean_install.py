@@ -12,10 +12,10 @@ scikit-learn and matplotlib: tests/test_bundle.py's import walk catches that.)
 
 uv creates and fills the environment (``requirements/lock.txt`` has it), from its default
 cache (``~/.cache/uv``). Measured on the 2-core machine, shared (load 5-7), 2026-11-24:
-the fixture (wheel build, venv, install, ``uv pip check``) 81 s with a cold uv cache and
+the fixture (wheel build, venv, install, ``uv pip check``) 48-81 s with a cold uv cache and
 38 s with a warm one (``uv pip install`` alone: 56 s and 30 s; pyspark is an sdist, which
 uv downloads and builds again every time: the index's responses here revalidate as
-modified), the job 144-192 s, the whole test 232-284 s (about 10 s of it removing the
+modified), the job 144-192 s, the whole test 228-284 s (6-11 s of it removing the
 6.7 GB environment, hard links into the cache).
 ``FLOWERS_WHEEL`` names an already built wheel to install instead of building one.
 """
