@@ -21,7 +21,7 @@ TIMES_LOG ?=
 WHEEL_DIR ?= dist
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
-	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py
+	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py
 # The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs. Both run
 # in .venv; CI gives petastorm to test-local and streaming to test-dbr, so that each
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.

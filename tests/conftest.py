@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,22 @@ def run_cli(
         check=False,
         env=env,
     )
+
+
+def index_url() -> str:
+    """The package index pip (and uv, in tests/test_clean_install.py) resolve against."""
+    return os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+
+
+@pytest.fixture(scope="session")
+def pypi() -> None:
+    """Skip, naming why, when the package index cannot be reached (offline machine)."""
+    url = f"{index_url()}/pip/"
+    try:
+        with urllib.request.urlopen(url, timeout=15) as response:
+            response.read(1)
+    except OSError as exc:
+        pytest.skip(f"the package index {url} cannot be reached: {exc}")
 
 
 def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:

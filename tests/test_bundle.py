@@ -6,10 +6,12 @@ publishes (kept in ../shared/schemas, see SOURCE.md there), then checked for the
 schema cannot see: declared variables, the job's arguments, the targets' distributed mode.
 No Spark, no network: these run in well under a second.
 
-The wheel's requirements are checked against the versions Databricks Runtime 17.3 LTS ML
-ships (../shared/runtimes/dbr-17.3-lts-ml.txt): offline from pyproject.toml, then (marked
-``network``) by building the wheel and letting pip resolve what the bundle installs, against
-those versions and against this environment, which must not change.
+Every third-party module that flowers_job imports (lazy imports too: an AST walk) must come
+from a requirement of the wheel or of an extra. The wheel's requirements are checked against
+the versions Databricks Runtime 17.3 LTS ML ships (../shared/runtimes/dbr-17.3-lts-ml.txt,
+and ``RUNTIME_MORE``): offline from pyproject.toml, then (marked ``network``) by building
+the wheel and letting pip resolve what the bundle installs, against those versions and
+against this environment, which must not change.
 
 The repo's files are found next to this file, or under ``FLOWERS_REPO_ROOT`` when the tests
 run from a copy (``make test-dbr``). ``FLOWERS_WHEEL`` names an already built wheel to check
@@ -19,6 +21,7 @@ from site-packages (the installed wheel), not from a source checkout.
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import os
@@ -28,7 +31,6 @@ import subprocess
 import sys
 import sysconfig
 import tomllib
-import urllib.request
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -45,6 +47,25 @@ BUNDLE = ROOT / "databricks.yml"
 PYPROJECT = ROOT / "pyproject.toml"
 SCHEMA = ROOT.parent / "shared" / "schemas" / "databricks-bundle.schema.json"
 RUNTIME = ROOT.parent / "shared" / "runtimes" / "dbr-17.3-lts-ml.txt"
+RUNTIME_MORE = {
+    "packaging": "24.2",
+    "scikit-learn": "1.6.1",
+    "scipy": "1.15.1",
+    "joblib": "1.4.2",
+    "threadpoolctl": "3.5.0",
+    "matplotlib": "3.10.0",
+    "contourpy": "1.3.1",
+    "cycler": "0.11.0",
+    "fonttools": "4.55.3",
+    "kiwisolver": "1.4.8",
+    "pyparsing": "3.2.0",
+}
+"""17.3 LTS ML's versions of packages that flowers_job imports, and of scikit-learn's and
+matplotlib's own requirements, that ``RUNTIME`` does not list. Source: the runtime's
+constraints.txt in Databricks' public ``databricks/environments`` repository
+(``python/dbr/17.3.x-cpu-ml-scala2.13/constraints.txt``: ``scikit-learn~=1.6.1``,
+``matplotlib~=3.10.0``, ...)."""
+DBR_REQUIREMENTS = ROOT / "requirements" / "dbr-17.3-ml.txt"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
@@ -354,7 +375,80 @@ def _runtime_versions() -> dict[str, str]:
             (spec,) = req.specifier
             pins[canonicalize_name(req.name)] = spec.version
     assert {"numpy", "pyarrow", "torch", "mlflow-skinny"} <= set(pins), pins
+    return {**RUNTIME_MORE, **pins}
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """``{name: version}`` of a requirements file of ``name==version`` lines."""
+    pins: dict[str, str] = {}
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"{path.name}: {line} is not an exact pin"
+            pins[canonicalize_name(req.name)] = spec.version
     return pins
+
+
+def test_dbr_requirements_carry_the_runtime_versions() -> None:
+    """requirements/dbr-17.3-ml.txt (``make test-dbr``) has 17.3's version of every package
+    the runtime ships that the job touches: the tests run against what the runtime has."""
+    runtime = _runtime_versions()
+    pins = _pins(DBR_REQUIREMENTS)
+    wrong = {name: (pins.get(name), version) for name, version in runtime.items()}
+    wrong = {name: got for name, got in wrong.items() if got[0] != got[1]}
+    assert not wrong, f"{DBR_REQUIREMENTS.name}: (pinned, 17.3's) {wrong}"
+
+
+def _imports(package: Path) -> dict[str, set[str]]:
+    """``{top-level module: {"file:line", ...}}`` of every absolute import in ``package``'s
+    sources that is neither the standard library's nor the package's own, lazy imports
+    inside functions included (an AST walk)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.partition(".")[0]
+                if top not in sys.stdlib_module_names and top != package.name:
+                    where = f"{path.relative_to(package.parent)}:{node.lineno}"
+                    found.setdefault(top, set()).add(where)
+    return found
+
+
+def test_every_third_party_import_is_declared() -> None:
+    """The wheel declares what it imports: each third-party module that flowers_job imports
+    (anywhere, lazily too) comes from a requirement of the wheel or of one of its extras,
+    so that no import works only because another package happens to pull it in (the full
+    mlflow pulls scikit-learn and matplotlib; mlflow-skinny, what runtimes ship, does not).
+    And what the end of a run imports is a requirement of the wheel itself, not an extra's."""
+    import flowers_job
+    from flowers_job.packages import RUN_PACKAGES
+
+    project = _project()
+    base = {canonicalize_name(r.name) for r in _requirements(project["dependencies"])}
+    declared = set(base)
+    for extra in project.get("optional-dependencies", {}).values():
+        declared |= {canonicalize_name(r.name) for r in _requirements(extra)}
+    providers = metadata.packages_distributions()
+    imports = _imports(Path(flowers_job.__file__).resolve().parent)
+    assert {"torch", "sklearn", "matplotlib", "mlflow"} <= set(imports), sorted(imports)
+    undeclared = {
+        module: sorted(where)
+        for module, where in imports.items()
+        # a module that is not installed here (petastorm in the 17.3 environment): its name
+        if not {canonicalize_name(d) for d in providers.get(module, [module])} & declared
+    }
+    assert not undeclared, f"imported, but no requirement of the wheel provides it: {undeclared}"
+    run = {canonicalize_name(dist) for dist, _, _ in RUN_PACKAGES}
+    assert run <= base, f"the end of every run needs {sorted(run - base)}: not in dependencies"
 
 
 def test_wheel_requirements_admit_the_runtime_versions() -> None:
@@ -396,21 +490,6 @@ def test_flowers_job_is_the_installed_wheel_when_required() -> None:
     assert dist.read_text("direct_url.json") is None or '"editable": true' not in (
         dist.read_text("direct_url.json") or ""
     ), "flowers-job is installed editable, not as a built wheel"
-
-
-def _index_url() -> str:
-    return os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-
-
-@pytest.fixture(scope="module")
-def pypi() -> None:
-    """Skip, naming why, when pip cannot reach its index (offline machine)."""
-    url = f"{_index_url()}/pip/"
-    try:
-        with urllib.request.urlopen(url, timeout=15) as response:
-            response.read(1)
-    except OSError as exc:
-        pytest.skip(f"the package index {url} cannot be reached: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -461,11 +540,13 @@ def test_bundle_libraries_resolve_at_the_runtime_versions(
     """From scratch, constrained to 17.3's versions: pip finds a solution (or the wheel asks
     for a version the runtime does not have) and installs the runtime's versions."""
     runtime = _runtime_versions()
+    constraints = tmp_path / "dbr-17.3-lts-ml.txt"
+    constraints.write_text("".join(f"{n}=={v}\n" for n, v in runtime.items()), encoding="utf-8")
     installs = _dry_run(
         tmp_path,
         "--ignore-installed",
         "--constraint",
-        str(RUNTIME),
+        str(constraints),
         f"{wheel}[streaming]",
         *(str(pin) for pin in _bundle_pins(bundle)),
     )
