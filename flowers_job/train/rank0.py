@@ -70,12 +70,21 @@ def _banner(state: TrainState) -> None:
 
 
 def start_tracking(state: TrainState) -> None:
-    """Rank 0: open (or, on resume, reopen) the MLflow run, log the epochs checkpointed but
-    not yet logged, the parameters, and the run's shape."""
+    """Rank 0: check that the packages the end of the run needs import here (an executor's
+    environment can differ from the driver's), open (or, on resume, reopen) the MLflow run,
+    log the epochs checkpointed but not yet logged, the parameters, and the run's shape.
+
+    Raises:
+        ConfigError: a package the test report needs cannot be imported on this host
+            (:func:`~flowers_job.packages.check_run_packages`), before the first epoch.
+    """
     cfg = state.cfg
     if not state.ctx.is_main:
         return
+    from flowers_job.packages import check_run_packages
     from flowers_job.tracking import RunTracker
+
+    check_run_packages()
 
     # The run id is recorded as soon as the run exists: a run killed even before its
     # first checkpoint resumes into the same MLflow run.
