@@ -105,7 +105,7 @@ def watch_driver(driver: dict[str, Any] | None, interval_seconds: float = 2.0) -
     ``os._exit(70)``. In local mode that is the driver; on a cluster, where the driver is
     on another host, the Spark executor (its JVM) that runs this rank's task, and the
     processes between: a SIGKILLed driver, executor or Spark worker never leaves a rank
-    training on (measured times in the README, "Running on a cluster").
+    training on (measured times: docs/failures.md, "Faults across hosts").
 
     Args:
         driver: :func:`driver_identity` of the driver, or None.

@@ -71,7 +71,7 @@ def _cluster(**kwargs: Any) -> Iterator[Cluster]:
 def job_args(
     cluster: Cluster, photos: Path, out: Path, *sets: str, server: bool = True
 ) -> list[str]:
-    """The README's job arguments: barrier mode, the MLflow server (``server``), a small
+    """The job arguments of docs/cluster.md: barrier mode, the MLflow server (``server``), a small
     model size, and batches small enough for 3 steps per epoch on the 80 photos' train split
     (about 58 rows: val and test take 20% and 10%)."""
     args = ["--images", str(photos), "--output-dir", str(out)]

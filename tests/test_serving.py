@@ -3,7 +3,7 @@
 One model is registered for the module (no training: the job's own model with an untrained
 head, :mod:`tests.model_registry`), served on a free loopback port, and sent real HTTP
 requests with real photos, base64-encoded in a ``dataframe_split`` or ``dataframe_records``
-payload as the README documents. Every wait is bounded.
+payload as docs/using-the-model.md documents. Every wait is bounded.
 """
 
 from __future__ import annotations

@@ -405,7 +405,7 @@ class Cluster:
         log: Path | None = None,
         script: Path | None = None,
     ) -> subprocess.Popen[bytes]:
-        """spark-submit (client mode) on the driver host, as the README tells users.
+        """spark-submit (client mode) on the driver host, as docs/cluster.md tells users.
 
         Returns:
             The spark-submit process; its output goes to ``log``.
