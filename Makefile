@@ -1,4 +1,4 @@
-# flowers_job: two virtual environments, each pinned by a lock file.
+# flowers_job: two virtual environments, each pinned by a lock file and built with uv.
 #   make run    set up (first time) and run the whole job on the real photos
 #   make test   set up (first time), lint, type-check, then run the tests twice:
 #               test-local  the whole suite in .venv (requirements/lock.txt, both loaders,
@@ -6,8 +6,13 @@
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
 #                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
 #                           [streaming] extra, with data.loader=streaming
-# Each part prints how long it took ("==> part: N s"); with TIMES_LOG=FILE the lines are
-# also appended to FILE (.ci/run prints them at the end).
+#               The DBR environment is built while test-local runs (make -j2).
+# An environment is rebuilt only when its lock file's content changes (a hash in its
+# .installed-<hash> marker, not the file's time): uv installs from its cache by hard links,
+# seconds when the cache is warm. Each part prints how long it took ("==> part: N s"); with
+# TIMES_LOG=FILE the lines are also appended to FILE (.ci/run prints them at the end).
+# Each suite writes a JUnit XML into $(REPORTS) and prints every test's duration
+# (--durations=0); tools/junit_summary.py reads them back.
 PYTHON   ?= python3
 VENV     ?= .venv
 BIN      := $(VENV)/bin
@@ -17,6 +22,14 @@ PHOTOS   ?= ../shared/data/flower_photos
 OUT      ?= output/flowers
 ARGS     ?=
 TIMES_LOG ?=
+# JUnit XML of each suite (junit-local.xml, junit-dbr.xml).
+REPORTS  ?= $(abspath reports)
+UV_VERSION := $(shell sed -n 's/^uv==//p' requirements/lock.txt)
+UV       := $(BIN)/uv
+# What each environment is built from: its lock file (and, for .venv, pyproject.toml, for
+# the editable project), hashed.
+LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -c1-12)
+DBR_ID   := $(shell cat requirements/dbr-17.3-ml.txt | sha256sum | cut -c1-12)
 # Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way).
 WHEEL_DIR ?= dist
 # The test files that run in the DBR 17.3 environment.
@@ -54,33 +67,35 @@ define pytest_status
 if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): failing" >&2; fi
 endef
 
-$(VENV)/.installed: requirements/lock.txt pyproject.toml
+# .venv: the lock file, synced exactly (uv pip sync), then petastorm without its pins, then
+# the project, editable.
+$(VENV)/.installed-$(LOCAL_ID):
 	@command -v java >/dev/null || { echo "Spark needs Java 17: installing openjdk-17-jre-headless"; \
 		apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
 	@set -e; t0=$$(date +%s); set -x; \
-	$(PYTHON) -m venv $(VENV); \
-	$(BIN)/pip install -q --upgrade pip; \
-	$(BIN)/pip install -q -r requirements/lock.txt; \
+	rm -f $(VENV)/.installed*; \
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	test -x $(UV) || $(BIN)/pip install -q "uv==$(UV_VERSION)"; \
+	$(UV) pip sync -q --python $(BIN)/python requirements/lock.txt; \
 	: petastorm 0.13.1 pins setuptools'<70', which conflicts with torch: its real needs are in the lock.; \
-	$(BIN)/pip install -q --no-deps petastorm==0.13.1; \
-	$(BIN)/pip install -q --no-deps -e .; \
+	$(UV) pip install -q --python $(BIN)/python --no-deps petastorm==0.13.1; \
+	$(UV) pip install -q --python $(BIN)/python --no-deps -e .; \
 	set +x; $(call took,install local)
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-$(LOCAL_ID)
 
 # The DBR 17.3 LTS ML-like environment: the lock file only, no project (test-dbr installs
-# the built wheel into it).
-$(DBR_VENV)/.installed: requirements/dbr-17.3-ml.txt
+# the built wheel into it). pip stays in it: test_bundle.py asks pip what it would install.
+$(DBR_VENV)/.installed-$(DBR_ID): | $(VENV)/.installed-$(LOCAL_ID)
 	@set -e; t0=$$(date +%s); set -x; \
-	rm -rf $(DBR_VENV); \
-	$(PYTHON) -m venv $(DBR_VENV); \
-	$(DBR_BIN)/pip install -q --upgrade pip; \
-	$(DBR_BIN)/pip install -q -r requirements/dbr-17.3-ml.txt; \
+	rm -f $(DBR_VENV)/.installed*; \
+	test -x $(DBR_BIN)/python || $(PYTHON) -m venv $(DBR_VENV); \
+	$(UV) pip sync -q --python $(DBR_BIN)/python requirements/dbr-17.3-ml.txt; \
 	set +x; $(call took,install dbr)
 	touch $@
 
-setup-dbr: $(DBR_VENV)/.installed
+setup-dbr: $(DBR_VENV)/.installed-$(DBR_ID)
 
 run: setup
 	$(BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) $(ARGS)
@@ -92,11 +107,16 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-test: lint typecheck test-local test-dbr
+# Lint and types first (seconds), then the local suite while the DBR environment is built
+# beside it, then the DBR suite.
+test: lint typecheck
+	@$(MAKE) --no-print-directory -j2 test-local setup-dbr
+	@$(MAKE) --no-print-directory test-dbr
 
 test-local: setup
-	@t0=$$(date +%s); rc=0; set -x; \
-	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest || rc=$$?; \
+	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
+	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest --durations=0 \
+		--junitxml=$(REPORTS)/junit-local.xml || rc=$$?; \
 	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
 
 # Build the wheel (as the bundle's artifact does) and install it into .venv-dbr with its
@@ -117,7 +137,7 @@ wheel-dbr: setup-dbr
 # FLOWERS_REPO_ROOT points test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at
 # the wheel under test.
 test-dbr: wheel-dbr
-	@set -e; t0=$$(date +%s); rc=0; \
+	@set -e; t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); \
 	run=$$(mktemp -d); trap 'rm -rf "$$run"' EXIT; \
 	cp -r tests configs pyproject.toml "$$run"/; \
 	find "$$run" -name __pycache__ -prune -exec rm -rf {} +; \
@@ -126,8 +146,9 @@ test-dbr: wheel-dbr
 	FLOWERS_TEST_LOADERS=streaming FLOWERS_EXPECT_WHEEL=1 \
 	FLOWERS_PHOTOS=$(abspath $(PHOTOS)) FLOWERS_REPO_ROOT=$(CURDIR) \
 	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" \
-	$(DBR_BIN)/python -m pytest -p no:cacheprovider $(addprefix tests/,$(DBR_TESTS)) || rc=$$?; \
+	$(DBR_BIN)/python -m pytest -p no:cacheprovider --durations=0 \
+		--junitxml=$(REPORTS)/junit-dbr.xml $(addprefix tests/,$(DBR_TESTS)) || rc=$$?; \
 	set +x; $(call took,tests dbr); $(call pytest_status); exit $$rc
 
 clean:
-	rm -rf output .pytest_cache .mypy_cache .ruff_cache dist build
+	rm -rf output reports .pytest_cache .mypy_cache .ruff_cache dist build

@@ -1,0 +1,73 @@
+"""Where a test run's time went, from pytest's JUnit XML files (``--junitxml``).
+
+    python3 tools/junit_summary.py reports/junit-local.xml reports/junit-dbr.xml [--top 20]
+
+Prints, for each file: its suite's total, the seconds per test file, and the ``--top``
+slowest tests (setup, call and teardown together, as JUnit records them). Standard library
+only: ``.ci/run`` calls it with the system Python, also when a suite failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+
+def _cases(path: Path) -> list[tuple[str, str, float, str]]:
+    """``(file, test, seconds, outcome)`` of every test case in a JUnit XML file."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "")
+        name = case.get("name", "")
+        outcome = next(
+            (tag for tag in ("failure", "error", "skipped") if case.find(tag) is not None), "passed"
+        )
+        file = "tests/" + module.split(".")[1] + ".py" if module.count(".") >= 1 else module
+        test = module.split(".", 2)[2] + "::" + name if module.count(".") >= 2 else name
+        cases.append((file, test, float(case.get("time", 0.0)), outcome))
+    return cases
+
+
+def summarize(path: Path, top: int) -> str:
+    """The report of one JUnit XML file, as text."""
+    cases = _cases(path)
+    total = sum(seconds for _, _, seconds, _ in cases)
+    outcomes: dict[str, int] = defaultdict(int)
+    per_file: dict[str, float] = defaultdict(float)
+    for file, _, seconds, outcome in cases:
+        per_file[file] += seconds
+        outcomes[outcome] += 1
+    lines = [
+        f"== {path}: {len(cases)} tests, {total:.0f} s in tests ("
+        + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
+        + ")",
+        "   seconds per file:",
+    ]
+    lines += [f"   {s:7.1f}  {f}" for f, s in sorted(per_file.items(), key=lambda x: -x[1])]
+    lines.append(f"   the {top} slowest tests:")
+    slowest = sorted(cases, key=lambda c: -c[2])[:top]
+    lines += [f"   {s:7.1f}  {f}::{t}  [{o}]" for f, t, s, o in slowest]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path, help="JUnit XML files")
+    parser.add_argument("--top", type=int, default=20, help="how many slowest tests to list")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        if not path.is_file():
+            print(f"== {path}: missing (that suite did not run)")
+            continue
+        try:
+            print(summarize(path, args.top))
+        except ET.ParseError as exc:
+            print(f"== {path}: unreadable JUnit XML: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
