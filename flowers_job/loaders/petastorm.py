@@ -65,6 +65,8 @@ __all__ = [
     "shard_batches",
 ]
 
+log = logging.getLogger(__name__)
+
 CACHE_CONF = "petastorm.spark.converter.parentCacheDirUrl"
 """The Spark setting Petastorm's converter writes under (STACK.md trap 7)."""
 
@@ -150,7 +152,7 @@ class PetastormLoader(Loader):
             full_batches=split == "train",
             split=split,
         )
-        logging.getLogger(__name__).info(
+        log.info(
             "%s: %d rows in %d partitions, rows per shard %s, %d steps per epoch",
             split,
             len(converter),
@@ -176,9 +178,7 @@ class PetastormLoader(Loader):
             try:
                 converter.delete()
             except OSError as exc:  # pragma: no cover - best effort, the rmtree follows
-                logging.getLogger(__name__).warning(
-                    "could not delete Petastorm cache %s: %s", converter.cache_dir_url, exc
-                )
+                log.warning("could not delete Petastorm cache %s: %s", converter.cache_dir_url, exc)
         self._converters.clear()
 
     @classmethod
