@@ -390,9 +390,17 @@ def _fault_run(
     )
     try:
         wait_for(
-            lambda: (ckpt / "last.pt").exists() and len(_ranks_line(log)) == 2,
+            lambda: (
+                proc.poll() is not None
+                or ((ckpt / "last.pt").exists() and len(_ranks_line(log)) == 2)
+            ),
             JOB_TIMEOUT,
             "epoch 1 checkpointed",
+        )
+        # A run that ended before its fault fails the test now, not after JOB_TIMEOUT.
+        assert proc.poll() is None, (
+            f"the run ended (exit {proc.returncode}) before epoch 1 was checkpointed:\n"
+            + log.read_text(errors="replace")[-3000:]
         )
         time.sleep(1.0)  # into epoch 2
         ranks = _ranks_line(log)
