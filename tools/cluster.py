@@ -324,6 +324,10 @@ class Cluster:
                      self.hosts["fl-driver"].address, "--port", "5000", "--workers", "1",
                      "--backend-store-uri", f"sqlite:///{store}/mlflow.db",
                      "--artifacts-destination", str(store / "artifacts")],
+                    # Tracking and the model registry only: without this, MLflow 3 also starts
+                    # its job runners (huey consumers for GenAI scorers, trace roll-ups), a
+                    # handful of Python processes the job never uses.
+                    env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                     log=logs / "mlflow.out",
                 )  # fmt: skip
             self._save()
