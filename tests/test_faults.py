@@ -53,6 +53,12 @@ FAST = [
     "train.base_learning_rate=0.003",
 ]
 MARK_ENV = "FLOWERS_JOB_TEST_MARK"
+SHORT_TIMEOUT = 10
+"""distributed.timeout_seconds of the runs that meet a hung rank or a slow registry. A
+healthy run's longest wait at a collective (rank 1 while rank 0 opens its MLflow run,
+checkpoints, or draws the report's figures) stays well under it: the slow-registration run
+has trained to the end with it since that test was written, at load averages of 5-14 on
+the 2-core machine (2026-11-24)."""
 
 
 def _streaming_state() -> set[str]:
@@ -188,25 +194,6 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(
     assert _checkpoint_epoch(out / "checkpoints") == 1
 
 
-def test_a_slow_model_registration_does_not_run_into_the_process_group_timeout(
-    spark: SparkSession,
-    out: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    loader: str,
-) -> None:
-    """Rank 0 registers the model after the last collective: a registry slower than
-    distributed.timeout_seconds does not fail a run whose training has finished, and the
-    driver's summary still has the registered version (whichever rank's result it got)."""
-    cfg = _fault_config(out, loader, "distributed.timeout_seconds=10")
-    monkeypatch.setenv(FAULT_ENV, "slow_registration:0:25")
-    summary = run_training(spark, cfg)
-    assert summary["registered_model_version"] == 1
-    assert summary["model_uri"].startswith("models:/")
-    client = mlflow.MlflowClient(cfg.tracking_uri)
-    assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
-    assert not _training_processes()
-
-
 def test_a_registration_that_fails_after_the_last_collective_fails_the_run(
     spark: SparkSession,
     out: Path,
@@ -232,7 +219,7 @@ def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
 ) -> None:
     """Rank 1 stops answering at epoch 2: rank 0's next collective times out after
     distributed.timeout_seconds, the run fails naming it, and the hung rank is stopped."""
-    timeout = 20
+    timeout = SHORT_TIMEOUT
     before = _streaming_state()
     cfg = _fault_config(out, loader, f"distributed.timeout_seconds={timeout}")
     monkeypatch.setenv(FAULT_ENV, "hang:1:2")
@@ -276,21 +263,38 @@ def _kill_driver(proc: subprocess.Popen[bytes], mark: str) -> float:
 
 
 def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
-    tables: Path, tmp_path: Path, loader: str
+    spark: SparkSession,
+    tables: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
 ) -> None:
-    """SIGKILL the driver while it writes the epoch-2 checkpoint, resume, SIGKILL it
-    again during epoch 3, resume again: the run ends with epochs 1, 2, 3 in one MLflow run,
-    each epoch logged once, no process and no cache left behind."""
+    """SIGKILL the driver (``flowers-job train``) while it writes the epoch-2 checkpoint,
+    resume it (``--resume``), SIGKILL it again during epoch 3, resume again: the run ends
+    with epochs 1, 2, 3 in one MLflow run, each epoch logged once, no process and no cache
+    left behind.
+
+    The last resume (``run_training``, in this process) also meets a model registry slower
+    than distributed.timeout_seconds: rank 0 registers after the last collective, so the run
+    still finishes and the driver's summary has the registered version (whichever rank's
+    result it got). That a CLI driver's JVM exits when it finishes: test_job_e2e's CLI run."""
     out, log, mark = tmp_path / "out", tmp_path / "driver.log", uuid.uuid4().hex
     copy_tables(tables, out)
     try:
-        _kill_and_resume(out, log, mark, loader)
+        _kill_and_resume(spark, monkeypatch, out, log, mark, loader)
     finally:  # a failed assertion must not leave a driver running
         for proc in _marked_processes(mark):
             proc.kill()
 
 
-def _kill_and_resume(out: Path, log: Path, mark: str, loader: str) -> None:
+def _kill_and_resume(
+    spark: SparkSession,
+    monkeypatch: pytest.MonkeyPatch,
+    out: Path,
+    log: Path,
+    mark: str,
+    loader: str,
+) -> None:
     ckpt, cache = out / "checkpoints", out / "loader_cache"
     before = _streaming_state()
 
@@ -319,10 +323,23 @@ def _kill_and_resume(out: Path, log: Path, mark: str, loader: str) -> None:
     print(f"driver killed during training: all its processes gone after {gone:.1f} s")
     assert _streaming_state() <= before  # the watchdog removed Streaming's state
 
-    # 3. Resumed to the end.
-    proc = _start_cli(out, mark, log, loader, "--resume")
-    assert proc.wait(timeout=600) == 0, log.read_text()[-5000:]
+    # 3. Resumed to the end, here (train.resume, as --resume sets it); rank 0's
+    # registration takes twice the process-group timeout: were it before the last
+    # collective, rank 1 would time out waiting for it.
+    cfg = _fault_config(
+        out,
+        loader,
+        "train.resume=true",
+        f"distributed.timeout_seconds={SHORT_TIMEOUT}",
+        epochs=3,
+    )
+    monkeypatch.setenv(FAULT_ENV, f"slow_registration:0:{2 * SHORT_TIMEOUT}")
+    returned = run_training(spark, cfg)
+    assert not _training_processes()
     summary = json.loads((out / "summary.json").read_text())
+    assert returned["registered_model_version"] == summary["registered_model_version"] == 1
+    assert returned["model_uri"] == summary["model_uri"]
+    assert summary["model_uri"].startswith("models:/")
     assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
     assert summary["epochs_this_run"] == 1 and summary["epochs_completed"] == 3
     assert summary["mlflow_run_id"] == run_id  # one MLflow run across the three drivers
@@ -338,7 +355,6 @@ def _kill_and_resume(out: Path, log: Path, mark: str, loader: str) -> None:
     assert logged == {h["epoch"]: pytest.approx(h["val_loss"]) for h in summary["history"]}
     assert not list(cache.glob("run-*"))
     assert not list(ckpt.glob("*.tmp")) and not list(ckpt.glob(".*.tmp"))
-    _wait_for(lambda: not _marked_processes(mark), 60, "the finished driver's JVM to exit")
 
 
 @contextmanager

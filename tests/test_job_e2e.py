@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+import psutil
 import pytest
 from pyspark.sql import SparkSession
 
@@ -38,6 +41,7 @@ FAST = [
     "train.base_learning_rate=0.003",
     "distributed.timeout_seconds=300",
 ]
+MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 SENTINEL = "SENTINEL"
 """Part of every secret below: no byte string the job writes or prints may contain it."""
 SECRET_ENV = {"DATABRICKS_TOKEN": f"dapi-{SENTINEL}-env-0a1b2c"}
@@ -220,6 +224,29 @@ def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path)
     _assert_no_secret("the pickled (train_worker, job)", Path(pickled).read_bytes())
 
 
+def _marked_processes(mark: str) -> list[psutil.Process]:
+    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK_ENV) == mark:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_until_gone(mark: str, timeout: float) -> None:
+    """Poll every 0.5 s until no process carries ``mark``; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while left := _marked_processes(mark):
+        if time.monotonic() > deadline:
+            for proc in left:
+                proc.kill()
+            pytest.fail(f"{len(left)} processes of the finished driver still run after {timeout} s")
+        time.sleep(0.5)
+
+
 def test_cli_run_local_mode_then_resume(
     spark: SparkSession,
     photos: Path,
@@ -233,8 +260,9 @@ def test_cli_run_local_mode_then_resume(
     Both carry secrets: DATABRICKS_TOKEN in the environment, tracking.password/token in the
     config file. None appears in any output, file under the output dir (tables, MLflow's
     sqlite file and artifacts, checkpoints, summary) or the job shipped to the ranks.
+    The finished driver leaves no process behind (its JVM exits too).
     """
-    out = tmp_path / "out"
+    out, mark = tmp_path / "out", uuid.uuid4().hex
     secrets = tmp_path / "secrets.yaml"
     secrets.write_text(SECRET_CONFIG)
     sets = [a for s in [*FAST, "train.epochs=1", f"data.loader={loader}"] for a in ("--set", s)]
@@ -248,9 +276,10 @@ def test_cli_run_local_mode_then_resume(
         str(secrets),
         *sets,
         timeout=800,
-        env={**os.environ, **SECRET_ENV},
+        env={**os.environ, **SECRET_ENV, MARK_ENV: mark},
     )
     assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-3000:]
+    _wait_until_gone(mark, 60)
     _assert_no_secret("the output of `flowers-job run`", (proc.stdout + proc.stderr).encode())
     first = json.loads((out / "summary.json").read_text())
     _check_summary(first, spark, images=60)
