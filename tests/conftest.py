@@ -109,6 +109,14 @@ def tables(spark: object, photos: Path, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
+def copy_tables(tables: Path, out: Path) -> Path:
+    """``out`` (an output dir) holding a copy of the Delta tables of ``tables``, for a test
+    that trains on them without ingesting again: a Delta table's paths are relative to its
+    folder, so a copied folder is the same table (same versions and commit metadata)."""
+    shutil.copytree(tables / "tables", out / "tables")
+    return out
+
+
 def loader_skip_reason(name: str) -> str | None:
     """Why the tests of loader ``name`` do not run here (None: they do)."""
     from flowers_job.loaders import loader_problem

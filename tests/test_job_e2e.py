@@ -1,36 +1,47 @@
 """The whole job on a class-balanced sample of the real photos, with real components:
-local Spark + Delta, Petastorm, TorchDistributor with 2 gloo processes, an MLflow sqlite
-store in a temp dir, and the registered pyfunc model predicting. The CLI run also carries
-secrets and checks that they end up nowhere.
+local Spark + Delta, Petastorm or Streaming, TorchDistributor with 2 gloo processes, an
+MLflow sqlite store in a temp dir, and the registered pyfunc model predicting. The CLI run
+also carries secrets and checks that they end up nowhere.
+
+The CLI run ingests the photos itself; the other tests start from a copy of the session's
+tables (the same 60 photos at 32 px, ``tables`` in conftest.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import pandas as pd
+import psutil
 import pytest
 from pyspark.sql import SparkSession
 
 import flowers_job
 from flowers_job.allocator import ALLOCATOR_ENV
 from flowers_job.config import JobConfig, load_config
+from flowers_job.distributed import DistContext, init_distributed, shutdown_distributed
 from flowers_job.pipeline import run_job, run_training, training_job
 
-from .conftest import LABELS, PHOTOS, run_cli
+from .conftest import LABELS, PHOTOS, copy_tables, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 FAST = [
-    "data.image_size=64",
+    "data.image_size=32",  # the size of the session's tables
     "train.per_device_batch_size=8",
     "train.base_learning_rate=0.003",
     "distributed.timeout_seconds=300",
 ]
+MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 SENTINEL = "SENTINEL"
 """Part of every secret below: no byte string the job writes or prints may contain it."""
 SECRET_ENV = {"DATABRICKS_TOKEN": f"dapi-{SENTINEL}-env-0a1b2c"}
@@ -213,6 +224,29 @@ def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path)
     _assert_no_secret("the pickled (train_worker, job)", Path(pickled).read_bytes())
 
 
+def _marked_processes(mark: str) -> list[psutil.Process]:
+    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK_ENV) == mark:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_until_gone(mark: str, timeout: float) -> None:
+    """Poll every 0.5 s until no process carries ``mark``; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while left := _marked_processes(mark):
+        if time.monotonic() > deadline:
+            for proc in left:
+                proc.kill()
+            pytest.fail(f"{len(left)} processes of the finished driver still run after {timeout} s")
+        time.sleep(0.5)
+
+
 def test_cli_run_local_mode_then_resume(
     spark: SparkSession,
     photos: Path,
@@ -226,8 +260,9 @@ def test_cli_run_local_mode_then_resume(
     Both carry secrets: DATABRICKS_TOKEN in the environment, tracking.password/token in the
     config file. None appears in any output, file under the output dir (tables, MLflow's
     sqlite file and artifacts, checkpoints, summary) or the job shipped to the ranks.
+    The finished driver leaves no process behind (its JVM exits too).
     """
-    out = tmp_path / "out"
+    out, mark = tmp_path / "out", uuid.uuid4().hex
     secrets = tmp_path / "secrets.yaml"
     secrets.write_text(SECRET_CONFIG)
     sets = [a for s in [*FAST, "train.epochs=1", f"data.loader={loader}"] for a in ("--set", s)]
@@ -241,9 +276,10 @@ def test_cli_run_local_mode_then_resume(
         str(secrets),
         *sets,
         timeout=800,
-        env={**os.environ, **SECRET_ENV},
+        env={**os.environ, **SECRET_ENV, MARK_ENV: mark},
     )
     assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-3000:]
+    _wait_until_gone(mark, 60)
     _assert_no_secret("the output of `flowers-job run`", (proc.stdout + proc.stderr).encode())
     first = json.loads((out / "summary.json").read_text())
     _check_summary(first, spark, images=60)
@@ -291,14 +327,20 @@ def test_cli_run_local_mode_then_resume(
     _assert_no_secret_shipped(spark, cfg, tmp_path)
 
 
-def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path, loader: str) -> None:
-    """local_mode=False: TorchDistributor runs the ranks as a Spark barrier stage."""
+def test_run_barrier_mode(
+    spark: SparkSession, photos: Path, tables: Path, tmp_path: Path, loader: str
+) -> None:
+    """local_mode=False: TorchDistributor runs the ranks as a Spark barrier stage.
+
+    ``run_job`` on ``photos`` with their tables already in the output dir: its ingest finds
+    them up to date and writes nothing (the CLI run above ingests for real)."""
     cfg = load_config(
         None,
         [*FAST, "train.epochs=2", "distributed.local_mode=false", f"data.loader={loader}"],
-        **{"data.images": photos, "paths.output_dir": tmp_path},
+        **{"data.images": photos, "paths.output_dir": copy_tables(tables, tmp_path)},
     )
     summary = run_job(spark, cfg)
+    assert summary["ingest"]["written"] is False
     _check_summary(summary, spark, images=60)
     assert summary["local_mode"] is False and summary["loader"] == loader
     assert summary["epochs_completed"] == 2
@@ -308,25 +350,73 @@ def test_run_barrier_mode(spark: SparkSession, photos: Path, tmp_path: Path, loa
     assert not list((tmp_path / "loader_cache").glob("run-*"))  # cache removed
 
 
+@contextmanager
+def _one_rank_group() -> Iterator[DistContext]:
+    """This process as rank 0 of a 1-rank gloo group, as torchrun would start it; the
+    environment (RANK, LOCAL_WORLD_SIZE, GLOO_SOCKET_IFNAME, ... set on the way) restored
+    when it is left."""
+    saved = dict(os.environ)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    try:
+        yield init_distributed(use_gpu=False, backend="gloo", timeout_seconds=300)
+    finally:
+        shutdown_distributed()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_frozen_backbone_validation_features_once_give_the_same_metrics(
-    spark: SparkSession, photos: Path, tmp_path: Path, loader: str
+    spark: SparkSession, tables: Path, tmp_path: Path, loader: str
 ) -> None:
     """train.cache_val_features: the validation features of the frozen backbone, computed
     once per run, give every epoch's metrics to the last digit of a run that computes them
-    every epoch (same tables, seeds and shards)."""
+    every epoch (same tables, seeds and shards), and the same test report.
+
+    The rank side of both runs (:func:`~flowers_job.train.loop.fit`: build, the epochs,
+    the best weights, the test scoring), in this process as a 1-rank gloo group, over the
+    loader's real readers of one prepared cache: what differs between the two runs is
+    there only. The driver and the TorchDistributor processes around it are the other
+    tests'."""
+    import matplotlib.pyplot as plt
+
+    from flowers_job.data.prepare import prepare_data
+    from flowers_job.train.loop import fit
+    from flowers_job.train.state import Plans
+
+    out = copy_tables(tables, tmp_path)
     settings = [
         *FAST,
         "train.epochs=3",
         "train.early_stopping.enabled=false",
+        "distributed.num_processes=1",
         f"data.loader={loader}",
     ]
-    paths = {"data.images": photos, "paths.output_dir": tmp_path}
-    cached = run_job(
-        spark, load_config(None, [*settings, "train.cache_val_features=true"], **paths)
-    )
-    every_epoch = run_training(
-        spark, load_config(None, [*settings, "train.cache_val_features=false"], **paths)
-    )
+    cfg = load_config(None, settings, **{"paths.output_dir": out})
+    assert cfg.model.freeze_backbone
+    summaries = {}
+    with prepare_data(spark, cfg) as data, _one_rank_group() as ctx:
+        plans = Plans(data.train, data.val, data.test)
+        for cache in (True, False):
+            run_cfg = load_config(
+                None,
+                [*settings, f"train.cache_val_features={str(cache).lower()}"],
+                **{"paths.output_dir": out / f"cache-{cache}"},
+            )
+            try:
+                summary, _ = fit(
+                    run_cfg, ctx, plans, data.label_names, data.example_images, data.lineage
+                )
+            finally:
+                mlflow.end_run()  # register() would end it; this test registers nothing
+                plt.close("all")  # the report's figures, drawn for register()
+            assert summary is not None
+            summaries[cache] = summary
+    cached, every_epoch = summaries[True], summaries[False]
     keys = ("train_loss", "train_accuracy", "val_loss", "val_accuracy")
     assert [{k: h[k] for k in keys} for h in cached["history"]] == [
         {k: h[k] for k in keys} for h in every_epoch["history"]
