@@ -95,3 +95,35 @@ def test_cli_train_exits_2_before_anything_starts(tmp_path: Path) -> None:
     assert "scikit-learn (the test report's scores)" in proc.stderr
     assert "pip install 'scikit-learn" in proc.stderr
     assert not out.exists()  # no MLflow preflight, no Spark, no tables
+
+
+OVERRIDDEN = {("petastorm", "setuptools")}
+"""Requirements that ``make setup`` overrides on purpose: petastorm 0.13.1 pins
+setuptools<70, which torch's setuptools>=77.0.3 contradicts (requirements/lock.txt)."""
+
+
+def test_the_environment_meets_every_installed_requirement() -> None:
+    """The lock file is complete: every requirement of every installed distribution (its
+    markers evaluated here, extras not asked for left out) is met by what is installed.
+    ``uv pip sync`` installs exactly the lock's list without resolving, so a package that a
+    lock leaves out (pip freeze omits setuptools) is otherwise found only by a later failure."""
+    from importlib.metadata import distributions
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
+    unmet = []
+    for dist in distributions():
+        name = canonicalize_name(dist.metadata["Name"])
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            need = canonicalize_name(req.name)
+            if (name, need) in OVERRIDDEN:
+                continue
+            have = installed.get(need)
+            if have is None or not req.specifier.contains(have, prereleases=True):
+                unmet.append(f"{name} requires {req}, installed: {have or 'nothing'}")
+    assert not unmet, "\n".join(sorted(set(unmet)))
