@@ -61,11 +61,12 @@ Command = Literal["ingest", "train", "run"]
 
 
 def preflight(cfg: JobConfig, command: Command) -> JobConfig:
-    """The checks that need no Spark and leave nothing behind (seconds, no JVM).
+    """The checks that need no Spark and leave nothing behind (seconds, no JVM), the
+    configuration's before the input's:
 
-    - ``ingest``/``run``: ``data.images`` is a directory with label folders;
     - ``train``/``run``: ``data.loader`` can run on this stack ('auto' resolved), and the
-      packages the end of the run needs are importable.
+      packages the end of the run needs are importable;
+    - ``ingest``/``run``: ``data.images`` is a directory with label folders.
 
     Returns:
         ``cfg``, with ``data.loader`` resolved for ``train``/``run``.
@@ -76,11 +77,11 @@ def preflight(cfg: JobConfig, command: Command) -> JobConfig:
     """
     from flowers_job.packages import check_run_packages
 
-    if command in ("ingest", "run"):
-        check_images_root(cfg)
     if command in ("train", "run"):
         cfg = resolve_loader(cfg)
         check_run_packages()
+    if command in ("ingest", "run"):
+        check_images_root(cfg)
     return cfg
 
 

@@ -407,6 +407,8 @@ def test_frozen_backbone_validation_features_once_give_the_same_metrics(
                 [*settings, f"train.cache_val_features={str(cache).lower()}"],
                 **{"paths.output_dir": out / f"cache-{cache}"},
             )
+            # The CLI makes the output dir before MLflow opens its sqlite store there.
+            run_cfg.paths.output_dir.mkdir()
             try:
                 summary, _ = fit(
                     run_cfg, ctx, plans, data.label_names, data.example_images, data.lineage
