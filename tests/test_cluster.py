@@ -8,8 +8,9 @@ Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
 Two clusters, one after the other (the hosts' names and addresses are fixed): host names
 that resolve to the hosts' own addresses, for every test but :class:`TestLoopbackNames`,
 which gets names that resolve to loopback. The job runs end to end (``run``: ingest, then
-train) once on each; the fault runs train (``train``) on a copy of the tables the first job
-ingested, so that none of them ingests again before its first epoch.
+train) once on each: with Petastorm on the first through a killed rank and ``run --resume``,
+with Streaming on the second. The other fault runs train (``train``) on a copy of the
+tables the first job ingested, so that none of them ingests again before its first epoch.
 
 Measured times to surface (fault -> driver exit, and -> no rank process on any host) are
 appended as JSON lines to ``$FLOWERS_CLUSTER_REPORT`` when it is set.
@@ -290,16 +291,30 @@ def check_registered(cluster: Cluster, summary: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def petastorm_job(clusters: Clusters, photos: Path) -> dict[str, Any]:
-    """The job end to end with Petastorm, once: its exit status, log and output dir (for
-    :class:`TestCluster` and, its tables, :func:`fault_tables`)."""
+    """The job end to end with Petastorm, once, through a killed rank: ``run`` (ingest, then
+    train) with rank 1's process killed in epoch 2 (its exit status, log and the MLflow run
+    of its checkpoint under ``"killed"``), then ``run --resume`` to the end (exit status,
+    log, output dir). For :class:`TestCluster`, the killed-rank test and, its tables,
+    :func:`fault_tables`."""
     cluster = clusters.get("own-address names")
     out = fresh(cluster.shared / "petastorm")
+
+    def kill_rank(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
+        os.kill(ranks[1][1], signal.SIGKILL)
+
+    rc, log, _, _ = _fault_run(cluster, out, "kill-rank", kill_rank, images=photos)
+    run_file = out / "checkpoints" / "mlflow_run.json"
+    killed = {
+        "rc": rc,
+        "log": log,
+        "run_id": json.loads(run_file.read_text())["mlflow_run_id"] if run_file.exists() else None,
+    }
     rc, log = submit(
         cluster,
-        job_args(cluster, photos, out, "data.loader=petastorm"),
+        [*job_args(cluster, photos, out, "data.loader=petastorm"), "--resume"],
         BASE / "petastorm.log",
     )
-    return {"rc": rc, "log": log, "out": out}
+    return {"killed": killed, "rc": rc, "log": log, "out": out}
 
 
 class TestCluster:
@@ -308,6 +323,8 @@ class TestCluster:
     ) -> None:
         rc, log, out = petastorm_job["rc"], petastorm_job["log"], petastorm_job["out"]
         assert rc == 0, log[-4000:]
+        # The run resumed after its killed rank (test_killed_rank_is_named_and_the_run_resumes)
+        # and logged each epoch once: check_registered reads val_loss at steps 1, 2, 3.
         summary = check_summary(out, cluster)
         assert summary["loader"] == "petastorm"
         check_registered(cluster, summary)
@@ -370,24 +387,26 @@ def _ranks_line(log_path: Path) -> dict[int, tuple[str, int]]:
 def _fault_run(
     cluster: Cluster,
     out: Path,
-    entry: Path,
     name: str,
     act: Any,
     fault: str = "hang:1:2",
     sets: tuple[str, ...] = (),
+    entry: Path | None = None,
+    images: Path | None = None,
 ) -> tuple[int, str, dict[str, float], Path]:
-    """``flowers-job train`` on the tables in ``out``; ``act`` once epoch 1 is checkpointed."""
+    """``flowers-job train`` (``entry``) on the tables in ``out``, or the job end to end
+    (``run``) on ``images``; ``act`` once epoch 1 is checkpointed."""
     ckpt = out / "checkpoints"
     shutil.rmtree(ckpt, ignore_errors=True)
     log = BASE / f"fault-{name}.log"
     log.unlink(missing_ok=True)
-    conf = {**TRAIN_CONF, **({"spark.executorEnv.FLOWERS_JOB_FAULT": fault} if fault else {})}
-    proc = cluster.submit(
-        train_args(cluster, out, "distributed.timeout_seconds=20", *sets),
-        log=log,
-        conf=conf,
-        script=entry,
-    )
+    conf = {"spark.executorEnv.FLOWERS_JOB_FAULT": fault} if fault else {}
+    sets = ("distributed.timeout_seconds=20", *sets)
+    if images is None:
+        args, conf = train_args(cluster, out, *sets), {**TRAIN_CONF, **conf}
+    else:
+        args = job_args(cluster, images, out, "data.loader=petastorm", *sets)
+    proc = cluster.submit(args, log=log, conf=conf, script=entry)
     try:
         wait_for(
             lambda: (
@@ -426,28 +445,20 @@ def _resumable(out: Path) -> None:
 
 class TestFaults:
     def test_killed_rank_is_named_and_the_run_resumes(
-        self, cluster: Cluster, fault_tables: Path, train_entry: Path
+        self, cluster: Cluster, petastorm_job: dict[str, Any]
     ) -> None:
-        def kill_rank(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
-            os.kill(ranks[1][1], signal.SIGKILL)
-
-        rc, log, _, out = _fault_run(cluster, fault_tables, train_entry, "kill-rank", kill_rank)
+        """The Petastorm job's first run (:func:`petastorm_job`): rank 1 killed in epoch 2;
+        its ``run --resume`` ends the same epoch sequence in the same MLflow run."""
+        killed = petastorm_job["killed"]
+        rc, log = killed["rc"], killed["log"]
         assert rc == 1, log[-3000:]
         assert "TrainingError" in log
         assert re.search(r"ranks 1 on host fl-w\d \(10\.88\.0\.1\d\) reported no exception", log)
-        _resumable(out)
-        run_id = json.loads((out / "checkpoints" / "mlflow_run.json").read_text())
-        # --resume on the cluster: the same epoch sequence, in the same MLflow run.
-        rc, log = submit(
-            cluster,
-            [*train_args(cluster, out), "--resume"],
-            BASE / "resume.log",
-            conf=TRAIN_CONF,
-            script=train_entry,
-        )
+        assert killed["run_id"] is not None  # epoch 1's checkpoint names its MLflow run
+        rc, log, out = petastorm_job["rc"], petastorm_job["log"], petastorm_job["out"]
         assert rc == 0, log[-4000:]
         summary = json.loads((out / "summary.json").read_text())
-        assert summary["mlflow_run_id"] == run_id["mlflow_run_id"]
+        assert summary["mlflow_run_id"] == killed["run_id"]
         assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
         assert summary["epochs_this_run"] == 2
         assert "resumed from" in log
@@ -464,7 +475,7 @@ class TestFaults:
 
         try:
             rc, log, _, out = _fault_run(
-                cluster, fault_tables, train_entry, "kill-worker-jvm", kill_worker
+                cluster, fault_tables, "kill-worker-jvm", kill_worker, entry=train_entry
             )
         finally:
             if victim:
@@ -484,7 +495,7 @@ class TestFaults:
                 p.kill()
 
         rc, _, times, out = _fault_run(
-            cluster, fault_tables, train_entry, "kill-driver", kill_driver
+            cluster, fault_tables, "kill-driver", kill_driver, entry=train_entry
         )
         assert rc == -signal.SIGKILL
         assert times["clean_seconds"] < 120
@@ -503,9 +514,9 @@ class TestFaults:
             rc, log, _, out = _fault_run(
                 cluster,
                 fault_tables,
-                train_entry,
                 "link-down",
                 pull_cable,
+                entry=train_entry,
                 fault="",
                 sets=("train.epochs=40", "train.early_stopping.enabled=false"),
             )

@@ -57,6 +57,11 @@ DELTA_VERSION = "4.0.1"
 """delta-spark of requirements/lock.txt, which spark-submit's ``--packages`` must match."""
 DELTA_PACKAGE = f"io.delta:delta-spark_2.13:{DELTA_VERSION}"
 STATE_FILE = "cluster.json"
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+"""Java options of every JVM of the cluster (master, workers, drivers, executors): the C1
+compiler only and the serial collector. Six JVMs share a small machine for minutes; C2's
+compilations and G1's threads cost more CPU than they return there (tests/conftest.py,
+SHORT_LIVED_JVM, has the measurement)."""
 
 
 class ClusterError(RuntimeError):
@@ -251,6 +256,8 @@ class Cluster:
             "TMPDIR": str(self.base / "tmp" / host.name),
             "SPARK_LOCAL_DIRS": str(self.base / "tmp" / host.name),
             "JAVA_HOME": os.environ.get("JAVA_HOME", ""),
+            "SPARK_DAEMON_JAVA_OPTS": JVM_OPTIONS,  # master and worker (spark-class)
+            "SPARK_SUBMIT_OPTS": JVM_OPTIONS,  # a driver (spark-submit, client mode)
         }
         if self.loopback_names:
             env["SPARK_LOCAL_IP"] = host.address
@@ -419,6 +426,7 @@ class Cluster:
             "--master", self.master_url,
             "--packages", DELTA_PACKAGE,
             "--conf", "spark.ui.showConsoleProgress=false",
+            "--conf", f"spark.executor.extraJavaOptions={JVM_OPTIONS}",
         ]  # fmt: skip
         for key, value in (conf or {}).items():
             argv += ["--conf", f"{key}={value}"]
