@@ -6,7 +6,11 @@
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
 #                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
 #                           [streaming] extra, with data.loader=streaming
-#               The DBR environment is built while test-local runs (make -j2).
+#               Where this is root with util-linux's unshare (CI is), the two suites run
+#               side by side, the DBR suite in its own mount namespace (its own /dev/shm
+#               and temp dir, for the Streaming state checks of test_faults.py); each
+#               suite's output is printed whole when it ends (make -O). Elsewhere one
+#               after the other.
 # An environment is rebuilt only when its lock file's content changes (a hash in its
 # .installed-<hash> marker, not the file's time): uv installs from its cache by hard links,
 # seconds when the cache is warm. Each part prints how long it took ("==> part: N s"); with
@@ -40,7 +44,7 @@ DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_j
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
 LOCAL_LOADERS ?= petastorm
 
-.PHONY: setup setup-dbr run test test-local test-dbr wheel-dbr lint typecheck clean \
+.PHONY: setup setup-dbr run test test-local test-dbr dbr-suite wheel-dbr lint typecheck clean \
 	cluster-env cluster-up cluster-down
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
@@ -107,11 +111,20 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Lint and types first (seconds), then the local suite while the DBR environment is built
-# beside it, then the DBR suite.
+# A private mount namespace can be made here (root, unshare): the suites run side by side.
+ISOLATE := $(shell [ "$$(id -u)" = 0 ] && unshare --mount --propagation private true 2>/dev/null && echo 1)
+
+# Lint and types first (seconds), then the DBR environment and the wheel in it, then both
+# suites: side by side where the DBR suite can have its own /dev/shm (ISOLATE), else one
+# after the other. The measurement behind running them together: docs/testing.md.
 test: lint typecheck
-	@$(MAKE) --no-print-directory -j2 test-local setup-dbr
-	@$(MAKE) --no-print-directory test-dbr
+	@$(MAKE) --no-print-directory wheel-dbr
+ifeq ($(ISOLATE),1)
+	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite
+else
+	@$(MAKE) --no-print-directory test-local
+	@$(MAKE) --no-print-directory dbr-suite
+endif
 
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
@@ -131,22 +144,30 @@ wheel-dbr: setup-dbr
 	$(DBR_BIN)/pip check; \
 	set +x; $(call took,build and install wheel dbr)
 
-# The tests run from a copy of tests/ in a temp dir, so that neither pytest nor the
-# processes it starts (TorchDistributor's `python -m torch.distributed.run` children, the
-# CLI runs) can import the repo's flowers_job/ source instead of the installed wheel;
-# FLOWERS_REPO_ROOT points test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at
-# the wheel under test.
 test-dbr: wheel-dbr
+	@$(MAKE) --no-print-directory dbr-suite
+
+# The DBR suite against the wheel that wheel-dbr installed. The tests run from a copy of
+# tests/ in a temp dir, so that neither pytest nor the processes it starts
+# (TorchDistributor's `python -m torch.distributed.run` children, the CLI runs) can import
+# the repo's flowers_job/ source instead of the installed wheel; FLOWERS_REPO_ROOT points
+# test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at the wheel under test.
+# With ISOLATE, pytest runs in a new mount namespace with a tmpfs on /dev/shm and TMPDIR in
+# the run's folder: Mosaic Streaming's shared memory and lock files, and every check of
+# them, are this suite's alone.
+dbr-suite:
 	@set -e; t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); \
 	run=$$(mktemp -d); trap 'rm -rf "$$run"' EXIT; \
 	cp -r tests configs pyproject.toml "$$run"/; \
 	find "$$run" -name __pycache__ -prune -exec rm -rf {} +; \
+	mkdir "$$run/tmp"; \
+	wrap=""; if [ "$(ISOLATE)" = 1 ]; then export TMPDIR="$$run/tmp"; wrap=$(CURDIR)/tools/own_shm.sh; fi; \
 	cd "$$run"; set -x; \
 	$(DBR_BIN)/python -c "import flowers_job, pathlib, sysconfig; f = pathlib.Path(flowers_job.__file__).resolve(); site = pathlib.Path(sysconfig.get_paths()['purelib']).resolve(); assert site in f.parents, f'flowers_job is imported from {f}, not from the installed wheel in {site}'; print('flowers_job from', f)"; \
 	FLOWERS_TEST_LOADERS=streaming FLOWERS_EXPECT_WHEEL=1 \
 	FLOWERS_PHOTOS=$(abspath $(PHOTOS)) FLOWERS_REPO_ROOT=$(CURDIR) \
 	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" \
-	$(DBR_BIN)/python -m pytest -p no:cacheprovider --durations=0 \
+	$$wrap $(DBR_BIN)/python -m pytest -p no:cacheprovider --durations=0 \
 		--junitxml=$(REPORTS)/junit-dbr.xml $(addprefix tests/,$(DBR_TESTS)) || rc=$$?; \
 	set +x; $(call took,tests dbr); $(call pytest_status); exit $$rc
 
