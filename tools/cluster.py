@@ -57,9 +57,12 @@ DELTA_VERSION = "4.0.1"
 """delta-spark of requirements/lock.txt, which spark-submit's ``--packages`` must match."""
 DELTA_PACKAGE = f"io.delta:delta-spark_2.13:{DELTA_VERSION}"
 STATE_FILE = "cluster.json"
-JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+JVM_OPTIONS = (
+    "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
+    "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
+)
 """Java options of every JVM of the cluster (master, workers, drivers, executors): the C1
-compiler only and the serial collector. Six JVMs share a small machine for minutes; C2's
+compiler only, the serial collector, no bytecode verification of the jars' classes. Six JVMs share a small machine for minutes; C2's
 compilations and G1's threads cost more CPU than they return there (tests/conftest.py,
 SHORT_LIVED_JVM, has the measurement)."""
 
