@@ -55,8 +55,7 @@ DBR_DESELECT ?= test_ingest.py::test_an_interrupted_ingest_is_refused_by_trainin
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
 LOCAL_LOADERS ?= petastorm
 
-.PHONY: setup setup-dbr run test test-local local-early dbr-then-local-late test-dbr dbr-suite \
-	wheel-dbr lint typecheck clean \
+.PHONY: setup setup-dbr run test test-local test-dbr dbr-suite wheel-dbr lint typecheck clean \
 	cluster-env cluster-up cluster-down
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
@@ -126,45 +125,23 @@ typecheck: setup
 # A private mount namespace can be made here (root, unshare): the suites run side by side.
 ISOLATE := $(shell [ "$$(id -u)" = 0 ] && unshare --mount --propagation private true 2>/dev/null && echo 1)
 
-# The local test files that `make test` (with ISOLATE) runs after the DBR suite, on its
-# side, instead of in the local suite: the two sides then take about as long (measured
-# 2026-11-24 side by side: the DBR suite about 970 s, these about 240 s, the rest of the
-# local suite about 1,200 s). None of them makes Mosaic Streaming state on this host, which
-# the local fault tests check for.
-LOCAL_LATE ?= test_ingest.py test_bad_input.py test_table_checks.py test_predict.py \
-	test_distributed.py
-
-# Lint and types first (seconds), then the DBR environment and the wheel in it, then the
-# suites: on two sides where the DBR suite can have its own /dev/shm (ISOLATE): the local
-# suite but LOCAL_LATE | the DBR suite, then LOCAL_LATE; else one after the other. The
-# measurement behind it: docs/testing.md.
+# Lint and types first (seconds), then the DBR environment and the wheel in it, then both
+# suites: side by side where the DBR suite can have its own /dev/shm (ISOLATE), else one
+# after the other. The measurement behind running them together: docs/testing.md.
 test: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O local-early dbr-then-local-late
+	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite
 else
 	@$(MAKE) --no-print-directory test-local
 	@$(MAKE) --no-print-directory dbr-suite
 endif
 
-local-early: setup
-	@$(MAKE) --no-print-directory test-local PART=early \
-		SELECT="$(addprefix --ignore=tests/,$(LOCAL_LATE))"
-
-# Both parts run whatever the first's outcome; the status is the first failure's.
-dbr-then-local-late: setup
-	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
-	$(MAKE) --no-print-directory test-local PART=late SELECT="$(addprefix tests/,$(LOCAL_LATE))" \
-		|| { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; exit $$rc
-
-# The local suite (PART and SELECT: a part of it, with its own JUnit file).
-PART   ?=
-SELECT ?=
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
 	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest --durations=0 \
-		--junitxml=$(REPORTS)/junit-local$(if $(PART),-$(PART)).xml $(SELECT) || rc=$$?; \
-	set +x; $(call took,tests local$(if $(PART), ($(PART)))); $(call pytest_status); exit $$rc
+		--junitxml=$(REPORTS)/junit-local.xml || rc=$$?; \
+	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
 
 # Build the wheel (as the bundle's artifact does) and install it into .venv-dbr with its
 # [streaming] extra, from the lock file's packages only (--no-index): the wheel's
