@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 PHOTOS = Path(
@@ -121,6 +122,23 @@ def tables(spark: object, photos: Path, tmp_path_factory: pytest.TempPathFactory
     )
     ingest(spark, cfg)  # type: ignore[arg-type]
     return out
+
+
+MARK_ENV = "FLOWERS_JOB_TEST_MARK"
+"""Set to a fresh value in a CLI driver's environment, so that every process it starts (its
+JVM, Spark's Python workers, the ranks), whatever their parent, can be found."""
+
+
+def marked_processes(mark: str) -> list[psutil.Process]:
+    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK_ENV) == mark:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
 
 
 def copy_tables(tables: Path, out: Path) -> Path:

@@ -43,7 +43,7 @@ from flowers_job.loaders.streaming import write_mds
 from flowers_job.pipeline import TrainingError, run_training
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
 
-from .conftest import copy_tables
+from .conftest import MARK_ENV, copy_tables, marked_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -52,7 +52,6 @@ FAST = [
     "train.per_device_batch_size=8",
     "train.base_learning_rate=0.003",
 ]
-MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 SHORT_TIMEOUT = 10
 """distributed.timeout_seconds of the runs that meet a hung rank or a slow registry. A
 healthy run's longest wait at a collective (rank 1 while rank 0 opens its MLflow run,
@@ -78,18 +77,6 @@ def _training_processes() -> list[psutil.Process]:
             continue
         if "torch.distributed.run" in cmdline or "torchrun" in cmdline or "train.py" in cmdline:
             found.append(proc)
-    return found
-
-
-def _marked_processes(mark: str) -> list[psutil.Process]:
-    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARK_ENV) == mark:
-                found.append(proc)
-        except psutil.Error:
-            continue
     return found
 
 
@@ -259,7 +246,7 @@ def _kill_driver(proc: subprocess.Popen[bytes], mark: str) -> float:
     """SIGKILL the driver only; return the seconds until all of its processes were gone."""
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    return _wait_for(lambda: not _marked_processes(mark), 90, "the killed driver's processes")
+    return _wait_for(lambda: not marked_processes(mark), 90, "the killed driver's processes")
 
 
 def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
@@ -283,7 +270,7 @@ def test_driver_killed_mid_checkpoint_and_mid_training_then_resumed(
     try:
         _kill_and_resume(spark, monkeypatch, out, log, mark, loader)
     finally:  # a failed assertion must not leave a driver running
-        for proc in _marked_processes(mark):
+        for proc in marked_processes(mark):
             proc.kill()
 
 

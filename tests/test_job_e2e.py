@@ -21,7 +21,6 @@ from typing import Any
 
 import mlflow
 import pandas as pd
-import psutil
 import pytest
 from pyspark.sql import SparkSession
 
@@ -31,7 +30,7 @@ from flowers_job.config import JobConfig, load_config
 from flowers_job.distributed import DistContext, init_distributed, shutdown_distributed
 from flowers_job.pipeline import run_job, run_training, training_job
 
-from .conftest import LABELS, PHOTOS, copy_tables, run_cli
+from .conftest import LABELS, MARK_ENV, PHOTOS, copy_tables, marked_processes, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,7 +40,6 @@ FAST = [
     "train.base_learning_rate=0.003",
     "distributed.timeout_seconds=300",
 ]
-MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 SENTINEL = "SENTINEL"
 """Part of every secret below: no byte string the job writes or prints may contain it."""
 SECRET_ENV = {"DATABRICKS_TOKEN": f"dapi-{SENTINEL}-env-0a1b2c"}
@@ -224,22 +222,10 @@ def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path)
     _assert_no_secret("the pickled (train_worker, job)", Path(pickled).read_bytes())
 
 
-def _marked_processes(mark: str) -> list[psutil.Process]:
-    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARK_ENV) == mark:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
 def _wait_until_gone(mark: str, timeout: float) -> None:
     """Poll every 0.5 s until no process carries ``mark``; fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while left := _marked_processes(mark):
+    while left := marked_processes(mark):
         if time.monotonic() > deadline:
             for proc in left:
                 proc.kill()
