@@ -18,6 +18,7 @@ appended as JSON lines to ``$FLOWERS_CLUSTER_REPORT`` when it is set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import filelock
 import mlflow
 import psutil
 import pytest
@@ -36,9 +38,6 @@ import pytest
 from .conftest import sample_photos
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import contextlib
-import fcntl
-
 from cluster import Cluster, make_env, unavailable_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -64,7 +63,7 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     "loopback names": {"loopback_names": True, "worker_cores": 2, "worker_gpus": 1},
 }
 TRAIN_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
-"""spark-submit settings of the fault runs and the resume, which train on tables already
+"""spark-submit settings of the fault runs that train (``train``) on tables already
 ingested: Delta rebuilds a table's state in 2 partitions, as local mode does
 (flowers_job.spark), instead of 50, which on two 1-core executors is some 800 tasks of
 nothing per run (about 30 s at a load of 5 on the 2-core CI machine). The job runs
@@ -140,23 +139,19 @@ class Clusters:
 def clusters(photos: Path) -> Iterator[Clusters]:
     """The clusters, held by this run alone: another run of this file on this machine (the
     hosts' names and addresses are fixed) waits for it, at most :data:`LOCK_TIMEOUT`."""
-    with open(BASE.with_name(BASE.name + ".lock"), "w") as lock:
-        deadline = time.monotonic() + LOCK_TIMEOUT
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"another run of test_cluster.py held {lock.name} for {LOCK_TIMEOUT:.0f} s"
-                    )
-                time.sleep(1.0)
-        held = Clusters()
-        try:
-            yield held
-        finally:
-            held.close()
+    lock = filelock.FileLock(BASE.with_name(BASE.name + ".lock"))
+    try:
+        lock.acquire(timeout=LOCK_TIMEOUT)
+    except filelock.Timeout:
+        pytest.fail(
+            f"another run of test_cluster.py held {lock.lock_file} for {LOCK_TIMEOUT:.0f} s"
+        )
+    held = Clusters()
+    try:
+        yield held
+    finally:
+        held.close()
+        lock.release()
 
 
 @pytest.fixture

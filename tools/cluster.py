@@ -62,9 +62,10 @@ JVM_OPTIONS = (
     "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
 )
 """Java options of every JVM of the cluster (master, workers, drivers, executors): the C1
-compiler only, the serial collector, no bytecode verification of the jars' classes. Six JVMs share a small machine for minutes; C2's
-compilations and G1's threads cost more CPU than they return there (tests/conftest.py,
-SHORT_LIVED_JVM, has the measurement)."""
+compiler only, the serial collector, no bytecode verification of the jars' classes. Six
+JVMs share a small machine for minutes; C2's compilations and G1's threads cost more CPU
+than they return there (tests/conftest.py, SHORT_LIVED_JVM, has the same options, for the
+drivers the tests start, and the measurement)."""
 
 
 class ClusterError(RuntimeError):
