@@ -8,6 +8,9 @@ the pyarrow 14 that Petastorm needs.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -88,3 +91,33 @@ def test_cli_refuses_a_loader_this_stack_cannot_run_before_spark_starts(tmp_path
     assert f"data.loader: '{broken[0]}' cannot run on this stack" in proc.stderr
     assert "Ivy" not in proc.stderr and "SparkContext" not in proc.stderr  # no JVM started
     assert not (tmp_path / "out").exists()
+
+
+def test_streaming_imports_without_its_example_datasets_which_still_load_when_used() -> None:
+    """``import_streaming`` in a new process: what the loader uses imports, the example
+    datasets' transformers tokenizers do not; an example dataset, asked for, is the real one."""
+    if loader_problem("streaming") is not None:
+        pytest.skip(f"needs the streaming loader: {loader_problem('streaming')}")
+    code = textwrap.dedent(
+        """
+        import sys
+        from flowers_job.loaders.streaming import import_streaming
+        streaming = import_streaming()
+        from streaming import StreamingDataLoader, StreamingDataset
+        from streaming.base.converters import dataframe_to_mds
+        skipped = [m for m in ("streaming.text.c4", "transformers.models.auto") if m in sys.modules]
+        assert not skipped, skipped
+        from streaming.text import StreamingC4
+        import streaming.vision.cifar10
+        assert StreamingC4.__module__ == "streaming.text.c4"
+        assert streaming.vision.StreamingCOCO.__module__ == "streaming.vision.coco"
+        assert streaming.multimodal.StreamingInsideWebVid.__name__ == "StreamingInsideWebVid"
+        for name in ("text", "vision", "multimodal"):
+            real = sys.modules["streaming." + name]
+            assert real is getattr(streaming, name) and real.__file__.endswith("__init__.py")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from urllib.parse import urlparse
 
@@ -170,13 +171,18 @@ class Loader(ABC):
         except metadata.PackageNotFoundError:
             return f"{cls.distribution} is not installed (pip install '{cls.extra}')"
         try:
-            importlib.import_module(cls.module)
+            cls.import_library()
         except Exception as exc:
             return (
                 f"{cls.distribution} {version} is installed but `import {cls.module}` fails: "
                 f"{type(exc).__name__}: {exc}"
             )
         return None
+
+    @classmethod
+    def import_library(cls) -> ModuleType:
+        """Import :attr:`module`, the way this loader's code imports its library."""
+        return importlib.import_module(cls.module)
 
     # ---------------------------------------------------------------- driver side
 
