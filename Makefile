@@ -1,6 +1,7 @@
 # flowers_job: two virtual environments, each pinned by a lock file and built with uv.
 #   make run    set up (first time) and run the whole job on the real photos
-#   make test   set up (first time), lint, type-check, then run the tests twice:
+#   make test   set up (first time), lint, type-check, then run the tests twice (the files of
+#               DBR_ONLY in the DBR suite only):
 #               test-local  the whole suite in .venv (requirements/lock.txt, both loaders,
 #                           the project installed editable)
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
@@ -36,9 +37,16 @@ LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -
 DBR_ID   := $(shell cat requirements/dbr-17.3-ml.txt | sha256sum | cut -c1-12)
 # Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way).
 WHEEL_DIR ?= dist
+# Test files that `make test` runs in the DBR suite only: the clean install of the built
+# wheel (a fresh uv environment of its own, whichever suite starts it) evens out the two
+# suites' times when they run side by side (docs/testing.md).
+DBR_ONLY ?= test_clean_install.py
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
-	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py
+	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py \
+	$(DBR_ONLY)
+# Test files test-local leaves out (`make test` sets it to DBR_ONLY).
+LOCAL_IGNORE ?=
 # Tests of the DBR files whose guarantee does not depend on the Python stack run once, in
 # test-local: Delta's commit protocol under an interrupted or a changed ingest and the
 # split's independence of the partitioning (the DBR environment's delta-spark is OSS Delta,
@@ -131,16 +139,16 @@ ISOLATE := $(shell [ "$$(id -u)" = 0 ] && unshare --mount --propagation private 
 test: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite
+	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite LOCAL_IGNORE="$(DBR_ONLY)"
 else
-	@$(MAKE) --no-print-directory test-local
+	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY)"
 	@$(MAKE) --no-print-directory dbr-suite
 endif
 
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
 	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest --durations=0 \
-		--junitxml=$(REPORTS)/junit-local.xml || rc=$$?; \
+		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) || rc=$$?; \
 	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
 
 # Build the wheel (as the bundle's artifact does) and install it into .venv-dbr with its
@@ -162,7 +170,8 @@ test-dbr: wheel-dbr
 # tests/ in a temp dir, so that neither pytest nor the processes it starts
 # (TorchDistributor's `python -m torch.distributed.run` children, the CLI runs) can import
 # the repo's flowers_job/ source instead of the installed wheel; FLOWERS_REPO_ROOT points
-# test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at the wheel under test.
+# test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at the wheel under test,
+# FLOWERS_UV at .venv's uv (test_clean_install.py's; the DBR environment has none).
 # With ISOLATE, pytest runs in a new mount namespace with a tmpfs on /dev/shm and TMPDIR in
 # the run's folder: Mosaic Streaming's shared memory and lock files, and every check of
 # them, are this suite's alone.
@@ -177,7 +186,7 @@ dbr-suite:
 	$(DBR_BIN)/python -c "import flowers_job, pathlib, sysconfig; f = pathlib.Path(flowers_job.__file__).resolve(); site = pathlib.Path(sysconfig.get_paths()['purelib']).resolve(); assert site in f.parents, f'flowers_job is imported from {f}, not from the installed wheel in {site}'; print('flowers_job from', f)"; \
 	FLOWERS_TEST_LOADERS=streaming FLOWERS_EXPECT_WHEEL=1 \
 	FLOWERS_PHOTOS=$(abspath $(PHOTOS)) FLOWERS_REPO_ROOT=$(CURDIR) \
-	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" \
+	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" FLOWERS_UV=$(abspath $(UV)) \
 	$$wrap $(DBR_BIN)/python -m pytest -p no:cacheprovider --durations=0 \
 		--junitxml=$(REPORTS)/junit-dbr.xml $(addprefix tests/,$(DBR_TESTS)) \
 		$(addprefix --deselect tests/,$(DBR_DESELECT)) || rc=$$?; \

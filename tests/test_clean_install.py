@@ -66,6 +66,11 @@ SHOWN = (
 
 
 def _uv() -> str:
+    """``FLOWERS_UV`` (the DBR suite's: its environment, like the runtime, has no uv), else
+    the uv of this environment (requirements/lock.txt has it)."""
+    given = os.environ.get("FLOWERS_UV")
+    if given:
+        return given
     uv = pytest.importorskip("uv", reason="uv is not installed (requirements/lock.txt has it)")
     return str(uv.find_uv_bin())
 
