@@ -21,12 +21,7 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig
 from flowers_job.data.cache import cache_bytes_needed, check_cache_space, run_cache
 from flowers_job.data.files import digest, hash_sums
-from flowers_job.data.tables import (
-    SPLITS,
-    check_tables,
-    read_table_metadata,
-    table_versions,
-)
+from flowers_job.data.tables import SPLITS, CheckedTables, checked_tables
 from flowers_job.errors import DataError
 from flowers_job.loaders import loader_class
 from flowers_job.loaders.base import ShardPlan
@@ -73,36 +68,36 @@ def split_digest(df: DataFrame, label_names: list[str]) -> str:
     return digest(hash_sums(df, ["content_sha256", "label"]), labels=label_names)
 
 
-def lineage(
-    spark: SparkSession, cfg: JobConfig, versions: dict[str, int], label_names: list[str]
-) -> dict[str, object]:
-    """What a run reads, for its MLflow run (rank 0 logs it; :mod:`flowers_job.tracking`).
+def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict[str, object]:
+    """What a run reads, for its MLflow run (rank 0 logs it; :mod:`flowers_job.tracking`):
+    the checked tables (:func:`~flowers_job.data.tables.checked_tables`).
 
     Returns:
         ``{"tables": {name: {"path", "version"}}, "ingest_fingerprint": str,
         "test_split_digest": str}``.
     """
-    meta = read_table_metadata(spark, cfg.paths.table("images")) or {}
     test = (
         spark.read.format("delta")
-        .option("versionAsOf", versions["test"])
+        .option("versionAsOf", checked.versions["test"])
         .load(str(cfg.paths.table("test")))
     )
     return {
         "tables": {
             name: {"path": str(cfg.paths.table(name)), "version": version}
-            for name, version in versions.items()
+            for name, version in checked.versions.items()
         },
-        "ingest_fingerprint": str(meta.get("fingerprint", "")),
-        "test_split_digest": split_digest(test, label_names),
+        "ingest_fingerprint": str(checked.meta.get("fingerprint", "")),
+        "test_split_digest": split_digest(test, checked.label_names),
     }
 
 
-def example_images(spark: SparkSession, cfg: JobConfig, n: int = 2) -> list[bytes]:
-    """Up to ``n`` stored images of the val table (the smallest ``row_id`` first): the
-    registered model's input example. Bytes of re-encoded JPEGs, a few kB each."""
+def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2) -> list[bytes]:
+    """Up to ``n`` stored images of the val table at Delta ``version`` (the smallest
+    ``row_id`` first): the registered model's input example. Bytes of re-encoded JPEGs, a
+    few kB each."""
     rows = (
         spark.read.format("delta")
+        .option("versionAsOf", version)
         .load(str(cfg.paths.table("val")))
         .orderBy("row_id")
         .select("image")
@@ -144,8 +139,8 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
             "flowers_job.loaders.resolve_loader (the pipeline's preflight does)"
         )
     loader = loader_class(cfg.data.loader)(cfg)
-    label_names = check_tables(spark, cfg)
-    versions = table_versions(spark, cfg)
+    checked = checked_tables(spark, cfg)
+    versions = checked.versions
     with run_cache(cfg.paths.cache_parent_url) as (cache_url, folder):
         try:
             plans = {}
@@ -163,10 +158,10 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 plans["val"],
                 plans["test"],
                 cfg.num_partitions,
-                label_names,
+                checked.label_names,
                 cache_url,
-                example_images(spark, cfg),
-                lineage(spark, cfg, versions, label_names),
+                example_images(spark, cfg, versions["val"]),
+                lineage(spark, cfg, checked),
             )
         finally:
             loader.release(folder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
@@ -24,9 +25,11 @@ __all__ = [
     "SPLITS",
     "TABLE_NAMES",
     "TABLE_SCHEMAS",
+    "CheckedTables",
     "check_tables",
+    "checked_tables",
+    "latest_commit",
     "read_table_metadata",
-    "table_versions",
     "tables_mismatch",
     "write_table",
 ]
@@ -72,23 +75,30 @@ TABLE_SCHEMAS: dict[str, T.StructType] = {
 """Columns and types of each table (nullability aside): what training expects to read."""
 
 
-def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | None:
-    """The flowers_job metadata stored in the latest commit of the Delta table at ``path``.
-
-    Returns:
-        The metadata dict (``fingerprint``, ``run_id``, ``label_names``, ``settings``), or
-        None if there is no Delta table there or its latest commit is not flowers_job's.
-    """
+def latest_commit(spark: SparkSession, path: Path) -> tuple[int, dict[str, object] | None] | None:
+    """The version of the latest commit of the Delta table at ``path`` and the flowers_job
+    metadata it carries (``fingerprint``, ``run_id``, ``label_names``, ``settings``; None
+    when that commit is not flowers_job's); None if there is no Delta table there. One
+    ``history(1)`` read."""
     from delta.tables import DeltaTable
 
     if not DeltaTable.isDeltaTable(spark, str(path)):
         return None
-    last = DeltaTable.forPath(spark, str(path)).history(1).select("userMetadata").first()
-    if last is None or not last["userMetadata"]:
+    last = DeltaTable.forPath(spark, str(path)).history(1).select("version", "userMetadata")
+    row = last.first()
+    if row is None:
         return None
-    meta = json.loads(last["userMetadata"])
+    meta = json.loads(row["userMetadata"]) if row["userMetadata"] else None
     value = meta.get(META_KEY) if isinstance(meta, dict) else None
-    return value if isinstance(value, dict) else None
+    return int(row["version"]), value if isinstance(value, dict) else None
+
+
+def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | None:
+    """The flowers_job metadata stored in the latest commit of the Delta table at ``path``
+    (:func:`latest_commit`); None if there is no Delta table there or its latest commit is
+    not flowers_job's."""
+    commit = latest_commit(spark, path)
+    return None if commit is None else commit[1]
 
 
 def tables_mismatch(metas: Mapping[str, Mapping[str, object] | None]) -> str | None:
@@ -146,17 +156,43 @@ def write_table(spark: SparkSession, df: DataFrame, path: Path, meta: dict[str, 
         )
 
 
+@dataclass(frozen=True)
+class CheckedTables:
+    """Five tables found to be one complete ingest (:func:`checked_tables`)."""
+
+    label_names: list[str]
+    """The label names recorded at ingest; a label's index is its position."""
+    versions: dict[str, int]
+    """Table name -> the Delta version that was checked: the one a run reads
+    (``versionAsOf``) and records as its lineage."""
+    meta: dict[str, object]
+    """The ingest's metadata (the images table's latest commit; every table carries the same
+    fingerprint and run id)."""
+
+
 def check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
+    """:func:`checked_tables`' label names: a label's index is its position.
+
+    Raises:
+        DataError: as :func:`checked_tables`.
+    """
+    return checked_tables(spark, cfg).label_names
+
+
+def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
     """Check that the five tables are one complete ingest that training can read.
 
-    Runs before any loader cache is written. Checks, in order: every table is a
+    Runs before any loader cache is written. Each table's latest commit is read once
+    (:func:`latest_commit`), and everything after reads that version, so the version that
+    was checked is the one a run trains on. Checks, in order: every table is a
     flowers_job Delta table; all five come from the same ingest run (:func:`tables_mismatch`);
     each has the expected columns and types; ``images`` and the three splits have rows; and
     the labels in the splits are the ``label_names`` recorded at ingest, with their
     recorded indices.
 
     Returns:
-        The recorded label names; a label's index is its position.
+        The recorded label names, the checked version of each table and the ingest's
+        metadata.
 
     Raises:
         DataError: naming the table path and the problem (missing tables, tables from
@@ -164,7 +200,8 @@ def check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
             that differ from the recorded ones, naming both sets).
     """
     paths = {name: cfg.paths.table(name) for name in TABLE_NAMES}
-    metas = {name: read_table_metadata(spark, path) for name, path in paths.items()}
+    commits = {name: latest_commit(spark, path) for name, path in paths.items()}
+    metas = {name: None if c is None else c[1] for name, c in commits.items()}
     missing = [paths[n] for n, m in metas.items() if m is None]
     if missing:
         raise DataError(
@@ -178,21 +215,28 @@ def check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
             "an ingest was interrupted or another one wrote since: run `flowers-job ingest` "
             "again, it rewrites all five"
         )
-    tables = {name: spark.read.format("delta").load(str(path)) for name, path in paths.items()}
+    versions = {name: c[0] for name, c in commits.items() if c is not None}
+    tables = {
+        name: spark.read.format("delta").option("versionAsOf", versions[name]).load(str(path))
+        for name, path in paths.items()
+    }
     for name, df in tables.items():
         _check_schema(name, paths[name], df.schema)
-    for name in ("images", *SPLITS):
-        if tables[name].isEmpty():
-            raise DataError(
-                f"the {name} table {paths[name]} is empty; training needs rows in images, "
-                "train, val and test: add photos (or change data.val_fraction or "
-                "data.test_fraction) and ingest again"
-            )
+    # A split's (label, label_index) pairs, one query each: none means an empty split.
+    pairs = {split: _label_pairs(tables[split]) for split in SPLITS}
+    empty = ["images"] if tables["images"].isEmpty() else []
+    empty += [split for split in SPLITS if not pairs[split]]
+    if empty:
+        raise DataError(
+            f"the {empty[0]} table {paths[empty[0]]} is empty; training needs rows in images, "
+            "train, val and test: add photos (or change data.val_fraction or "
+            "data.test_fraction) and ingest again"
+        )
     meta = metas["images"]
     assert meta is not None
     label_names = [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
-    _check_labels([tables[s] for s in SPLITS], label_names, cfg.paths.tables_dir)
-    return label_names
+    _check_labels(set().union(*pairs.values()), label_names, cfg.paths.tables_dir)
+    return CheckedTables(label_names, versions, dict(meta))
 
 
 def _check_schema(name: str, path: Path, schema: StructType) -> None:
@@ -218,14 +262,15 @@ def _check_schema(name: str, path: Path, schema: StructType) -> None:
         )
 
 
-def _check_labels(splits: list[DataFrame], label_names: list[str], where: Path) -> None:
-    """Raise ``DataError`` if the (label, label_index) pairs in the split tables differ from
+def _label_pairs(df: DataFrame) -> set[tuple[str, int]]:
+    """The distinct (label, label_index) pairs of a split table (at most 10,000)."""
+    rows = df.select("label", "label_index").distinct().limit(10_000).collect()
+    return {(r["label"], r["label_index"]) for r in rows}
+
+
+def _check_labels(pairs: set[tuple[str, int]], label_names: list[str], where: Path) -> None:
+    """Raise ``DataError`` if the (label, label_index) pairs of the split tables differ from
     ``label_names`` (a label's index is its position), naming both label sets."""
-    pairs = {
-        (r["label"], r["label_index"])
-        for df in splits
-        for r in df.select("label", "label_index").distinct().limit(10_000).collect()
-    }
     found = sorted({str(label) for label, _ in pairs})
     if found != sorted(label_names):
         raise DataError(
@@ -245,16 +290,3 @@ def _check_labels(splits: list[DataFrame], label_names: list[str], where: Path) 
             f"label_names recorded at ingest, {label_names}: {', '.join(wrong)}; run "
             "`flowers-job ingest` again"
         )
-
-
-def table_versions(spark: SparkSession, cfg: JobConfig) -> dict[str, int]:
-    """The latest Delta version of each of the job's tables (``TABLE_NAMES``): the version
-    this run reads (``versionAsOf``) and records as its lineage."""
-    from delta.tables import DeltaTable
-
-    versions = {}
-    for name in TABLE_NAMES:
-        row = DeltaTable.forPath(spark, str(cfg.paths.table(name))).history(1).first()
-        assert row is not None
-        versions[name] = int(row["version"])
-    return versions
