@@ -13,6 +13,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -50,6 +51,25 @@ environment, so that each loader's end-to-end and fault tests run once."""
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Under ``.ci/run``: the lowest memory and free disk seen so far in the run (its
+    ``tools/resources.py`` log, ``FLOWERS_RESOURCES_LOG``), beside the failures they may
+    explain."""
+    log = os.environ.get("FLOWERS_RESOURCES_LOG")
+    if not log:
+        return
+    root = Path(os.environ.get("FLOWERS_REPO_ROOT") or Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, str(root / "tools" / "resources.py"), "report", log],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    for line in (proc.stdout + proc.stderr).splitlines():
+        terminalreporter.write_line(line)
 
 
 def run_cli(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,16 @@ def _run(
     )
 
 
+def _uv_failure(stderr: str) -> str:
+    """uv's own error lines (``error:``, ``cause:``, ``hint:``) and any exception line of a
+    build backend first, then the tail of ``stderr``: a failed sdist build prints its
+    backend's whole output between uv's error and its hint, so the tail alone can miss the
+    cause (a full disk, a failed download, the backend's exit status)."""
+    cause = re.compile(r"^(error:|cause:|hint:|[\w.]*(Error|Exception)\b)")
+    own = [line.strip() for line in stderr.splitlines() if cause.match(line.strip())]
+    return " | ".join(own) + f"\n{stderr[-4000:]}"
+
+
 def _clean_env() -> dict[str, str]:
     """This process's environment less what would point a child at another environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
@@ -127,7 +138,7 @@ def venv(pypi: None, tmp_path: Path) -> Iterator[Path]:
         python = str(env / "bin" / "python")
         install = [uv, "pip", "install", "--no-config", "--python", python]
         proc = _run([*install, f"{wheel}[local,streaming]"], 600, tmp_path, _clean_env())
-        assert proc.returncode == 0, f"uv pip install failed:\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, f"uv pip install failed: {_uv_failure(proc.stderr)}"
         check = _run([uv, "pip", "check", "--python", python], 60, tmp_path, _clean_env())
         assert check.returncode == 0, check.stdout + check.stderr
         yield env
