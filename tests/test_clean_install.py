@@ -11,7 +11,11 @@ pass here when another requirement pulls it in, as the full mlflow of ``[local]`
 scikit-learn and matplotlib: tests/test_bundle.py's import walk catches that.)
 
 uv creates and fills the environment (``requirements/lock.txt`` has it), from its default
-cache (``~/.cache/uv``). Measured on the 2-core machine, shared (load 5-7), 2026-11-24:
+cache (``~/.cache/uv``), with symbolic links into that cache (``--link-mode symlink``): the
+same files a user's install holds, but the environment takes about 0.25 GB of the test's
+temp dir wherever that is. uv's default, hard links, falls back to a full copy (6.7 GB)
+when the temp dir is on another file system than the cache, as a tmpfs ``/tmp`` is; that
+copy, side by side with both suites, can fill the temp dir for every test at once. Measured on the 2-core machine, shared (load 5-7), 2026-11-24:
 the fixture (wheel build, venv, install, ``uv pip check``) 48-81 s with a cold uv cache and
 38 s with a warm one (``uv pip install`` alone: 56 s and 30 s; pyspark is an sdist, which
 uv downloads and builds again every time: the index's responses here revalidate as
@@ -136,7 +140,16 @@ def venv(pypi: None, tmp_path: Path) -> Iterator[Path]:
         )
         assert created.returncode == 0, created.stderr
         python = str(env / "bin" / "python")
-        install = [uv, "pip", "install", "--no-config", "--python", python]
+        install = [
+            uv,
+            "pip",
+            "install",
+            "--no-config",
+            "--link-mode",
+            "symlink",
+            "--python",
+            python,
+        ]
         proc = _run([*install, f"{wheel}[local,streaming]"], 600, tmp_path, _clean_env())
         assert proc.returncode == 0, f"uv pip install failed: {_uv_failure(proc.stderr)}"
         check = _run([uv, "pip", "check", "--python", python], 60, tmp_path, _clean_env())
