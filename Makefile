@@ -43,10 +43,13 @@ LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -
 DBR_ID   := $(shell cat requirements/dbr-17.3-ml.txt | sha256sum | cut -c1-12)
 # Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way).
 WHEEL_DIR ?= dist
-# Test files that `make test` runs in the DBR suite only: the clean install of the built
-# wheel (a fresh uv environment of its own, whichever suite starts it) evens out the two
-# suites' times when they run side by side (docs/testing.md).
-DBR_ONLY ?= test_clean_install.py
+# Test files that `make test` runs in the DBR suite only, which evens out the two suites'
+# times when they run side by side (docs/testing.md): the clean install of the built wheel
+# (a fresh uv environment of its own, whichever suite starts it), and the checks of
+# flowers_job's own that read and write Delta tables through the stack both suites
+# exercise in test_ingest.py (the quarantine of each bad input, training's refusal of
+# damaged tables).
+DBR_ONLY ?= test_clean_install.py test_table_checks.py test_bad_input.py
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
 	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py \
