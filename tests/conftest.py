@@ -13,7 +13,6 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -53,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Under ``.ci/run``: the lowest memory and free disk seen so far in the run (its
     ``tools/resources.py`` log, ``FLOWERS_RESOURCES_LOG``), beside the failures they may
     explain."""
