@@ -19,9 +19,9 @@
 # Each suite writes a JUnit XML into $(REPORTS) and prints every test's duration
 # (--durations=0); tools/junit_summary.py reads them back.
 # Python writes the bytecode of what it imports (__pycache__), whatever the caller's
-# PYTHONDONTWRITEBYTECODE says: uv installs no .pyc, and with that variable set (as on the CI
-# machine) every process compiled torch, torchvision, MLflow and pandas from source on every
-# import. test_cli_run_local_mode_then_resume[streaming] in .venv-dbr: 99.5 s without
+# PYTHONDONTWRITEBYTECODE says: uv installs no .pyc, and with that variable set (as on this
+# 2-core machine, and CI runs on one like it) every process compiled torch, torchvision,
+# MLflow and pandas from source on every import. test_cli_run_local_mode_then_resume[streaming] in .venv-dbr: 99.5 s without
 # bytecode, 71.5 s while writing it, 65.8 s with it (alone, 2-core machine, 2026-11-24).
 unexport PYTHONDONTWRITEBYTECODE
 PYTHON   ?= python3

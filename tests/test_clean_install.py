@@ -12,15 +12,16 @@ scikit-learn and matplotlib: tests/test_bundle.py's import walk catches that.)
 
 uv creates and fills the environment (``requirements/lock.txt`` has it), from its default
 cache (``~/.cache/uv``), with symbolic links into that cache (``--link-mode symlink``): the
-same files a user's install holds, but the environment takes about 0.25 GB of the test's
-temp dir wherever that is. uv's default, hard links, falls back to a full copy (6.7 GB)
-when the temp dir is on another file system than the cache, as a tmpfs ``/tmp`` is; that
-copy, side by side with both suites, can fill the temp dir for every test at once. Measured on the 2-core machine, shared (load 5-7), 2026-11-24:
-the fixture (wheel build, venv, install, ``uv pip check``) 48-81 s with a cold uv cache and
-38 s with a warm one (``uv pip install`` alone: 56 s and 30 s; pyspark is an sdist, which
-uv downloads and builds again every time: the index's responses here revalidate as
-modified), the job 144-192 s, the whole test 228-284 s (6-11 s of it removing the
-6.7 GB environment, hard links into the cache).
+same files a user's install holds, in about 0.25 GB of the test's temp dir wherever that
+is. uv's default, hard links, falls back to a full copy (6.7 GB) where the temp dir is on
+another file system than the cache (a tmpfs ``/tmp``): a cause that fits the CI run of
+2026-11-24 that failed in both suites at once, this test among them. Measured on the 2-core
+machine, shared (load 5-7), 2026-11-24, with hard links: the fixture (wheel build, venv,
+install, ``uv pip check``) 48-81 s with a cold uv cache and 38 s with a warm one (``uv pip
+install`` alone: 56 s and 30 s; pyspark is an sdist, which uv downloads and builds again
+every time: the index's responses here revalidate as modified), the job 144-192 s, the
+whole test 228-284 s (6-11 s of it removing the environment). With symbolic links, alone
+on the quiet machine: 107 s in all, 30 s of it the fixture, 4 s the removal.
 ``FLOWERS_WHEEL`` names an already built wheel to install instead of building one.
 """
 

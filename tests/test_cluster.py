@@ -141,17 +141,17 @@ def clusters(photos: Path) -> Iterator[Clusters]:
     hosts' names and addresses are fixed) waits for it, at most :data:`LOCK_TIMEOUT`."""
     lock = filelock.FileLock(BASE.with_name(BASE.name + ".lock"))
     try:
-        lock.acquire(timeout=LOCK_TIMEOUT)
+        acquired = lock.acquire(timeout=LOCK_TIMEOUT)
     except filelock.Timeout:
         pytest.fail(
             f"another run of test_cluster.py held {lock.lock_file} for {LOCK_TIMEOUT:.0f} s"
         )
-    held = Clusters()
-    try:
-        yield held
-    finally:
-        held.close()
-        lock.release()
+    with acquired:
+        held = Clusters()
+        try:
+            yield held
+        finally:
+            held.close()
 
 
 @pytest.fixture

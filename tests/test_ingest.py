@@ -199,7 +199,7 @@ def test_changed_clean_input_is_reingested_consistently(
     """Both ingests have an empty quarantine. Delta skips an empty overwrite of an empty
     table by default, which would leave the first run's metadata on the quarantine table and
     tables that training refuses however often ingest is re-run."""
-    from flowers_job.data.tables import check_tables
+    from flowers_job.data.tables import checked_tables
 
     images = sample_photos(tmp_path / "images", per_label=1)
     cfg = _cfg(images, tmp_path / "out", *SMALL_SPLITS)
@@ -209,7 +209,7 @@ def test_changed_clean_input_is_reingested_consistently(
     assert second.written and second.fingerprint != first.fingerprint
     assert (second.images_rows, second.quarantined_rows) == (10, 0)
     assert _version(spark, second.tables["quarantine"]) == 1
-    assert check_tables(spark, cfg) == sorted(LABELS)
+    assert checked_tables(spark, cfg).label_names == sorted(LABELS)
 
 
 @pytest.mark.slow
@@ -220,7 +220,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     """`flowers-job ingest` is killed with SIGKILL (with its JVM) after writing three of the
     five tables over those of an earlier input: the other two are unchanged, training
     refuses the mix, and a re-run writes the same tables as a fresh ingest."""
-    from flowers_job.data.tables import check_tables
+    from flowers_job.data.tables import checked_tables
     from flowers_job.errors import DataError
 
     images = sample_photos(tmp_path / "images", per_label=2)
@@ -264,11 +264,11 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         val_before
     )
     with pytest.raises(DataError, match="come from different ingests"):
-        check_tables(spark, cfg)
+        checked_tables(spark, cfg)
 
     again = ingest(spark, cfg)
     assert again.written and (again.images_rows, again.quarantined_rows) == (15, 1)
-    assert check_tables(spark, cfg) == sorted(LABELS)
+    assert checked_tables(spark, cfg).label_names == sorted(LABELS)
     fresh = ingest(spark, _cfg(images, tmp_path / "fresh", *overrides))
     for name in TABLE_NAMES:
         assert _contents(spark, again.tables[name]) == _contents(spark, fresh.tables[name]), name

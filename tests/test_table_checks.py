@@ -13,8 +13,8 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.ingest import ingest
-from flowers_job.data.prepare import prepare_data
-from flowers_job.data.tables import check_tables, read_table_metadata
+from flowers_job.data.prepare import example_images, prepare_data
+from flowers_job.data.tables import TABLE_NAMES, checked_tables, read_table_metadata
 from flowers_job.errors import DataError
 from flowers_job.loaders import resolve_loader
 
@@ -64,8 +64,26 @@ def _read(spark: SparkSession, cfg: JobConfig, name: str) -> DataFrame:
     return spark.read.format("delta").load(str(cfg.paths.table(name)))
 
 
-def test_intact_tables_pass(spark: SparkSession, tables: JobConfig) -> None:
-    assert check_tables(spark, tables) == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+def test_intact_tables_pass_and_the_checked_versions_are_the_ones_read(
+    spark: SparkSession, tables: JobConfig
+) -> None:
+    """The versions checked are each table's latest, and what prepare reads at them stays
+    what was checked when a table gets a new commit after the check."""
+    from delta.tables import DeltaTable
+
+    checked = checked_tables(spark, tables)
+    assert checked.label_names == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    latest = {
+        name: DeltaTable.forPath(spark, str(tables.paths.table(name))).history(1).collect()[0]
+        for name in TABLE_NAMES
+    }
+    assert checked.versions == {name: int(row["version"]) for name, row in latest.items()}
+    assert checked.meta == read_table_metadata(spark, tables.paths.table("images"))
+    examples = example_images(spark, tables, checked.versions["val"])
+    assert len(examples) == 2
+    _rewrite(spark, tables, "val", _read(spark, tables, "val").limit(0))
+    assert example_images(spark, tables, checked.versions["val"]) == examples
+    assert example_images(spark, tables, checked.versions["val"] + 1) == []
 
 
 def test_a_label_set_that_differs_from_the_recorded_one(
@@ -78,7 +96,7 @@ def test_a_label_set_that_differs_from_the_recorded_one(
     _rewrite(spark, tables, "train", relabelled)
     _rewrite(spark, tables, "val", _read(spark, tables, "val").where("label != 'tulips'"))
     with pytest.raises(DataError) as err:
-        check_tables(spark, tables)
+        checked_tables(spark, tables)
     message = str(err.value)
     assert "['daisy', 'dandelion', 'orchids', 'roses', 'sunflowers']" in message
     assert "['daisy', 'dandelion', 'roses', 'sunflowers', 'tulips']" in message
@@ -93,13 +111,13 @@ def test_a_label_index_that_differs_from_the_recorded_one(
     with pytest.raises(
         DataError, match=r"label_index in the split tables .*: \w+: \d \(expected \d\)"
     ):
-        check_tables(spark, tables)
+        checked_tables(spark, tables)
 
 
 def test_an_empty_table(spark: SparkSession, tables: JobConfig) -> None:
     _rewrite(spark, tables, "val", _read(spark, tables, "val").limit(0))
     with pytest.raises(DataError, match=rf"the val table {tables.paths.table('val')} is empty"):
-        check_tables(spark, tables)
+        checked_tables(spark, tables)
 
 
 def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -> None:
@@ -111,7 +129,7 @@ def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -
     )
     _rewrite(spark, tables, "train", damaged)
     with pytest.raises(DataError) as err:
-        check_tables(spark, tables)
+        checked_tables(spark, tables)
     message = str(err.value)
     assert f"the train table {tables.paths.table('train')} does not have" in message
     assert "missing columns ['notes']" in message
@@ -129,9 +147,9 @@ def test_tables_written_by_different_runs(
     shutil.rmtree(tables.paths.table("val"))
     shutil.copytree(other / "tables" / "val", tables.paths.table("val"))
     with pytest.raises(DataError, match=r"come from different ingests .* run `flowers-job ingest`"):
-        check_tables(spark, tables)
+        checked_tables(spark, tables)
     assert ingest(spark, _cfg(tables.paths.output_dir, source[0])).written
-    assert len(check_tables(spark, tables)) == 5
+    assert len(checked_tables(spark, tables).label_names) == 5
 
 
 def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: JobConfig) -> None:

@@ -26,7 +26,6 @@ __all__ = [
     "TABLE_NAMES",
     "TABLE_SCHEMAS",
     "CheckedTables",
-    "check_tables",
     "checked_tables",
     "latest_commit",
     "read_table_metadata",
@@ -168,15 +167,6 @@ class CheckedTables:
     meta: dict[str, object]
     """The ingest's metadata (the images table's latest commit; every table carries the same
     fingerprint and run id)."""
-
-
-def check_tables(spark: SparkSession, cfg: JobConfig) -> list[str]:
-    """:func:`checked_tables`' label names: a label's index is its position.
-
-    Raises:
-        DataError: as :func:`checked_tables`.
-    """
-    return checked_tables(spark, cfg).label_names
 
 
 def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:

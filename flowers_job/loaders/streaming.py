@@ -97,7 +97,9 @@ def import_streaming() -> types.ModuleType:
     Each unused subpackage is a placeholder in ``sys.modules`` until a public attribute of it
     is read; then the real one is imported and takes its place, so code that uses
     ``streaming.text.StreamingC4`` still gets it. Nothing changes if ``streaming`` is
-    imported already.
+    imported already. (The standard library's ``importlib.util.LazyLoader`` loads on any
+    attribute access, dunders included; tried here, the example datasets then loaded in the
+    middle of torch's own import, which failed with a circular import.)
 
     Raises:
         ImportError: mosaicml-streaming is not installed, or does not import.
