@@ -286,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         f"({'written' if report.written else 'unchanged, nothing written'}) in {ingest_s:.0f} s",
         flush=True,
     )
-    train = spark.read.format("delta").load(str(cfg.paths.table("train")))
-    files = sorted(_local_path(f) for f in train.inputFiles())
+    train = spark.read.format("delta").load(str(cfg.paths.table("images"))).where("split = 'train'")
+    # the train split's files: its partition folder of the images table
+    files = sorted(_local_path(f) for f in train.inputFiles() if "/split=train/" in f)
     expected = [int(r["row_id"]) for r in train.select("row_id").collect()]
     common = {
         "image_size": cfg.data.image_size,

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
     images = argparse.ArgumentParser(add_help=False)
     images.add_argument("--images", type=Path, help="data.images: <images>/<label>/<file>")
+    images.add_argument(
+        "--full",
+        action="store_true",
+        help="data.full_ingest: decode every file and rewrite the tables (default: only "
+        "new and changed files)",
+    )
     resume = argparse.ArgumentParser(add_help=False)
     resume.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in output dir"
@@ -85,6 +91,7 @@ def _config(args: argparse.Namespace) -> JobConfig:
         "data.images": getattr(args, "images", None),
         "paths.output_dir": args.output_dir,
         "train.resume": True if getattr(args, "resume", False) else None,
+        "data.full_ingest": True if getattr(args, "full", False) else None,
     }
     return load_config(args.config, args.overrides, **flags)
 
@@ -153,8 +160,20 @@ def main(argv: list[str] | None = None) -> int:
             "registered_model_version",
             "images_rows",
             "files",
+            "mode",
+            "files_listed",
+            "files_decoded",
+            "rows_inserted",
+            "rows_updated",
+            "rows_deleted",
+            "rows_quarantined",
         )
-        print(json.dumps({k: result[k] for k in keys if k in result}, indent=2))
+        shown = {k: result[k] for k in keys if k in result}
+        if "loader_cache" in result:
+            shown["loader_cache_reused"] = {
+                split: use["reused"] for split, use in result["loader_cache"].items()
+            }
+        print(json.dumps(shown, indent=2))
         if args.command != "ingest":
             print(f"summary: {cfg.paths.summary_path}")
     return 0

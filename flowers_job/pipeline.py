@@ -169,8 +169,8 @@ def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     t0 = time.perf_counter()
     report = ingest(spark, cfg)
     log.info(
-        "ingest: %d files -> %d images (train %d, val %d, test %d), %d quarantined %s, %s in "
-        "%.1f s",
+        "ingest: %d files -> %d images (train %d, val %d, test %d), %d quarantined %s; %s: "
+        "%d decoded, images +%d ~%d -%d, %d quarantined by this run, in %.1f s",
         report.files,
         report.images_rows,
         report.train_rows,
@@ -178,7 +178,12 @@ def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
         report.test_rows,
         report.quarantined_rows,
         report.quarantine_reasons or "",
-        "written" if report.written else "unchanged",
+        report.mode,
+        report.files_decoded,
+        report.rows_inserted,
+        report.rows_updated,
+        report.rows_deleted,
+        report.rows_quarantined,
         time.perf_counter() - t0,
     )
     return report
@@ -369,6 +374,7 @@ def _train(
             "local_mode": d.local_mode,
             "mlflow_tracking_uri": cfg.tracking_uri,
             "tables": {name: str(cfg.paths.table(name)) for name in TABLE_NAMES},
+            "loader_cache": data.loader_cache,
             "history": result["history"],
         }
     if ingest_report is not None:

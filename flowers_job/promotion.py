@@ -75,10 +75,16 @@ class Promotion:
 
 
 def champion_accuracy_on(
-    spark: SparkSession, model_uri: str, test_table: str, version: int, tracking_uri: str
+    spark: SparkSession,
+    model_uri: str,
+    test_table: str,
+    version: int,
+    tracking_uri: str,
+    split: str | None = None,
 ) -> float:
     """Accuracy of the model at ``model_uri`` (in the MLflow store ``tracking_uri``) on the
-    Delta table ``test_table`` at Delta ``version``: scored on the executors
+    Delta table ``test_table`` at Delta ``version`` (its rows of ``split`` when given, the
+    ``images`` table's test split): scored on the executors
     (:func:`flowers_job.predict.score_images`), compared with the table's ``label`` column;
     an image the model cannot decode counts as wrong.
 
@@ -88,6 +94,8 @@ def champion_accuracy_on(
     from flowers_job.predict import score_images
 
     df = spark.read.format("delta").option("versionAsOf", version).load(test_table)
+    if split is not None:
+        df = df.where(F.col("split") == split)
     scored = score_images(
         spark, model_uri, df.select("row_id", "label", "image"), tracking_uri=tracking_uri
     )
@@ -114,7 +122,7 @@ def promote(spark: SparkSession, cfg: JobConfig, summary: dict[str, Any]) -> Pro
 
     Args:
         summary: the run's summary: ``registered_model_name``, ``registered_model_version``,
-            ``mlflow_run_id``, ``test_accuracy`` and ``lineage`` (tables and
+            ``mlflow_run_id``, ``test_accuracy`` and ``lineage`` (splits and
             ``test_split_digest``).
 
     Returns:
@@ -143,13 +151,14 @@ def promote(spark: SparkSession, cfg: JobConfig, summary: dict[str, Any]) -> Pro
         if run is not None and run.data.tags.get(TAG_TEST_SPLIT) == digest and logged is not None:
             theirs, how = float(logged), "logged"
         else:
-            test = summary["lineage"]["tables"]["test"]
+            test = summary["lineage"]["splits"]["test"]
             theirs = champion_accuracy_on(
                 spark,
                 f"models:/{name}/{champion.version}",
                 test["path"],
                 int(test["version"]),
                 cfg.tracking_uri,
+                test.get("split"),
             )
             how = "rescored"
         promoted = ours >= theirs

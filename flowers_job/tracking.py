@@ -293,9 +293,12 @@ class RunTracker:
             plt.close(fig)
 
     def log_lineage(self, lineage: dict[str, Any]) -> None:
-        """Each Delta table read as an MLflow dataset input (path and Delta version in its
-        source and its ``delta_version`` tag; context = the table's role), and the run tags ``flowers_job.ingest_fingerprint``,
-        ``flowers_job.test_split_digest`` and ``flowers_job.version``.
+        """Each split read as an MLflow dataset input (the ``images`` table's path and Delta
+        version in its source and its ``delta_version`` tag, the split in its ``split``
+        tag; context = the split), and the run tags ``flowers_job.ingest_fingerprint``,
+        ``flowers_job.test_split_digest``, ``flowers_job.images_table``,
+        ``flowers_job.images_version`` (which retention keeps readable:
+        :mod:`flowers_job.data.retention`) and ``flowers_job.version``.
 
         Args:
             lineage: :func:`flowers_job.data.prepare.lineage`'s dict.
@@ -304,20 +307,28 @@ class RunTracker:
         from mlflow.data.meta_dataset import MetaDataset
 
         from flowers_job import __version__
+        from flowers_job.data.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 
-        for name, table in sorted(lineage.get("tables", {}).items()):
+        for name, table in sorted(lineage.get("splits", {}).items()):
             source = DeltaDatasetSource(path=table["path"], delta_table_version=table["version"])
-            where = f"{table['path']}@{table['version']}"
+            where = f"{table['path']}@{table['version']}:{table.get('split', name)}"
             digest = hashlib.sha256(where.encode()).hexdigest()[:16]
             # MetaDataset: a dataset known by its source and digest, without loading it here
             # (rank 0 has no Spark session); mypy sees Dataset.profile as abstract.
             dataset = MetaDataset(source, name=f"flowers_{name}", digest=digest)  # type: ignore[abstract]
             # The source drops a version of 0 from its JSON: the tag always carries it.
-            mlflow.log_input(dataset, context=name, tags={"delta_version": str(table["version"])})
+            mlflow.log_input(
+                dataset,
+                context=name,
+                tags={"delta_version": str(table["version"]), "split": str(table.get("split"))},
+            )
+        images = lineage.get("tables", {}).get("images", {})
         mlflow.set_tags(
             {
                 TAG_FINGERPRINT: lineage.get("ingest_fingerprint", ""),
                 TAG_TEST_SPLIT: lineage.get("test_split_digest", ""),
+                TAG_IMAGES_TABLE: str(images.get("path", "")),
+                TAG_IMAGES_VERSION: str(images.get("version", "")),
                 TAG_VERSION: __version__,
             }
         )

@@ -143,15 +143,28 @@ def test_split_is_deterministic_whatever_the_partitioning(
     assert set(splits.values()) == {"train", "val", "test"}
 
 
-def test_split_tables_partition_the_images_table(spark: SparkSession, ingested) -> None:
-    _, report = ingested
-    splits = {s: _rows(spark, report.tables[s], "relative_path", "split") for s in SPLITS}
-    for split, rows in splits.items():
-        assert {s for _, s in rows} == {split}
-    everything = sorted(splits["train"] + splits["val"] + splits["test"])
-    assert everything == _rows(spark, report.tables["images"], "relative_path", "split")
+def test_splits_are_partitions_of_the_one_images_table(spark: SparkSession, ingested) -> None:
+    """Each image is stored once: ``images`` is partitioned by ``split``, a split is read by
+    partition pruning, and the report's counts are the partitions' rows."""
+    from delta.tables import DeltaTable
+
+    from flowers_job.data.tables import split_frame
+
+    cfg, report = ingested
+    detail = DeltaTable.forPath(spark, report.tables["images"]).detail().first()
+    assert detail is not None and list(detail["partitionColumns"]) == ["split"]
+    assert set(report.tables) == {"images", "quarantine"}
+    version = _version(spark, report.tables["images"])
+    rows = {s: _rows(spark, report.tables["images"], "relative_path", "split") for s in SPLITS}
+    for split in SPLITS:
+        df = split_frame(spark, cfg.paths.table("images"), version, split)
+        assert "PartitionFilters: [isnotnull(split" in df._jdf.queryExecution().toString()
+        assert sorted((r["relative_path"], split) for r in df.collect()) == [
+            r for r in rows[split] if r[1] == split
+        ]
     assert (report.train_rows, report.val_rows, report.test_rows) == tuple(
-        len(rows) for rows in splits.values()
+        df.count()
+        for df in (split_frame(spark, cfg.paths.table("images"), version, s) for s in SPLITS)
     )
 
 
@@ -208,8 +221,10 @@ def test_changed_clean_input_is_reingested_consistently(
     second = ingest(spark, cfg)
     assert second.written and second.fingerprint != first.fingerprint
     assert (second.images_rows, second.quarantined_rows) == (10, 0)
-    assert _version(spark, second.tables["quarantine"]) == 1
-    assert checked_tables(spark, cfg).label_names == sorted(LABELS)
+    assert (second.mode, second.files_decoded, second.rows_inserted) == ("incremental", 5, 5)
+    checked = checked_tables(spark, cfg)  # the quarantine's commit carries the second run's id
+    assert checked.label_names == sorted(LABELS)
+    assert checked.meta["fingerprint"] == second.fingerprint
 
 
 @pytest.mark.slow
@@ -217,9 +232,9 @@ def test_changed_clean_input_is_reingested_consistently(
 def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     spark: SparkSession, tmp_path: Path
 ) -> None:
-    """`flowers-job ingest` is killed with SIGKILL (with its JVM) after writing three of the
-    five tables over those of an earlier input: the other two are unchanged, training
-    refuses the mix, and a re-run writes the same tables as a fresh ingest."""
+    """`flowers-job ingest` is killed with SIGKILL (with its JVM) after MERGEing the changes of
+    the input into the quarantine table: the images table is unchanged, training refuses
+    the mix, and a re-run writes the same tables as a fresh ingest."""
     from flowers_job.data.tables import checked_tables
     from flowers_job.errors import DataError
 
@@ -228,13 +243,16 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     overrides = ("data.max_bad_fraction=0.2", *SMALL_SPLITS)
     cfg = _cfg(images, tmp_path / "out", *overrides)
     first = ingest(spark, cfg)
-    val_before = (_version(spark, first.tables["val"]), _contents(spark, first.tables["val"]))
+    images_before = (
+        _version(spark, first.tables["images"]),
+        _contents(spark, first.tables["images"]),
+    )
     sample_photos(images, per_label=1, offset=2)  # the input changes: one more photo per label
 
     repo = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
-        "FLOWERS_JOB_INGEST_FAULT": "pause_after:train",
+        "FLOWERS_JOB_INGEST_FAULT": "pause_after:quarantine",
         "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
     }
     args = ["--images", str(images), "--output-dir", str(cfg.paths.output_dir)]
@@ -251,7 +269,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     assert proc.stderr is not None
     try:
         for line in proc.stderr:
-            if "ingest paused after writing the train table" in line:
+            if "ingest paused after writing the quarantine table" in line:
                 break
         else:
             pytest.fail(f"ingest ended (status {proc.wait()}) without pausing")
@@ -260,14 +278,16 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
 
-    assert (_version(spark, first.tables["val"]), _contents(spark, first.tables["val"])) == (
-        val_before
-    )
+    assert (
+        _version(spark, first.tables["images"]),
+        _contents(spark, first.tables["images"]),
+    ) == images_before
     with pytest.raises(DataError, match="come from different ingests"):
         checked_tables(spark, cfg)
 
     again = ingest(spark, cfg)
     assert again.written and (again.images_rows, again.quarantined_rows) == (15, 1)
+    assert again.mode.startswith("full: the tables are not one complete ingest")
     assert checked_tables(spark, cfg).label_names == sorted(LABELS)
     fresh = ingest(spark, _cfg(images, tmp_path / "fresh", *overrides))
     for name in TABLE_NAMES:

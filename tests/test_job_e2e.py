@@ -78,6 +78,7 @@ CONTRACT_KEYS = {
     "registered_model_name",
     "registered_model_version",
     "tables",
+    "loader_cache",
 }
 
 
@@ -91,8 +92,9 @@ def _check_summary(summary: dict[str, Any], spark: SparkSession, images: int) ->
     assert 1 <= summary["best_epoch"] <= summary["epochs_completed"]
     counts = {n: spark.read.format("delta").load(p).count() for n, p in summary["tables"].items()}
     assert counts["images"] == images and counts["quarantine"] == summary["quarantined_rows"] == 0
-    for split in ("train", "val", "test"):
-        assert counts[split] == summary[f"{split}_rows"] > 0, split
+    per_split = spark.read.format("delta").load(summary["tables"]["images"]).groupBy("split")
+    for split, n in ((r["split"], r["count"]) for r in per_split.count().collect()):
+        assert n == summary[f"{split}_rows"] > 0, split
     assert summary["train_rows"] + summary["val_rows"] + summary["test_rows"] == images
     test = summary["test"]
     assert test["rows"] == summary["test_rows"] == sum(map(sum, test["confusion"]))
@@ -151,23 +153,22 @@ def _check_review(summary: dict[str, Any]) -> None:
         Path(client.download_artifacts(run.info.run_id, "test/confusion_matrix.json")).read_text()
     )
     assert [row[1:] for row in confusion["data"]] == summary["test"]["confusion"]
-    # lineage: every table as a dataset input, with the Delta version that was read
+    # lineage: every split as a dataset input: the images table at the Delta version read
     assert run.inputs is not None
     inputs = {
         i.dataset.name: (json.loads(i.dataset.source), {t.key: t.value for t in i.tags})
         for i in run.inputs.dataset_inputs
     }
-    tables = summary["lineage"]["tables"]
-    assert (
-        set(inputs)
-        == {f"flowers_{name}" for name in tables}
-        == {f"flowers_{name}" for name in ("images", "train", "val", "test", "quarantine")}
-    )
-    for name, table in tables.items():
+    splits = summary["lineage"]["splits"]
+    assert set(inputs) == {f"flowers_{name}" for name in ("train", "val", "test")}
+    images = summary["lineage"]["tables"]["images"]
+    assert images["path"] == summary["tables"]["images"]
+    for name, split in splits.items():
         source, tags = inputs[f"flowers_{name}"]
-        assert source["path"] == table["path"] == summary["tables"][name]
-        assert tags["delta_version"] == str(table["version"])
-        assert tags["mlflow.data.context"] == name
+        assert source["path"] == split["path"] == images["path"]
+        assert tags["delta_version"] == str(split["version"]) == str(images["version"])
+        assert tags["mlflow.data.context"] == name and tags["split"] == name
+    assert run.data.tags["flowers_job.images_version"] == str(images["version"])
     fingerprint = summary["lineage"]["ingest_fingerprint"]
     assert run.data.tags["flowers_job.ingest_fingerprint"] == fingerprint
     assert fingerprint == summary.get("ingest", {}).get("fingerprint", fingerprint)
@@ -287,6 +288,9 @@ def test_cli_run_local_mode_then_resume(
     capfd.readouterr()
     second = run_training(spark, cfg)
     _assert_no_secret("the output of the resumed run", "".join(capfd.readouterr()).encode())
+    # the resumed run reads the loader cache the first one wrote: no byte written again
+    assert all(not u["reused"] and u["bytes_written"] > 0 for u in first["loader_cache"].values())
+    assert all(u["reused"] and u["bytes_written"] == 0 for u in second["loader_cache"].values())
     assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run continues
     assert second["epochs_completed"] == 2 and second["epochs_this_run"] == 1
     assert [h["epoch"] for h in second["history"]] == [1, 2]

@@ -48,7 +48,7 @@ def _summary(registered: dict[str, Any], digest: str, test_table: str = "") -> d
         **registered,
         "lineage": {
             "test_split_digest": digest,
-            "tables": {"test": {"path": test_table, "version": 0}},
+            "splits": {"test": {"path": test_table, "version": 0, "split": None}},
         },
     }
 

@@ -1,5 +1,5 @@
 """Training from existing tables: bad tables are refused, naming the problem, before any
-Petastorm cache is written. Each test damages a copy of one real ingest's tables."""
+loader cache is written. Each test damages a copy of one real ingest's tables."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.ingest import ingest
 from flowers_job.data.prepare import example_images, prepare_data
-from flowers_job.data.tables import TABLE_NAMES, checked_tables, read_table_metadata
+from flowers_job.data.tables import (
+    PARTITION_COLUMNS,
+    TABLE_NAMES,
+    checked_tables,
+    read_table_metadata,
+)
 from flowers_job.errors import DataError
 from flowers_job.loaders import resolve_loader
 
@@ -46,8 +51,8 @@ def tables(source: tuple[Path, Path], tmp_path: Path) -> JobConfig:
 
 
 def _rewrite(spark: SparkSession, cfg: JobConfig, name: str, df: DataFrame) -> None:
-    """Overwrite a table with ``df``, keeping its flowers_job commit metadata (so that only
-    the damage done here is wrong)."""
+    """Overwrite a table with ``df`` (its partitioning kept), keeping its flowers_job commit
+    metadata (so that only the damage done here is wrong)."""
     path = cfg.paths.table(name)
     meta = read_table_metadata(spark, path)
     (
@@ -56,6 +61,7 @@ def _rewrite(spark: SparkSession, cfg: JobConfig, name: str, df: DataFrame) -> N
         .mode("overwrite")
         .option("overwriteSchema", "true")
         .option("userMetadata", json.dumps({"flowers_job": meta}))
+        .partitionBy(*PARTITION_COLUMNS[name])
         .save(str(path))
     )
 
@@ -79,22 +85,23 @@ def test_intact_tables_pass_and_the_checked_versions_are_the_ones_read(
     }
     assert checked.versions == {name: int(row["version"]) for name, row in latest.items()}
     assert checked.meta == read_table_metadata(spark, tables.paths.table("images"))
-    examples = example_images(spark, tables, checked.versions["val"])
+    assert sum(checked.split_rows.values()) == 20 and all(checked.split_rows.values())
+    version = checked.versions["images"]
+    examples = example_images(spark, tables, version)
     assert len(examples) == 2
-    _rewrite(spark, tables, "val", _read(spark, tables, "val").limit(0))
-    assert example_images(spark, tables, checked.versions["val"]) == examples
-    assert example_images(spark, tables, checked.versions["val"] + 1) == []
+    _rewrite(spark, tables, "images", _read(spark, tables, "images").where("split != 'val'"))
+    assert example_images(spark, tables, version) == examples
+    assert example_images(spark, tables, version + 1) == []
 
 
 def test_a_label_set_that_differs_from_the_recorded_one(
     spark: SparkSession, tables: JobConfig
 ) -> None:
-    train = _read(spark, tables, "train")
-    relabelled = train.withColumn(
+    images = _read(spark, tables, "images")
+    relabelled = images.withColumn(
         "label", F.when(F.col("label") == "tulips", "orchids").otherwise(F.col("label"))
     )
-    _rewrite(spark, tables, "train", relabelled)
-    _rewrite(spark, tables, "val", _read(spark, tables, "val").where("label != 'tulips'"))
+    _rewrite(spark, tables, "images", relabelled)
     with pytest.raises(DataError) as err:
         checked_tables(spark, tables)
     message = str(err.value)
@@ -106,32 +113,37 @@ def test_a_label_set_that_differs_from_the_recorded_one(
 def test_a_label_index_that_differs_from_the_recorded_one(
     spark: SparkSession, tables: JobConfig
 ) -> None:
-    val = _read(spark, tables, "val")
-    _rewrite(spark, tables, "val", val.withColumn("label_index", (F.col("label_index") + 1) % 5))
+    images = _read(spark, tables, "images")
+    shifted = F.when(F.col("split") == "val", (F.col("label_index") + 1) % 5).otherwise(
+        F.col("label_index")
+    )
+    _rewrite(spark, tables, "images", images.withColumn("label_index", shifted))
     with pytest.raises(
-        DataError, match=r"label_index in the split tables .*: \w+: \d \(expected \d\)"
+        DataError, match=r"label_index in the images table .*: \w+: \d \(expected \d\)"
     ):
         checked_tables(spark, tables)
 
 
-def test_an_empty_table(spark: SparkSession, tables: JobConfig) -> None:
-    _rewrite(spark, tables, "val", _read(spark, tables, "val").limit(0))
-    with pytest.raises(DataError, match=rf"the val table {tables.paths.table('val')} is empty"):
+def test_an_empty_split(spark: SparkSession, tables: JobConfig) -> None:
+    _rewrite(spark, tables, "images", _read(spark, tables, "images").where("split != 'val'"))
+    with pytest.raises(
+        DataError, match=rf"the val split of the images table {tables.paths.table('images')} "
+    ):
         checked_tables(spark, tables)
 
 
 def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -> None:
-    train = _read(spark, tables, "train")
+    images = _read(spark, tables, "images")
     damaged = (
-        train.drop("notes")
+        images.drop("notes")
         .withColumn("extra", F.lit(1))
         .withColumn("width", F.col("width").cast("string"))
     )
-    _rewrite(spark, tables, "train", damaged)
+    _rewrite(spark, tables, "images", damaged)
     with pytest.raises(DataError) as err:
         checked_tables(spark, tables)
     message = str(err.value)
-    assert f"the train table {tables.paths.table('train')} does not have" in message
+    assert f"the images table {tables.paths.table('images')} does not have" in message
     assert "missing columns ['notes']" in message
     assert "extra columns ['extra']" in message
     assert "wrong types: width is string, expected int" in message
@@ -140,12 +152,12 @@ def test_a_table_with_the_wrong_schema(spark: SparkSession, tables: JobConfig) -
 def test_tables_written_by_different_runs(
     spark: SparkSession, source: tuple[Path, Path], tables: JobConfig, tmp_path: Path
 ) -> None:
-    """Same input, same fingerprint, but the val table comes from another ingest run (a
-    concurrent writer): refused; ingesting again rewrites all four and training accepts."""
+    """Same input, same fingerprint, but the quarantine table comes from another ingest run (a
+    concurrent writer): refused; ingesting again rewrites both and training accepts."""
     other = tmp_path / "other"
     ingest(spark, _cfg(other, source[0]))
-    shutil.rmtree(tables.paths.table("val"))
-    shutil.copytree(other / "tables" / "val", tables.paths.table("val"))
+    shutil.rmtree(tables.paths.table("quarantine"))
+    shutil.copytree(other / "tables" / "quarantine", tables.paths.table("quarantine"))
     with pytest.raises(DataError, match=r"come from different ingests .* run `flowers-job ingest`"):
         checked_tables(spark, tables)
     assert ingest(spark, _cfg(tables.paths.output_dir, source[0])).written
@@ -153,11 +165,11 @@ def test_tables_written_by_different_runs(
 
 
 def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: JobConfig) -> None:
-    _rewrite(spark, tables, "train", _read(spark, tables, "train").drop("image"))
+    _rewrite(spark, tables, "images", _read(spark, tables, "images").drop("image"))
     with (
         pytest.raises(DataError, match="missing columns \\['image'\\]"),
         prepare_data(spark, resolve_loader(tables)),
     ):
         pass
     cache = tables.paths.output_dir / "loader_cache"
-    assert not cache.exists() or not any(cache.glob("run-*/*.parquet"))
+    assert not cache.exists() or not any(cache.rglob("*.parquet"))

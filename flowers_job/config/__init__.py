@@ -21,6 +21,7 @@ environment (``MLFLOW_TRACKING_PASSWORD``/``MLFLOW_TRACKING_TOKEN``, see
 from flowers_job.config.deprecated import ConfigDeprecationWarning
 from flowers_job.config.load import ConfigError, load_config, parse_overrides
 from flowers_job.config.model import (
+    CacheConfig,
     DataConfig,
     DistributedConfig,
     EarlyStoppingConfig,
@@ -35,6 +36,7 @@ from flowers_job.config.model import (
 )
 
 __all__ = [
+    "CacheConfig",
     "ConfigDeprecationWarning",
     "ConfigError",
     "DataConfig",

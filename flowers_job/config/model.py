@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from flowers_job.config.deprecated import migrate_deprecated
 
 __all__ = [
+    "CacheConfig",
     "DataConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
@@ -65,7 +66,15 @@ class DataConfig(_Section):
     max_image_pixels: int = Field(89_478_485, ge=1)
     """Decompression-bomb guard (Pillow's default): larger images are quarantined."""
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
-    """Ingest fails, writing nothing, when more than this fraction of files is quarantined."""
+    """Ingest fails, writing nothing, when more than this fraction of files is quarantined
+    (counted over the whole table after the change, for an incremental ingest too)."""
+    full_ingest: bool = False
+    """Decode every file and rewrite both tables, instead of decoding only the files that are
+    new or changed (path, size or modification time) and MERGEing them (``--full``)."""
+    retention_hours: float = Field(168.0, ge=0.0, le=87_600.0)
+    """VACUUM after each ingest that writes removes the files of Delta versions older than
+    this (hours; Delta's default is 168, 7 days), except those of versions that a kept
+    loader cache or a registered model's lineage names."""
     loader: str = "auto"
     """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
     'petastorm' (Parquet cache, the local pinned stack; needs pyarrow < 15 and NumPy < 2),
@@ -338,8 +347,9 @@ class PathsConfig(_Section):
     output_dir: Path
     """Holds ``tables/``, ``checkpoints/``, ``loader_cache/`` and ``summary.json``."""
     cache_url: str | None = None
-    """Parent of the per-run loader cache (Petastorm's Parquet files or Streaming's MDS
-    shards); must be visible to every rank (a ``file://`` URL on shared storage, e.g.
+    """Root of the loader cache (Petastorm's Parquet files or Streaming's MDS shards, one
+    entry per images version, split and settings, reused across runs: ``cache``); must be
+    visible to every rank (a ``file://`` URL on shared storage, e.g.
     ``file:///dbfs/tmp/flowers_cache`` or a ``/Volumes`` path on Databricks). None =
     ``<output_dir>/loader_cache``."""
 
@@ -348,7 +358,7 @@ class PathsConfig(_Section):
         return self.output_dir / "tables"
 
     def table(self, name: str) -> Path:
-        """Path of the Delta table ``name`` ('images', 'train', 'val', 'test' or 'quarantine')."""
+        """Path of the Delta table ``name`` ('images' or 'quarantine')."""
         return self.tables_dir / name
 
     @property
@@ -367,8 +377,21 @@ class PathsConfig(_Section):
         return (self.output_dir / "loader_cache").resolve().as_uri()
 
 
+class CacheConfig(_Section):
+    """The loader cache: each split written once per (images version, split, loader,
+    settings), under ``paths.cache_url``, and reused by later runs."""
+
+    max_bytes: int = Field(50 * 2**30, ge=0)
+    """Bytes the cache may hold: beyond this, the least recently used versions are evicted
+    after a run's own are ready (never one that a running job is reading). 0 keeps only the
+    current run's."""
+    lock_timeout_seconds: float = Field(3600.0, gt=0.0, le=86_400.0)
+    """How long a run waits for another run that is writing the same cache entry (seconds)
+    before it fails, naming the lock."""
+
+
 class JobConfig(_Section):
-    """The whole job: data, loaders, model, train, distributed, tracking, paths."""
+    """The whole job: data, loaders, model, train, distributed, tracking, paths, cache."""
 
     data: DataConfig = DataConfig()
     loaders: LoadersConfig = LoadersConfig()
@@ -377,6 +400,7 @@ class JobConfig(_Section):
     distributed: DistributedConfig = DistributedConfig()
     tracking: TrackingConfig = TrackingConfig()
     paths: PathsConfig
+    cache: CacheConfig = CacheConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -66,10 +66,12 @@ DECODED_SCHEMA = T.StructType(
         T.StructField("width", T.IntegerType(), True),
         T.StructField("height", T.IntegerType(), True),
         T.StructField("notes", T.StringType(), True),
+        T.StructField("mtime_ns", T.LongType(), True),
     ]
 )
 """One row per listed entry after :func:`decode_partitions`: ``image`` (a normalised JPEG),
-or a ``reason_code`` and ``reason``."""
+or a ``reason_code`` and ``reason``; ``mtime_ns`` is the listing's, passed on when the
+input has it."""
 
 _LISTING_ROWS_PER_FRAME = 4096
 
@@ -120,7 +122,8 @@ def decode_partitions(
     root: str, short_side: int, quality: int, max_pixels: int, extensions: tuple[str, ...]
 ) -> Callable[[Iterable[pd.DataFrame]], Iterator[pd.DataFrame]]:
     """The ``mapInPandas`` function that reads and decodes a partition of the listing
-    (``relative_path, label, num_bytes, reason_code, reason``) into :data:`DECODED_SCHEMA`.
+    (``relative_path, label, num_bytes, reason_code, reason``, optionally ``mtime_ns``) into
+    :data:`DECODED_SCHEMA`.
 
     One output row per input row: entries with a listing ``reason_code``, an unsupported
     extension or more than :func:`max_file_bytes` are passed on unread; a file that does not
@@ -134,12 +137,14 @@ def decode_partitions(
 
     def one(rec: Any) -> dict[str, Any]:
         num_bytes = None if pd.isna(rec.num_bytes) else int(rec.num_bytes)
+        mtime = getattr(rec, "mtime_ns", None)
         row: dict[str, Any] = dict.fromkeys(columns)
         row.update(
             path=f"file:{root}/{rec.relative_path}",
             relative_path=rec.relative_path,
             label=rec.label,
             num_bytes=num_bytes,
+            mtime_ns=None if mtime is None or pd.isna(mtime) else int(mtime),
         )
         if isinstance(rec.reason_code, str):  # refused at listing: never opened
             row.update(reason_code=rec.reason_code, reason=rec.reason)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from flowers_job.data.images import ImageRejected
 
 __all__ = [
+    "LISTING_REASONS",
     "ListedFile",
     "display_name",
     "is_hidden",
@@ -45,6 +46,18 @@ __all__ = [
     "list_entry",
     "read_listed_file",
 ]
+
+LISTING_REASONS = (
+    "symlink_outside_root",
+    "broken_symlink",
+    "symlinked_directory",
+    "not_a_regular_file",
+    "unreadable_directory",
+    "hidden_path",
+    "not_in_label_folder",
+    "bad_file_name",
+)
+"""The ``reason_code`` values the listing gives (the table above): entries never opened."""
 
 
 @dataclass(frozen=True)

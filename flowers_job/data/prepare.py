@@ -1,11 +1,13 @@
-"""Prepare (driver side): Delta tables -> this run's loader cache and a shard plan per split.
+"""Prepare (driver side): the ``images`` table -> the loader cache and a shard plan per split.
 
-Each split is read from its Delta table, at the Delta version recorded in the run's lineage,
-and handed to the configured loader (``data.loader``, resolved by
-:func:`flowers_job.loaders.resolve_loader`), which writes it into the run's cache folder
-(:func:`flowers_job.data.cache.run_cache`) and plans how ``world_size`` ranks read it
-(:class:`~flowers_job.loaders.base.ShardPlan`). The cache is removed when the run ends,
-however it ends. Which loader it is does not matter here: see :mod:`flowers_job.loaders`.
+Each split is read from ``images`` at the Delta version that was checked
+(:func:`~flowers_job.data.tables.checked_tables`) and recorded in the run's lineage, and
+handed to the configured loader (``data.loader``, resolved by
+:func:`flowers_job.loaders.resolve_loader`), which writes it into the loader cache and plans
+how ``world_size`` ranks read it (:class:`~flowers_job.loaders.base.ShardPlan`). The cache
+keeps one entry per (images version, split, loader, settings) and a later run on the same
+version reuses it (:mod:`flowers_job.data.cache`). Which loader it is does not matter here:
+see :mod:`flowers_job.loaders`.
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
-from flowers_job.data.cache import cache_bytes_needed, check_cache_space, run_cache
+from flowers_job.data.cache import cache_bytes_needed, loader_cache
 from flowers_job.data.files import digest, hash_sums
-from flowers_job.data.tables import SPLITS, CheckedTables, checked_tables
+from flowers_job.data.tables import SPLITS, CheckedTables, checked_tables, split_frame
 from flowers_job.errors import DataError
 from flowers_job.loaders import loader_class
 from flowers_job.loaders.base import ShardPlan
@@ -57,7 +60,10 @@ class PreparedData:
     """A few stored val images: the registered model's input example."""
     lineage: dict[str, object]
     """What the run was trained and scored on (:func:`lineage`): each table's path and the
-    Delta version read, the ingest fingerprint and the test split's digest."""
+    Delta version read, each split's, the ingest fingerprint and the test split's digest."""
+    loader_cache: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Split -> how its loader cache was got (:class:`~flowers_job.data.cache.CacheUse`):
+    ``entry``, ``reused``, ``bytes_written``, ``seconds``, ``waited_seconds``."""
 
 
 def split_digest(df: DataFrame, label_names: list[str]) -> str:
@@ -73,46 +79,39 @@ def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict
     the checked tables (:func:`~flowers_job.data.tables.checked_tables`).
 
     Returns:
-        ``{"tables": {name: {"path", "version"}}, "ingest_fingerprint": str,
-        "test_split_digest": str}``.
+        ``{"tables": {name: {"path", "version"}}, "splits": {split: {"path", "version",
+        "split"}}, "ingest_fingerprint": str, "test_split_digest": str}``; a split is the
+        ``images`` table's rows with that ``split`` at that version.
     """
-    test = (
-        spark.read.format("delta")
-        .option("versionAsOf", checked.versions["test"])
-        .load(str(cfg.paths.table("test")))
-    )
+    images = str(cfg.paths.table("images"))
+    version = checked.versions["images"]
+    test = split_frame(spark, cfg.paths.table("images"), version, "test")
     return {
         "tables": {
-            name: {"path": str(cfg.paths.table(name)), "version": version}
-            for name, version in checked.versions.items()
+            name: {"path": str(cfg.paths.table(name)), "version": v}
+            for name, v in checked.versions.items()
         },
+        "splits": {split: {"path": images, "version": version, "split": split} for split in SPLITS},
         "ingest_fingerprint": str(checked.meta.get("fingerprint", "")),
         "test_split_digest": split_digest(test, checked.label_names),
     }
 
 
 def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2) -> list[bytes]:
-    """Up to ``n`` stored images of the val table at Delta ``version`` (the smallest
-    ``row_id`` first): the registered model's input example. Bytes of re-encoded JPEGs, a
-    few kB each."""
-    rows = (
-        spark.read.format("delta")
-        .option("versionAsOf", version)
-        .load(str(cfg.paths.table("val")))
-        .orderBy("row_id")
-        .select("image")
-        .limit(n)
-        .collect()
-    )
+    """Up to ``n`` stored images of the val split at Delta ``version`` of ``images`` (the
+    smallest ``row_id`` first): the registered model's input example. Bytes of re-encoded
+    JPEGs, a few kB each. The smallest ids are found on the ``row_id`` column alone, then
+    only their images are read."""
+    val = split_frame(spark, cfg.paths.table("images"), version, "val")
+    ids = [int(r["row_id"]) for r in val.select("row_id").orderBy("row_id").limit(n).collect()]
+    rows = val.where(F.col("row_id").isin(ids)).orderBy("row_id").select("image").collect()
     return [bytes(r["image"]) for r in rows]
 
 
 def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> DataFrame:
-    """The loader's columns of ``split`` at Delta ``version``."""
+    """The loader's columns of ``split`` at Delta ``version`` of ``images``."""
     return (
-        spark.read.format("delta")
-        .option("versionAsOf", version)
-        .load(str(cfg.paths.table(split)))
+        split_frame(spark, cfg.paths.table("images"), version, split)
         .select(*LOADER_COLUMNS)
         .withColumn("label_index", F.col("label_index").cast("long"))
     )
@@ -120,7 +119,7 @@ def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> Dat
 
 @contextmanager
 def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
-    """Write the train, val and test splits into this run's loader cache; remove it on exit.
+    """Get each split's loader cache (reused, or written now) and its shard plan.
 
     ``cfg.data.loader`` must be resolved already (:func:`flowers_job.loaders.resolve_loader`:
     the pipeline does it once, before Spark starts).
@@ -130,7 +129,7 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
 
     Raises:
         DataError: missing or inconsistent tables, an empty split, unworkable shards, or no
-            space for the cache (naming the directory; nothing of the cache is left).
+            space for the cache (naming the directory; nothing of a partial write is left).
         ValueError: ``data.loader`` is 'auto' (unresolved) or not a registered loader.
     """
     if cfg.data.loader == "auto":
@@ -140,28 +139,41 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
         )
     loader = loader_class(cfg.data.loader)(cfg)
     checked = checked_tables(spark, cfg)
-    versions = checked.versions
-    with run_cache(cfg.paths.cache_parent_url) as (cache_url, folder):
-        try:
-            plans = {}
-            for split in SPLITS:
-                check_cache_space(
-                    cache_url,
-                    cache_bytes_needed(spark, cfg.paths.table(split)),
-                    f"the {split} table",
-                )
-                plans[split] = loader.write(
-                    spark, _split(spark, cfg, split, versions[split]), cache_url, split
-                )
-            yield PreparedData(
-                plans["train"],
-                plans["val"],
-                plans["test"],
-                cfg.num_partitions,
-                checked.label_names,
-                cache_url,
-                example_images(spark, cfg, versions["val"]),
-                lineage(spark, cfg, checked),
+    version = checked.versions["images"]
+    images = cfg.paths.table("images")
+    from delta.tables import DeltaTable
+
+    detail = DeltaTable.forPath(spark, str(images)).detail().select("id").first()
+    total = sum(checked.split_rows.values())
+    with loader_cache(cfg, loader) as cache:
+        plans: dict[str, ShardPlan] = {}
+        uses = {}
+        for split in SPLITS:
+            fields = {
+                "table": str(images),
+                "table_id": detail["id"] if detail is not None else None,
+                "version": version,
+                "split": split,
+                "loader": loader.name,
+                "settings": loader.cache_settings(split),
+            }
+            plans[split], use = cache.split(
+                spark,
+                loader,
+                split,
+                fields,
+                lambda split=split: _split(spark, cfg, split, version),  # type: ignore[misc]
+                cache_bytes_needed(spark, images, checked.split_rows[split] / total),
             )
-        finally:
-            loader.release(folder)
+            uses[split] = use.to_dict()
+        yield PreparedData(
+            plans["train"],
+            plans["val"],
+            plans["test"],
+            cfg.num_partitions,
+            checked.label_names,
+            plans["train"].cache_dir_url,
+            example_images(spark, cfg, version),
+            lineage(spark, cfg, checked),
+            uses,
+        )

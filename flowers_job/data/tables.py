@@ -1,20 +1,32 @@
 """The job's Delta tables: their names and schemas, the metadata each commit carries, the
-overwrite that records it, and the checks that five tables are one complete ingest.
+writes that record it, and the checks that the tables are one complete ingest.
+
+Two tables, each image stored once:
+
+- ``images``: every photo that decoded, **partitioned by** ``split`` (``train``, ``val``,
+  ``test``). A split is read as ``images`` at one Delta version where ``split = <name>``
+  (:func:`split_frame`): partition pruning reads only that split's files, and one pinned
+  version of one table fixes all three splits at once. (Split tables holding row ids only
+  would need a join of every read against ``images``; full copies, as before version 4 of
+  the layout, stored every image twice and grew by a copy per re-ingest.)
+- ``quarantine``: every other entry under the images root, with its reason.
 
 Each table's Delta commit carries, in its ``userMetadata``, a fingerprint of the listing and
 of the ingest settings, plus the ``run_id`` of the ingest that wrote it
-(:mod:`flowers_job.data.ingest`). The five tables form one ingest only if their latest
-commits carry the same fingerprint and run id (:func:`tables_mismatch`).
+(:mod:`flowers_job.data.ingest`). The tables form one ingest only if their latest commits
+carry the same fingerprint and run id (:func:`tables_mismatch`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.types import StructType
 
@@ -28,12 +40,14 @@ __all__ = [
     "CheckedTables",
     "checked_tables",
     "latest_commit",
+    "merge_table",
     "read_table_metadata",
+    "split_frame",
     "tables_mismatch",
     "write_table",
 ]
 
-TABLE_NAMES = ("images", "train", "val", "test", "quarantine")
+TABLE_NAMES = ("images", "quarantine")
 SPLITS = ("train", "val", "test")
 META_KEY = "flowers_job"
 """The key of the job's metadata in a commit's ``userMetadata`` JSON."""
@@ -51,14 +65,12 @@ _IMAGE_COLUMNS = T.StructType(
         T.StructField("height", T.IntegerType()),
         T.StructField("content_sha256", T.StringType()),
         T.StructField("num_bytes", T.LongType()),
+        T.StructField("mtime_ns", T.LongType()),
         T.StructField("notes", T.StringType()),
     ]
 )
 TABLE_SCHEMAS: dict[str, T.StructType] = {
     "images": _IMAGE_COLUMNS,
-    "train": _IMAGE_COLUMNS,
-    "val": _IMAGE_COLUMNS,
-    "test": _IMAGE_COLUMNS,
     "quarantine": T.StructType(
         [
             T.StructField("path", T.StringType()),
@@ -67,29 +79,54 @@ TABLE_SCHEMAS: dict[str, T.StructType] = {
             T.StructField("reason_code", T.StringType()),
             T.StructField("reason", T.StringType()),
             T.StructField("num_bytes", T.LongType()),
+            T.StructField("mtime_ns", T.LongType()),
             T.StructField("content_sha256", T.StringType()),
         ]
     ),
 }
-"""Columns and types of each table (nullability aside): what training expects to read."""
+"""Columns and types of each table (nullability aside): what training expects to read.
+``num_bytes`` and ``mtime_ns`` are the source file's size (bytes) and modification time
+(nanoseconds since the epoch) when it was ingested: with ``relative_path``, what the next
+ingest compares to know whether a file changed."""
+PARTITION_COLUMNS: dict[str, list[str]] = {"images": ["split"], "quarantine": []}
+"""The Delta partition columns of each table."""
+
+
+MAINTENANCE_OPERATIONS = frozenset(
+    {"VACUUM START", "VACUUM END", "OPTIMIZE", "SET TBLPROPERTIES", "UNSET TBLPROPERTIES"}
+)
+"""Delta operations that change no row: the retention's VACUUM, a compaction, a property."""
+_HISTORY_DEPTH = 50
 
 
 def latest_commit(spark: SparkSession, path: Path) -> tuple[int, dict[str, object] | None] | None:
-    """The version of the latest commit of the Delta table at ``path`` and the flowers_job
-    metadata it carries (``fingerprint``, ``run_id``, ``label_names``, ``settings``; None
-    when that commit is not flowers_job's); None if there is no Delta table there. One
-    ``history(1)`` read."""
+    """The latest version of the Delta table at ``path`` and the flowers_job metadata of its
+    latest commit that changed rows (``fingerprint``, ``run_id``, ``label_names``,
+    ``settings``; None when that commit is not flowers_job's); None if there is no Delta
+    table there. Maintenance commits after it (:data:`MAINTENANCE_OPERATIONS`: VACUUM,
+    OPTIMIZE) change no row, so the latest version holds the rows that commit wrote, and it
+    is the one to read (an OPTIMIZE's older files may be vacuumed). One ``history`` read
+    of the last 50 commits."""
     from delta.tables import DeltaTable
 
     if not DeltaTable.isDeltaTable(spark, str(path)):
         return None
-    last = DeltaTable.forPath(spark, str(path)).history(1).select("version", "userMetadata")
-    row = last.first()
-    if row is None:
+    rows = (
+        DeltaTable.forPath(spark, str(path))
+        .history(_HISTORY_DEPTH)
+        .select("version", "operation", "userMetadata")
+        .collect()
+    )
+    if not rows:
         return None
-    meta = json.loads(row["userMetadata"]) if row["userMetadata"] else None
-    value = meta.get(META_KEY) if isinstance(meta, dict) else None
-    return int(row["version"]), value if isinstance(value, dict) else None
+    latest = int(rows[0]["version"])
+    for row in rows:  # newest first
+        if row["operation"] in MAINTENANCE_OPERATIONS:
+            continue
+        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else None
+        value = meta.get(META_KEY) if isinstance(meta, dict) else None
+        return latest, value if isinstance(value, dict) else None
+    return latest, None
 
 
 def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | None:
@@ -103,7 +140,7 @@ def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | 
 def tables_mismatch(metas: Mapping[str, Mapping[str, object] | None]) -> str | None:
     """Why the tables' latest commits are not one complete ingest; None when they are.
 
-    One ingest writes all five tables with the same fingerprint and ``run_id``, so equal
+    One ingest writes both tables with the same fingerprint and ``run_id``, so equal
     pairs mean that one run wrote every table and no other run wrote any since.
 
     Args:
@@ -121,33 +158,32 @@ def tables_mismatch(metas: Mapping[str, Mapping[str, object] | None]) -> str | N
     return "; ".join(f"{name}: fingerprint {fp[:12]} run {run}" for name, (fp, run) in runs.items())
 
 
-def write_table(spark: SparkSession, df: DataFrame, path: Path, meta: dict[str, object]) -> None:
-    """Overwrite the Delta table at ``path`` with ``df``, committing ``meta``.
-
-    Delta skips the commit of an empty overwrite of an empty table (for example a clean
-    quarantine), which would leave the previous run's metadata in place; that is switched off
-    for the write, and the commit is checked.
-
-    Raises:
-        DataError: the latest commit does not carry ``meta['run_id']`` (another writer
-            committed at the same time).
-    """
-    skip_empty = "spark.databricks.delta.skipRecordingEmptyCommits"
-    before = spark.conf.get(skip_empty, None)
-    spark.conf.set(skip_empty, "false")
+@contextmanager
+def _commit_metadata(spark: SparkSession, meta: dict[str, object]) -> Iterator[None]:
+    """Session settings for one commit that carries ``meta``: its ``userMetadata``, and no
+    skipped empty commit (Delta skips the commit of a write that changes nothing, for example
+    an empty overwrite of an empty quarantine, which would leave the previous run's metadata
+    in place)."""
+    settings = {
+        "spark.databricks.delta.skipRecordingEmptyCommits": "false",
+        "spark.databricks.delta.commitInfo.userMetadata": json.dumps(
+            {META_KEY: meta}, sort_keys=True
+        ),
+    }
+    before = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
     try:
-        (
-            df.write.format("delta")
-            .mode("overwrite")
-            .option("overwriteSchema", "true")
-            .option("userMetadata", json.dumps({META_KEY: meta}, sort_keys=True))
-            .save(str(path))
-        )
+        yield
     finally:
-        if before is None:
-            spark.conf.unset(skip_empty)
-        else:
-            spark.conf.set(skip_empty, before)
+        for key, old in before.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
+
+
+def _check_commit(spark: SparkSession, path: Path, meta: dict[str, object]) -> None:
     if (read_table_metadata(spark, path) or {}).get("run_id") != meta["run_id"]:
         raise DataError(
             f"the commit to {path} does not carry this write's metadata (run_id "
@@ -155,9 +191,102 @@ def write_table(spark: SparkSession, df: DataFrame, path: Path, meta: dict[str, 
         )
 
 
+def write_table(
+    spark: SparkSession,
+    df: DataFrame,
+    path: Path,
+    meta: dict[str, object],
+    partition_by: Sequence[str] = (),
+) -> None:
+    """Overwrite the Delta table at ``path`` with ``df`` (partitioned by ``partition_by``),
+    committing ``meta``; one commit, also when ``df`` is empty.
+
+    Raises:
+        DataError: the latest commit does not carry ``meta['run_id']`` (another writer
+            committed at the same time).
+    """
+    with _commit_metadata(spark, meta):
+        (
+            df.write.format("delta")
+            .mode("overwrite")
+            .option("overwriteSchema", "true")
+            .partitionBy(*partition_by)
+            .save(str(path))
+        )
+    _check_commit(spark, path, meta)
+
+
+def merge_table(
+    spark: SparkSession,
+    source: DataFrame,
+    path: Path,
+    meta: dict[str, object],
+    *,
+    keep: Column,
+    changed: Column,
+) -> dict[str, int]:
+    """MERGE the changes in ``source`` into the Delta table at ``path``, keyed by
+    ``relative_path``, in one commit that carries ``meta``.
+
+    ``source`` has the table's columns plus ``_gone`` (boolean: the path must leave the
+    table). For each source row, as target alias ``t`` and source alias ``s``:
+
+    - matched, and ``keep`` is false or ``_gone``: the row is deleted;
+    - matched, ``keep`` and ``changed``: the row is replaced;
+    - not matched, ``keep`` and not ``_gone``: the row is inserted.
+
+    Rows of the table without a source row are not read beyond the join key, and files
+    without a match are not rewritten.
+
+    Returns:
+        Delta's ``operationMetrics`` of the commit: ``inserted``, ``updated``, ``deleted``.
+
+    Raises:
+        DataError: as :func:`write_table`.
+    """
+    from delta.tables import DeltaTable
+
+    gone = F.col("s._gone")
+    columns: dict[str, str | Column] = {
+        f.name: f"s.`{f.name}`" for f in TABLE_SCHEMAS[path.name].fields
+    }
+    with _commit_metadata(spark, meta):
+        (
+            DeltaTable.forPath(spark, str(path))
+            .alias("t")
+            .merge(source.alias("s"), "t.relative_path = s.relative_path")
+            .whenMatchedDelete(condition=gone | ~keep)
+            .whenMatchedUpdate(condition=changed, set=columns)
+            .whenNotMatchedInsert(condition=keep & ~gone, values=columns)
+            .execute()
+        )
+    _check_commit(spark, path, meta)
+    commit = DeltaTable.forPath(spark, str(path)).history(1).select("operationMetrics").first()
+    metrics = (commit["operationMetrics"] if commit is not None else None) or {}
+    return {
+        key: int(metrics.get(name, 0))
+        for key, name in (
+            ("inserted", "numTargetRowsInserted"),
+            ("updated", "numTargetRowsUpdated"),
+            ("deleted", "numTargetRowsDeleted"),
+        )
+    }
+
+
+def split_frame(spark: SparkSession, images: Path, version: int, split: str) -> DataFrame:
+    """The rows of ``split`` in the ``images`` Delta table at ``images`` and Delta
+    ``version``: a partition filter, so only that split's files are read."""
+    return (
+        spark.read.format("delta")
+        .option("versionAsOf", version)
+        .load(str(images))
+        .where(F.col("split") == split)
+    )
+
+
 @dataclass(frozen=True)
 class CheckedTables:
-    """Five tables found to be one complete ingest (:func:`checked_tables`)."""
+    """The tables, found to be one complete ingest (:func:`checked_tables`)."""
 
     label_names: list[str]
     """The label names recorded at ingest; a label's index is its position."""
@@ -167,26 +296,27 @@ class CheckedTables:
     meta: dict[str, object]
     """The ingest's metadata (the images table's latest commit; every table carries the same
     fingerprint and run id)."""
+    split_rows: dict[str, int]
+    """Rows of each split in ``images`` at the checked version."""
 
 
 def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
-    """Check that the five tables are one complete ingest that training can read.
+    """Check that the tables are one complete ingest that training can read.
 
     Runs before any loader cache is written. Each table's latest commit is read once
     (:func:`latest_commit`), and everything after reads that version, so the version that
-    was checked is the one a run trains on. Checks, in order: every table is a
-    flowers_job Delta table; all five come from the same ingest run (:func:`tables_mismatch`);
-    each has the expected columns and types; ``images`` and the three splits have rows; and
-    the labels in the splits are the ``label_names`` recorded at ingest, with their
-    recorded indices.
+    was checked is the one a run trains on. Checks, in order: every table is a flowers_job
+    Delta table; both come from the same ingest run (:func:`tables_mismatch`); each has the
+    expected columns and types; the three splits of ``images`` have rows; and the labels in
+    ``images`` are the ``label_names`` recorded at ingest, with their recorded indices.
 
     Returns:
-        The recorded label names, the checked version of each table and the ingest's
-        metadata.
+        The recorded label names, the checked version of each table, the ingest's metadata
+        and the rows per split.
 
     Raises:
         DataError: naming the table path and the problem (missing tables, tables from
-            different ingests, missing/extra/wrongly typed columns, an empty table, or labels
+            different ingests, missing/extra/wrongly typed columns, an empty split, or labels
             that differ from the recorded ones, naming both sets).
     """
     paths = {name: cfg.paths.table(name) for name in TABLE_NAMES}
@@ -203,7 +333,7 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
         raise DataError(
             f"the tables under {cfg.paths.tables_dir} come from different ingests ({mismatch}); "
             "an ingest was interrupted or another one wrote since: run `flowers-job ingest` "
-            "again, it rewrites all five"
+            "again, it repairs them"
         )
     versions = {name: c[0] for name, c in commits.items() if c is not None}
     tables = {
@@ -212,21 +342,24 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
     }
     for name, df in tables.items():
         _check_schema(name, paths[name], df.schema)
-    # A split's (label, label_index) pairs, one query each: none means an empty split.
-    pairs = {split: _label_pairs(tables[split]) for split in SPLITS}
-    empty = ["images"] if tables["images"].isEmpty() else []
-    empty += [split for split in SPLITS if not pairs[split]]
+    # (split, label, label_index) with counts, one query: a split without rows is empty.
+    groups = tables["images"].groupBy("split", "label", "label_index").count().collect()
+    split_rows = {split: 0 for split in SPLITS}
+    for g in groups:
+        split_rows[g["split"]] = split_rows.get(g["split"], 0) + int(g["count"])
+    empty = [split for split in SPLITS if not split_rows[split]]
     if empty:
         raise DataError(
-            f"the {empty[0]} table {paths[empty[0]]} is empty; training needs rows in images, "
-            "train, val and test: add photos (or change data.val_fraction or "
-            "data.test_fraction) and ingest again"
+            f"the {empty[0]} split of the images table {paths['images']} (version "
+            f"{versions['images']}) is empty; training needs rows in train, val and test: add "
+            "photos (or change data.val_fraction or data.test_fraction) and ingest again"
         )
     meta = metas["images"]
     assert meta is not None
     label_names = [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
-    _check_labels(set().union(*pairs.values()), label_names, cfg.paths.tables_dir)
-    return CheckedTables(label_names, versions, dict(meta))
+    pairs = {(g["label"], g["label_index"]) for g in groups}
+    _check_labels(pairs, label_names, paths["images"])
+    return CheckedTables(label_names, versions, dict(meta), split_rows)
 
 
 def _check_schema(name: str, path: Path, schema: StructType) -> None:
@@ -252,19 +385,13 @@ def _check_schema(name: str, path: Path, schema: StructType) -> None:
         )
 
 
-def _label_pairs(df: DataFrame) -> set[tuple[str, int]]:
-    """The distinct (label, label_index) pairs of a split table (at most 10,000)."""
-    rows = df.select("label", "label_index").distinct().limit(10_000).collect()
-    return {(r["label"], r["label_index"]) for r in rows}
-
-
 def _check_labels(pairs: set[tuple[str, int]], label_names: list[str], where: Path) -> None:
-    """Raise ``DataError`` if the (label, label_index) pairs of the split tables differ from
+    """Raise ``DataError`` if the (label, label_index) pairs of the images table differ from
     ``label_names`` (a label's index is its position), naming both label sets."""
     found = sorted({str(label) for label, _ in pairs})
     if found != sorted(label_names):
         raise DataError(
-            f"the labels in the split tables under {where}, {found}, differ from the "
+            f"the labels in the images table {where}, {found}, differ from the "
             f"label_names recorded at ingest, {label_names} (missing "
             f"{sorted(set(label_names) - set(found))}, unexpected "
             f"{sorted(set(found) - set(label_names))}); run `flowers-job ingest` again"
@@ -276,7 +403,7 @@ def _check_labels(pairs: set[tuple[str, int]], label_names: list[str], where: Pa
     )
     if wrong:
         raise DataError(
-            f"label_index in the split tables under {where} does not match the "
+            f"label_index in the images table {where} does not match the "
             f"label_names recorded at ingest, {label_names}: {', '.join(wrong)}; run "
             "`flowers-job ingest` again"
         )

@@ -196,6 +196,18 @@ class Loader(ABC):
                 directory); the caller removes the run's cache folder.
         """
 
+    def cache_settings(self, split: str) -> dict[str, Any]:
+        """The settings that decide the bytes and the plan of ``split``'s cache: part of its
+        key in the loader cache (:func:`flowers_job.data.cache.entry_key`). The base: the
+        world size, the partitions, the batch size and whether full batches are required."""
+        cfg = self.cfg
+        return {
+            "world_size": cfg.world_size,
+            "num_partitions": cfg.num_partitions,
+            "per_device_batch_size": cfg.train.per_device_batch_size,
+            "full_batches": split == "train",
+        }
+
     def release(self, cache_dir: Path | None) -> None:
         """The run ended: release what :meth:`write` holds beyond the cache folder's files,
         which the caller removes (``cache_dir``: the run's folder, None if not local)."""

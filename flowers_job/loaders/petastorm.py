@@ -32,7 +32,6 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,10 +106,6 @@ class PetastormLoader(Loader):
     extra = "flowers-job[petastorm]"
     plan_type = PetastormPlan
 
-    def __init__(self, cfg: JobConfig) -> None:
-        super().__init__(cfg)
-        self._converters: list[Any] = []
-
     @classmethod
     def problem(cls) -> str | None:
         """pyarrow and NumPy first (installing petastorm would not help), then the install."""
@@ -141,7 +136,6 @@ class PetastormLoader(Loader):
         quiet_petastorm()
         spark.conf.set(CACHE_CONF, cache_url)
         converter = make_cache(df.repartition(cfg.num_partitions), cache_url, f"the {split} table")
-        self._converters.append(converter)
         if len(converter) == 0:
             raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
         file_urls = sorted(converter.file_urls)  # part-00000, ...: the same order on every run
@@ -171,15 +165,6 @@ class PetastormLoader(Loader):
             per_device_batch_size=cfg.train.per_device_batch_size,
             file_urls=file_urls,
         )
-
-    def release(self, cache_dir: Path | None) -> None:
-        """Delete each converter's cache (the caller then removes the folder)."""
-        for converter in self._converters:
-            try:
-                converter.delete()
-            except OSError as exc:  # pragma: no cover - best effort, the rmtree follows
-                log.warning("could not delete Petastorm cache %s: %s", converter.cache_dir_url, exc)
-        self._converters.clear()
 
     @classmethod
     def open(

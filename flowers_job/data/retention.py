@@ -1,0 +1,149 @@
+"""Retention (driver side): VACUUM the tables after an ingest, never removing what a kept
+loader cache or a registered model still names.
+
+An incremental ingest rewrites only the files it touches, and a full one all of them; the
+files the latest version no longer uses stay on disk for time travel until VACUUM removes
+them. VACUUM ``RETAIN h HOURS`` deletes every such file that was removed from the table more
+than ``h`` hours ago (Delta's documentation, "Remove files no longer referenced by a Delta
+table"; the time is the remove action's ``deletionTimestamp``). A file that version ``v``
+reads is removed by a later commit, whose remove actions are made after ``v`` was
+committed, so keeping every file removed since ``v``'s commit keeps ``v`` readable:
+
+``retain_hours = max(data.retention_hours, age of the commit of v_min + 0.001 h)``
+
+where ``v_min`` is the oldest protected version of ``images``: one that an entry of the
+loader cache was built from (:func:`flowers_job.data.cache.cached_versions`) or that a
+registered model version was trained on (its run's ``flowers_job.images_version`` tag,
+:meth:`flowers_job.tracking.Tracker.log_lineage`). When the registry cannot be read, the
+tables are not vacuumed: a file is never removed on a guess.
+
+Delta's log itself is kept for ``delta.logRetentionDuration`` (30 days by default); a
+version whose log entries are gone cannot be read, whatever VACUUM keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from flowers_job.config import JobConfig
+from flowers_job.data.tables import TABLE_NAMES
+
+__all__ = ["TAG_IMAGES_TABLE", "TAG_IMAGES_VERSION", "protected_versions", "vacuum_tables"]
+
+log = logging.getLogger(__name__)
+
+TAG_IMAGES_TABLE = "flowers_job.images_table"
+TAG_IMAGES_VERSION = "flowers_job.images_version"
+"""MLflow run tags: the ``images`` table and the Delta version a run trained on."""
+_RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
+
+
+def _registered_versions(cfg: JobConfig, table: Path) -> set[int]:
+    """The ``images`` versions the registered model versions of
+    ``tracking.registered_model_name`` were trained on, for the table at ``table``.
+
+    Raises:
+        Exception: the registry cannot be read (MLflow's errors).
+    """
+    name = cfg.tracking.registered_model_name
+    uri = cfg.tracking_uri
+    if not name or (uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists()):
+        return set()  # no registry yet: nothing was registered (and none is created here)
+    import mlflow
+
+    from flowers_job.tracking import use_credentials
+
+    use_credentials(cfg)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    found = set()
+    for mv in client.search_model_versions(f"name = '{name}'"):
+        if not mv.run_id:
+            continue
+        tags = client.get_run(mv.run_id).data.tags
+        if tags.get(TAG_IMAGES_TABLE) == str(table) and TAG_IMAGES_VERSION in tags:
+            found.add(int(tags[TAG_IMAGES_VERSION]))
+    return found
+
+
+def protected_versions(cfg: JobConfig) -> set[int]:
+    """The versions of ``images`` that VACUUM must keep readable: those of the loader
+    cache's entries and of the registered models.
+
+    Raises:
+        Exception: the MLflow registry cannot be read.
+    """
+    from flowers_job.data.cache import cached_versions
+
+    table = cfg.paths.table("images")
+    return cached_versions(cfg, table) | _registered_versions(cfg, table)
+
+
+def _hours_since_commit(spark: SparkSession, path: Path, version: int) -> float | None:
+    """Hours since the commit of ``version`` of the table at ``path``; None if there is no
+    such commit (yet)."""
+    from delta.tables import DeltaTable
+
+    rows = (
+        DeltaTable.forPath(spark, str(path))
+        .history()
+        .where(f"version = {int(version)}")
+        .select("timestamp")
+        .collect()
+    )
+    if not rows:
+        return None
+    return max(0.0, (time.time() - rows[0]["timestamp"].timestamp()) / 3600.0)
+
+
+def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, float] | None:
+    """VACUUM ``images`` and ``quarantine`` with ``data.retention_hours``, raised to keep every
+    protected version of ``images`` readable (module docstring).
+
+    Returns:
+        Table name -> the retention used (hours); None when the protected versions could
+        not be read and nothing was vacuumed (logged as a warning).
+    """
+    from delta.tables import DeltaTable
+
+    try:
+        protected = protected_versions(cfg)
+    except Exception as exc:
+        log.warning(
+            "not vacuuming the tables: the model registry could not be read to find the "
+            "versions registered models were trained on (%s: %s)",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    hours = {name: cfg.data.retention_hours for name in TABLE_NAMES}
+    if protected:
+        oldest = min(protected)
+        age = _hours_since_commit(spark, cfg.paths.table("images"), oldest)
+        if age is not None:
+            hours["images"] = max(hours["images"], math.ceil(age * 1000) / 1000 + 0.001)
+    before = spark.conf.get(_RETENTION_CHECK, None)
+    spark.conf.set(_RETENTION_CHECK, "false")  # retention_hours below Delta's 168 is allowed
+    try:
+        for name, retain in hours.items():
+            t0 = time.perf_counter()
+            DeltaTable.forPath(spark, str(cfg.paths.table(name))).vacuum(retain)
+            log.info(
+                "vacuumed %s, keeping %.3f h of history%s, in %.1f s",
+                name,
+                retain,
+                f" (images versions {sorted(protected)} are kept)"
+                if name == "images" and protected
+                else "",
+                time.perf_counter() - t0,
+            )
+    finally:
+        if before is None:
+            spark.conf.unset(_RETENTION_CHECK)
+        else:
+            spark.conf.set(_RETENTION_CHECK, before)
+    return hours
