@@ -1,14 +1,18 @@
 """Petastorm (``data.loader=petastorm``): both sides of the loader.
 
-**Driver side.** Each split is repartitioned to ``num_partitions`` (a multiple of
-``world_size``; the guides use ``2 x devices``) and materialised by Petastorm's
-``make_spark_converter`` into the run's cache folder (Parquet, one file per partition, row
-groups of at most ~32 MB, uncompressed: the images are JPEG already). Petastorm shards by
-row group: shard ``r`` of ``world_size`` reads the row groups whose index ``i`` satisfies
-``i % world_size == r`` (petastorm ``Reader._partition_row_groups``). :func:`plan_shards`
-reads the Parquet footers with Petastorm's own row-group listing, computes each shard's exact
-row count and a row checksum, and fixes ``steps_per_epoch`` so that every rank runs the same
-number of steps and reads every row of its shard once per epoch.
+**Driver side.** Petastorm shards by row group: shard ``r`` of ``world_size`` reads the row
+groups whose index ``i`` satisfies ``i % world_size == r`` (petastorm
+``Reader._partition_row_groups``). Its own ``make_spark_converter`` cuts each partition into
+row groups of ~32 MB, so a 50 MB partition gave rank 0 a 32 MB group and rank 1 an 18 MB one,
+and shards drifted apart as data grew (36,700 rows: train shards [14353, 11333]). So Spark
+writes the cache itself (:func:`write_balanced`): ``num_partitions`` grows with the images'
+bytes (a multiple of ``world_size``, at least ``cfg.num_partitions``, <= ~64 MB each), every
+partition holds ``floor`` or ``ceil(N / num_partitions)`` rows (:func:`balance`, no global
+sort), one row group per file (checked in the footers), uncompressed (the images are JPEG
+already): ranks' shards differ by one row at most. :func:`plan_shards` takes each shard's
+rows and int64 row checksum from metadata (footers via Petastorm's own row-group listing, a
+Spark aggregation of ``row_id`` per file) and fixes ``steps_per_epoch`` so that every rank
+runs the same number of steps and reads every row of its shard once per epoch.
 
 **Rank side.** :class:`PetastormReader` reads shard ``rank`` of ``world_size``; a
 ``TransformSpec`` decodes and augments in the loader; Petastorm's ``BatchedDataLoader``
