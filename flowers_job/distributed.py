@@ -24,6 +24,7 @@ __all__ = [
     "DistContext",
     "all_gather_object",
     "all_reduce_sum",
+    "all_reduce_sum_int64",
     "broadcast_object",
     "describe_hosts",
     "env_rank",
@@ -115,10 +116,24 @@ def shutdown_distributed() -> None:
 
 
 def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
-    """Element-wise sum of ``values`` over all ranks (float64: exact for integers < 2**53)."""
+    """Element-wise sum of ``values`` over all ranks, in float64 (losses, not counts: use
+    :func:`all_reduce_sum_int64` for those)."""
     t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return [float(x) for x in t.cpu().tolist()]
+
+
+def all_reduce_sum_int64(values: Sequence[int], ctx: DistContext) -> list[int]:
+    """Element-wise sum of ``values`` (each a signed int64) over all ranks, as int64: exact,
+    and wrapping modulo 2**64 like any int64 addition (row checksums rely on it).
+
+    Raises:
+        RuntimeError: a value outside int64 (torch refuses to build the tensor), or the
+            collective fails or times out.
+    """
+    t = torch.tensor(list(values), dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [int(x) for x in t.cpu().tolist()]
 
 
 def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:

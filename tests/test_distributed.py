@@ -62,3 +62,29 @@ def test_ranks_exit_cleanly_right_after_the_last_broadcast(tmp_path: Path, attem
     assert "terminate called" not in out, out[-4000:]
     assert run.returncode == 0, out[-4000:]
     assert "rank 0 done" in out and "rank 1 done" in out
+
+
+REDUCE_SCRIPT = """
+from flowers_job.distributed import init_distributed, shutdown_distributed
+from flowers_job.train.sums import PassSums, reduce_sums
+
+ctx = init_distributed(use_gpu=False, timeout_seconds=60)
+mine = PassSums(0.5 + ctx.rank, 1, 2**61, 2**63 - 1 if ctx.rank == 0 else 5, 3)
+train, val = reduce_sums([mine, PassSums(0.25, 0, 1, -7, 1)], ctx)
+assert train == PassSums(2.0, 2, 2**62, -(2**63) + 4, 6), train
+assert val == PassSums(0.5, 0, 2, -14, 2), val
+shutdown_distributed()
+print(f"rank {ctx.rank} done", flush=True)
+"""
+
+
+def test_row_checksums_are_all_reduced_as_int64_and_wrap(tmp_path: Path) -> None:
+    """Counts and checksums go through an int64 all-reduce (gloo), never a float: a checksum
+    of 2**63 - 1 plus 5 wraps to -2**63 + 4, as the driver's :func:`wrap_int64` does; loss
+    sums are reduced apart, in float64."""
+    script = tmp_path / "reduce.py"
+    script.write_text(REDUCE_SCRIPT)
+    run = _torchrun(script)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "rank 0 done" in out and "rank 1 done" in out

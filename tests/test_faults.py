@@ -38,7 +38,7 @@ from flowers_job.config import JobConfig, load_config
 from flowers_job.data.prepare import prepare_data
 from flowers_job.errors import DataError
 from flowers_job.faults import FAULT_ENV
-from flowers_job.loaders.petastorm import make_cache
+from flowers_job.loaders.petastorm import write_balanced
 from flowers_job.loaders.streaming import write_mds
 from flowers_job.pipeline import TrainingError, run_training
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
@@ -395,8 +395,14 @@ def test_a_volume_that_fills_up_during_the_write_is_named(
         # 64 rows of 16 KiB of hash output (no dictionary or compression can shrink it): 1 MiB
         with pytest.raises(DataError, match="no space left for the loader cache") as err:
             if loader == "petastorm":
-                spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", volume.as_uri())
-                make_cache(df, volume.as_uri(), "a test table")
+                write_balanced(
+                    spark,
+                    df,
+                    f"{volume.as_uri()}/petastorm-train",
+                    world_size=2,
+                    min_partitions=2,
+                    what="a test table",
+                )
             else:
                 write_mds(
                     df,

@@ -1,14 +1,24 @@
-"""The images tree as ingest lists it (no Spark): every entry gets a verdict, nothing is skipped."""
+"""The images tree as ingest lists it: every entry gets a verdict, nothing is skipped, and
+a sharded listing (one large folder over several Spark tasks) reports each entry once."""
 
 from __future__ import annotations
 
 import os
+import zlib
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pyspark.sql import SparkSession
 
 from flowers_job.data.images import ImageRejected
-from flowers_job.data.listing import label_folders, list_entry, read_listed_file
+from flowers_job.data.listing import (
+    entry_shard,
+    label_folders,
+    list_entry,
+    read_listed_file,
+)
 
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
@@ -124,3 +134,61 @@ def test_reading_a_fifo_or_a_vanished_file_is_a_reason_not_a_hang(tmp_path: Path
     with pytest.raises(ImageRejected) as err:
         read_listed_file(str(root), "roses/r.jpg")
     assert err.value.code == "unreadable" and "No such file" in err.value.message
+
+
+@pytest.mark.parametrize("shards", [2, 3, 7])
+def test_shards_report_every_entry_exactly_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int
+) -> None:
+    """The units of a sharded listing together give the full listing, each entry once: an
+    unreadable directory (scandir refused, as without permission) is reported once, not by
+    every unit that walks past it."""
+    root, _ = _tree(tmp_path)
+    blocked = str(root / "daisy" / "sub")
+    real_scandir = os.scandir
+
+    def scandir(path: str) -> Any:
+        if os.path.realpath(path) == os.path.realpath(blocked):
+            raise PermissionError(13, "Permission denied", path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    full = _listing(root)
+    assert full["daisy/sub"] == ("daisy", "directory", "unreadable_directory")
+    labels, others = label_folders(str(root))
+    parts: list[tuple[str, tuple[str | None, str, str | None]]] = []
+    for name in labels + others:
+        for index in range(shards):
+            for entry in list_entry(str(root), name, set(labels), (index, shards)):
+                if entry.reason_code != "bad_file_name":  # shown as it is on disk
+                    assert entry_shard(entry.relative_path, shards) == index
+                parts.append((entry.relative_path, (entry.label, entry.kind, entry.reason_code)))
+    assert len(parts) == len(full) and dict(parts) == full
+
+
+def test_shard_rule_is_stable_and_spreads_entries() -> None:
+    """crc32 of the path: the same unit in every process; 1,000 names spread over 4 units."""
+    assert entry_shard("daisy/a.jpg", 4) == zlib.crc32(b"daisy/a.jpg") % 4
+    counts = Counter(entry_shard(f"daisy/{i:05d}.jpg", 4) for i in range(1000))
+    assert sorted(counts) == [0, 1, 2, 3] and min(counts.values()) > 200
+
+
+def test_one_large_folder_is_listed_by_several_tasks(spark: SparkSession, tmp_path: Path) -> None:
+    """400 files in one label folder: the Spark listing holds exactly the entries of a full
+    walk, none twice, and they come from more than one task."""
+    from pyspark.sql import functions as F
+
+    from flowers_job.data.files import list_files
+
+    root = tmp_path / "root"
+    (root / "daisy" / "sub").mkdir(parents=True)
+    for i in range(400):
+        (root / "daisy" / f"{i:04d}.jpg").write_bytes(b"x")
+    (root / "daisy" / "sub" / "nested.jpg").write_bytes(b"y")
+    labels, others = label_folders(str(root))
+    listing = list_files(spark, str(root), labels, labels + others, shards=4)
+    rows = listing.select("relative_path", F.spark_partition_id().alias("task")).collect()
+    paths = [r["relative_path"] for r in rows]
+    assert len(paths) == len(set(paths)) == 401
+    assert set(paths) == set(_listing(root))
+    assert len({r["task"] for r in rows}) > 1

@@ -21,8 +21,8 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.prepare import prepare_data
 from flowers_job.errors import ShardError
-from flowers_job.loaders.base import CHECKSUM_MODULUS, ShardPlan
-from flowers_job.train.sums import check_shard, check_totals
+from flowers_job.loaders.base import ShardPlan, wrap_int64
+from flowers_job.train.sums import PassSums, check_shard, check_totals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -51,10 +51,20 @@ def _read(
     return result
 
 
-def _sums(ids: list[int], read: int) -> list[float]:
-    """What a rank's epoch sums look like to the worker's checks: ``[loss, correct, valid rows,
-    checksum, rows read]``."""
-    return [0.0, 0.0, float(len(ids)), float(sum(i % CHECKSUM_MODULUS for i in ids)), float(read)]
+def _sums(ids: list[int], read: int) -> PassSums:
+    """What a rank's epoch sums look like to the worker's checks."""
+    return PassSums(0.0, 0, len(ids), wrap_int64(sum(ids)), read)
+
+
+def _total(parts: list[PassSums]) -> PassSums:
+    """The all-reduced sums of ``parts`` (int64 sums wrap, as the collective's do)."""
+    return PassSums(
+        sum(p.loss_sum for p in parts),
+        sum(p.correct for p in parts),
+        sum(p.rows for p in parts),
+        wrap_int64(sum(p.checksum for p in parts)),
+        sum(p.read for p in parts),
+    )
 
 
 @pytest.mark.parametrize(("world_size", "batch"), [(2, 8), (3, 5)])
@@ -74,7 +84,10 @@ def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_re
     )
     expected = sorted(
         r["row_id"]
-        for r in spark.read.format("delta").load(str(cfg.paths.table("train"))).collect()
+        for r in spark.read.format("delta")
+        .load(str(cfg.paths.table("images")))
+        .where("split = 'train'")
+        .collect()
     )
     with prepare_data(spark, cfg) as data:
         plan = data.train
@@ -96,14 +109,13 @@ def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_re
         sums = [_sums(first["row_ids"][r][e], first["rows_read"][r][e]) for r in range(world_size)]
         for rank in range(world_size):
             check_shard("train", plan, rank, sums[rank])
-        totals = [sum(col) for col in zip(*sums, strict=True)]
-        check_totals("train", plan, totals)
+        check_totals("train", plan, _total(sums))
         # ... and fail when a row is dropped or read twice.
         ids = first["row_ids"][0][e]
         for damaged in (ids[1:], [*ids, ids[0]]):
             bad = [_sums(damaged, len(damaged)), *sums[1:]]
             with pytest.raises(ShardError, match="dropped or read twice"):
-                check_totals("train", plan, [sum(col) for col in zip(*bad, strict=True)])
+                check_totals("train", plan, _total(bad))
             if plan.checksum_per_shard is not None:  # Petastorm: each rank's rows are fixed
                 with pytest.raises(ShardError, match="rank 0: the train shard read"):
                     check_shard("train", plan, 0, bad[0])
@@ -139,7 +151,10 @@ def test_loader_workers_decode_ahead_and_every_row_is_read_once(
     )
     expected = sorted(
         r["row_id"]
-        for r in spark.read.format("delta").load(str(cfg.paths.table("train"))).collect()
+        for r in spark.read.format("delta")
+        .load(str(cfg.paths.table("images")))
+        .where("split = 'train'")
+        .collect()
     )
     with prepare_data(spark, cfg) as data:
         plan = data.train

@@ -2,7 +2,8 @@
 each file there, and fingerprint a set of rows whatever its order.
 
 - :func:`list_files`: the entries under a root as a DataFrame (:data:`LISTING_SCHEMA`),
-  walked on the executors, one top-level entry per task (:mod:`flowers_job.data.listing`);
+  walked on the executors, each top-level entry in several tasks that share out its entries
+  (:mod:`flowers_job.data.listing`);
 - :func:`decode_partitions`: the ``mapInPandas`` function that reads and decodes a partition
   of the listing into :data:`DECODED_SCHEMA`, one output row per entry: an image, or a
   ``reason_code`` and ``reason`` (never a dropped row);
@@ -37,6 +38,7 @@ __all__ = [
     "hash_sums",
     "list_files",
     "listing_key",
+    "listing_shards",
     "max_file_bytes",
 ]
 
@@ -74,6 +76,8 @@ or a ``reason_code`` and ``reason``; ``mtime_ns`` is the listing's, passed on wh
 input has it."""
 
 _LISTING_ROWS_PER_FRAME = 4096
+MAX_LISTING_TASKS = 1024
+"""Most Spark tasks of a listing: one per unit up to this, then several units per task."""
 
 
 def max_file_bytes(max_pixels: int) -> int:
@@ -86,15 +90,18 @@ def max_file_bytes(max_pixels: int) -> int:
 def _list_partitions(
     root: str, labels: list[str]
 ) -> Callable[[Iterable[pd.DataFrame]], Iterator[pd.DataFrame]]:
-    """The ``mapInPandas`` function that lists top-level entries (``name`` as bytes)."""
+    """The ``mapInPandas`` function that lists units (``name`` as bytes, ``shard``,
+    ``shards``: a top-level entry's entries whose :func:`~flowers_job.data.listing.entry_shard`
+    is ``shard``)."""
     label_set = frozenset(labels)
     columns = [f.name for f in LISTING_SCHEMA.fields]
 
     def walk(batches: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
         for pdf in batches:
-            for name in pdf["name"]:
+            for name, shard, shards in zip(pdf["name"], pdf["shard"], pdf["shards"], strict=True):
                 chunk: list[dict[str, Any]] = []
-                for entry in list_entry(root, os.fsdecode(bytes(name)), label_set):
+                unit = (int(shard), int(shards))
+                for entry in list_entry(root, os.fsdecode(bytes(name)), label_set, unit):
                     chunk.append(asdict(entry))
                     if len(chunk) == _LISTING_ROWS_PER_FRAME:
                         yield pd.DataFrame(chunk, columns=columns)
@@ -105,17 +112,40 @@ def _list_partitions(
     return walk
 
 
-def list_files(spark: SparkSession, root: str, labels: list[str], names: list[str]) -> DataFrame:
+def listing_shards(spark: SparkSession) -> int:
+    """Units each top-level entry is listed in: twice the cluster's task slots
+    (``defaultParallelism``), so that one large folder keeps every slot busy and a slow
+    unit does not hold up the others."""
+    return max(1, 2 * spark.sparkContext.defaultParallelism)
+
+
+def list_files(
+    spark: SparkSession,
+    root: str,
+    labels: list[str],
+    names: list[str],
+    shards: int | None = None,
+) -> DataFrame:
     """The listing of ``root`` as a lazy DataFrame (:data:`LISTING_SCHEMA`), walked on the
-    executors: one task per top-level entry in ``names``.
+    executors: one Spark task per unit, ``shards`` units per top-level entry in ``names``.
+
+    Each unit walks its entry's tree but examines (``lstat``, verdict) only the entries
+    whose :func:`~flowers_job.data.listing.entry_shard` is its index, so that the entries
+    are spread over every task slot however the tree is laid out (5 label folders, or
+    100,000 files in one), and each is reported exactly once. A unit costs a walk of its
+    entry's directories (``scandir`` only).
 
     Args:
         root: the real path of the images root.
         labels: the label folders (:func:`~flowers_job.data.listing.label_folders`).
         names: every top-level entry to walk (the labels and the others).
+        shards: units per top-level entry; None: :func:`listing_shards`.
     """
-    units = spark.createDataFrame([(os.fsencode(n),) for n in names], "name binary")
-    return units.mapInPandas(_list_partitions(root, labels), schema=LISTING_SCHEMA)
+    k = shards or listing_shards(spark)
+    units = [(os.fsencode(n), i, k) for n in names for i in range(k)]
+    rdd = spark.sparkContext.parallelize(units, min(max(1, len(units)), MAX_LISTING_TASKS))
+    frame = spark.createDataFrame(rdd, "name binary, shard int, shards int")
+    return frame.mapInPandas(_list_partitions(root, labels), schema=LISTING_SCHEMA)
 
 
 def decode_partitions(

@@ -1,7 +1,7 @@
 """The images tree, listed by us: every entry under the root, and whether ingest may read it.
 
 Pure Python (``os``, ``stat``), no Spark: :func:`list_entry` runs on the executors, one
-top-level entry of the images root per call, and :func:`read_listed_file` reads a file
+top-level entry of the images root, or one shard of it (:func:`entry_shard`), per call, and :func:`read_listed_file` reads a file
 for the decode UDF.
 
 Why not Spark's ``binaryFile`` source: it silently skips names starting with ``.`` or ``_``
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import stat
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ __all__ = [
     "LISTING_REASONS",
     "ListedFile",
     "display_name",
+    "entry_shard",
     "is_hidden",
     "label_folders",
     "list_entry",
@@ -124,51 +126,115 @@ def label_folders(root: str) -> tuple[list[str], list[str]]:
     return labels, others
 
 
-def list_entry(root: str, name: str, labels: frozenset[str] | set[str]) -> Iterator[ListedFile]:
-    """Every entry under the top-level entry ``name`` of the images root, depth first, sorted.
+def entry_shard(relative_path: str, shards: int) -> int:
+    """Which of ``shards`` listing units reports the entry at ``relative_path`` (the path
+    under the root as ``os`` gives it, ``os.sep``-separated): ``crc32`` of its bytes modulo
+    ``shards``. Stable across processes and hosts (unlike ``hash``), so that the units of a
+    listing split the entries between them: each entry is reported by exactly one unit."""
+    return zlib.crc32(os.fsencode(relative_path)) % shards
+
+
+def list_entry(
+    root: str,
+    name: str,
+    labels: frozenset[str] | set[str],
+    shard: tuple[int, int] = (0, 1),
+) -> Iterator[ListedFile]:
+    """Every entry under the top-level entry ``name`` of the images root, depth first, sorted;
+    with ``shard = (index, shards)``, only the entries whose :func:`entry_shard` is
+    ``index``.
 
     Directories are descended into (hidden ones too, so that their files are reported);
-    links to directories are not. Nothing is opened: only ``lstat``, ``stat`` (of links
-    whose target is inside the root) and ``scandir`` are used.
+    links to directories are not. Nothing is opened: only ``scandir``, and ``lstat`` and
+    ``stat`` (of links whose target is inside the root) of the entries reported. Every
+    unit of a sharded listing walks the whole tree under ``name`` (``scandir`` tells
+    directories apart without a ``stat``) but examines only its own entries, so that
+    ``shards`` units list one large folder in parallel and, together, report each entry
+    exactly once (an unreadable directory too: by the unit that owns its path).
 
     Args:
         root: the images root (a link is resolved first).
         name: a top-level entry of ``root``, as ``os.listdir`` returns it.
         labels: the label folder names (:func:`label_folders`).
+        shard: ``(index, shards)``, ``0 <= index < shards``; ``(0, 1)``: every entry.
 
     Yields:
         One :class:`ListedFile` per file, link, special file or unlistable directory.
     """
+    index, shards = shard
     real_root = os.path.realpath(root)
-    stack = [name]
+    try:
+        top_is_dir = stat.S_ISDIR(os.lstat(os.path.join(real_root, name)).st_mode)
+    except FileNotFoundError:
+        return  # removed since the root was listed: nothing to account for
+    stack = [(name, top_is_dir)]
     while stack:
-        rel = stack.pop()
+        rel, is_dir = stack.pop()
+        mine = shards == 1 or entry_shard(rel, shards) == index
+        if not is_dir:
+            if mine:
+                entry = _examine(real_root, rel, labels)
+                if entry is not None:
+                    yield entry
+            continue
         path = os.path.join(real_root, rel)
         try:
-            st = os.lstat(path)
+            with os.scandir(path) as it:
+                children = sorted((e.name, _is_real_dir(e)) for e in it)
         except FileNotFoundError:
-            continue  # removed since its directory was listed: nothing to account for
-        parts = rel.split(os.sep)
-        label = parts[0] if len(parts) > 1 and parts[0] in labels else None
-        shown = display_name(rel)
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                with os.scandir(path) as it:
-                    children = sorted(e.name for e in it)
-            except OSError as exc:
-                yield ListedFile(
-                    shown,
-                    label,
-                    "directory",
-                    None,
-                    st.st_mtime_ns,
-                    "unreadable_directory",
-                    f"cannot list the directory: {exc.strerror or exc}",
-                )
-                continue
-            stack.extend(os.path.join(rel, c) for c in reversed(children))
             continue
-        yield _classify(real_root, rel, shown, parts, label, st)
+        except OSError as exc:
+            if mine:
+                entry = _unreadable_directory(real_root, rel, labels, exc)
+                if entry is not None:
+                    yield entry
+            continue
+        stack.extend((os.path.join(rel, c), d) for c, d in reversed(children))
+
+
+def _is_real_dir(entry: os.DirEntry[str]) -> bool:
+    """A directory, not a link to one (``d_type``: no ``stat`` on most file systems)."""
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False  # examined with lstat, as a file, and given its verdict there
+
+
+def _label(rel: str, labels: frozenset[str] | set[str]) -> tuple[list[str], str | None]:
+    parts = rel.split(os.sep)
+    return parts, parts[0] if len(parts) > 1 and parts[0] in labels else None
+
+
+def _examine(real_root: str, rel: str, labels: frozenset[str] | set[str]) -> ListedFile | None:
+    """The verdict on the non-directory entry ``rel``; None if it vanished."""
+    try:
+        st = os.lstat(os.path.join(real_root, rel))
+    except FileNotFoundError:
+        return None  # removed since its directory was listed: nothing to account for
+    parts, label = _label(rel, labels)
+    if stat.S_ISDIR(st.st_mode):  # a file replaced by a directory since: listed as one, empty
+        return None
+    return _classify(real_root, rel, display_name(rel), parts, label, st)
+
+
+def _unreadable_directory(
+    real_root: str, rel: str, labels: frozenset[str] | set[str], exc: OSError
+) -> ListedFile | None:
+    """The report of a directory that cannot be listed; None if it vanished."""
+    try:
+        st = os.lstat(os.path.join(real_root, rel))
+    except FileNotFoundError:
+        return None
+    _, label = _label(rel, labels)
+    return ListedFile(
+        display_name(rel),
+        label,
+        "directory",
+        None,
+        st.st_mtime_ns,
+        "unreadable_directory",
+        f"cannot list the directory: {exc.strerror or exc}",
+    )
 
 
 def _classify(

@@ -54,13 +54,49 @@ __all__ = [
     "ShardReader",
     "check_batch_fits",
     "local_dir",
+    "row_stats",
+    "wrap_int64",
 ]
 
 Batch = dict[str, "torch.Tensor"]
 """One step's rows: ``image``, ``label_index``, ``row_id``, ``valid`` (module doc)."""
 
-CHECKSUM_MODULUS = 2**31
-"""Row checksum = sum of ``row_id mod 2**31``: exact in float64 up to 2**22 rows per shard."""
+CHECKSUM_MODULUS = 2**64
+"""Row checksum = sum of ``row_id`` modulo 2**64, as a signed int64 (:func:`wrap_int64`).
+
+``row_id`` is ``xxhash64(relative_path)``, a well-mixed 64-bit value, so a dropped or
+repeated row changes the sum but for a 2**-64 chance. The ranks add row ids as int64 torch
+tensors, whose additions wrap modulo 2**64 (two's complement), and all-reduce them as int64;
+the driver sums them exactly in Spark as ``decimal(38,0)`` (:func:`row_stats`) and wraps the
+result once. Exact at any number of rows: no float on either side."""
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` modulo 2**64 as a signed int64 (two's complement), what int64 additions give.
+
+    ``wrap_int64(2**63) == -(2**63)``; ``wrap_int64(-1) == -1``; ``wrap_int64(2**64 + 5) == 5``.
+    """
+    v = value % CHECKSUM_MODULUS
+    return v - CHECKSUM_MODULUS if v >= CHECKSUM_MODULUS // 2 else v
+
+
+def row_stats(df: DataFrame) -> tuple[int, int]:
+    """``(rows, checksum)`` of ``df``'s ``row_id`` column (int64) in one Spark aggregation.
+
+    The checksum is summed as ``decimal(38,0)``, exact up to ~10**19 rows of any int64
+    (Spark 4's ANSI mode makes a ``long`` sum raise on overflow instead of wrapping), then
+    wrapped once on the driver (:func:`wrap_int64`). Only one row reaches the driver; an
+    empty ``df`` gives ``(0, 0)``.
+    """
+    from pyspark.sql import functions as F
+
+    stats = df.agg(
+        F.count(F.lit(1)).alias("rows"),
+        F.sum(F.col("row_id").cast("decimal(38,0)")).alias("checksum"),
+    ).first()
+    if stats is None:
+        return 0, 0
+    return int(stats["rows"] or 0), wrap_int64(int(stats["checksum"] or 0))
 
 
 @dataclass(frozen=True)
@@ -71,9 +107,11 @@ class ShardPlan:
         loader: the registered name of the loader that wrote the cache and reads it.
         cache_dir_url: the split's cache directory (``file://`` URL).
         dataset_size: rows in the split.
-        checksum: sum of ``row_id mod CHECKSUM_MODULUS`` over every row of the split.
+        checksum: int64 sum of ``row_id`` modulo 2**64 over every row of the split
+            (:data:`CHECKSUM_MODULUS`, :func:`wrap_int64`).
         rows_per_shard: rows each rank reads per epoch (index = rank), padding included.
-        checksum_per_shard: per-rank row checksums when a rank reads the same rows every epoch;
+        checksum_per_shard: per-rank int64 row checksums (``row_id`` summed modulo 2**64)
+            when a rank reads the same rows every epoch;
             None when the ranks' rows change every epoch: then only the all-reduced totals
             are checked.
         steps_per_epoch: batches per epoch, the same on every rank.

@@ -1,14 +1,18 @@
 """Petastorm (``data.loader=petastorm``): both sides of the loader.
 
-**Driver side.** Each split is repartitioned to ``num_partitions`` (a multiple of
-``world_size``; the guides use ``2 x devices``) and materialised by Petastorm's
-``make_spark_converter`` into the run's cache folder (Parquet, one file per partition, row
-groups of at most ~32 MB, uncompressed: the images are JPEG already). Petastorm shards by
-row group: shard ``r`` of ``world_size`` reads the row groups whose index ``i`` satisfies
-``i % world_size == r`` (petastorm ``Reader._partition_row_groups``). :func:`plan_shards`
-reads the Parquet footers with Petastorm's own row-group listing, computes each shard's exact
-row count and a row checksum, and fixes ``steps_per_epoch`` so that every rank runs the same
-number of steps and reads every row of its shard once per epoch.
+**Driver side.** Petastorm shards by row group: shard ``r`` of ``world_size`` reads the row
+groups whose index ``i`` satisfies ``i % world_size == r`` (petastorm
+``Reader._partition_row_groups``). Its own ``make_spark_converter`` cuts each partition into
+row groups of ~32 MB, so a 50 MB partition gave rank 0 a 32 MB group and rank 1 an 18 MB one,
+and shards drifted apart as data grew (36,700 rows: train shards [14353, 11333]). So Spark
+writes the cache itself (:func:`write_balanced`): ``num_partitions`` grows with the images'
+bytes (a multiple of ``world_size``, at least ``cfg.num_partitions``, <= ~64 MB each), every
+partition holds ``floor`` or ``ceil(N / num_partitions)`` rows (:func:`balance`, no global
+sort), one row group per file (checked in the footers), uncompressed (the images are JPEG
+already): ranks' shards differ by one row at most. :func:`plan_shards` takes each shard's
+rows and int64 row checksum from metadata (footers via Petastorm's own row-group listing, a
+Spark aggregation of ``row_id`` per file) and fixes ``steps_per_epoch`` so that every rank
+runs the same number of steps and reads every row of its shard once per epoch.
 
 **Rank side.** :class:`PetastormReader` reads shard ``rank`` of ``world_size``; a
 ``TransformSpec`` decodes and augments in the loader; Petastorm's ``BatchedDataLoader``
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -40,12 +46,12 @@ from packaging.version import Version
 
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders.base import (
-    CHECKSUM_MODULUS,
     Batch,
     Loader,
     ShardPlan,
     check_batch_fits,
     local_dir,
+    wrap_int64,
 )
 
 if TYPE_CHECKING:
@@ -55,19 +61,32 @@ if TYPE_CHECKING:
     from flowers_job.data.images import DecodeTransform
 
 __all__ = [
+    "ParquetCache",
     "PetastormLoader",
     "PetastormPlan",
     "PetastormReader",
+    "balance",
+    "cache_partitions",
+    "footer_rows",
+    "partition_counts",
+    "partition_keys",
     "plan_shards",
     "quiet_petastorm",
     "rebatch",
     "shard_batches",
+    "write_balanced",
 ]
 
 log = logging.getLogger(__name__)
 
-CACHE_CONF = "petastorm.spark.converter.parentCacheDirUrl"
-"""The Spark setting Petastorm's converter writes under (STACK.md trap 7)."""
+PARTITION_BYTES = 64 * 2**20
+"""Most image bytes per partition of a Petastorm cache (one Parquet file, one row group): a
+rank's reader holds a row group in memory at a time."""
+ROW_GROUP_LIMIT_BYTES = 2**30
+"""``parquet.block.size`` of the cache's files, far above :data:`PARTITION_BYTES`, so that a
+partition is written as one row group (checked in the footers)."""
+BALANCE_KEY = "_flowers_partition_key"
+"""Helper column of :func:`balance` (never written)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +117,8 @@ def _version(dist: str) -> Version | None:
 
 
 class PetastormLoader(Loader):
-    """Petastorm's Spark converter on the driver, its sharded reader on the ranks."""
+    """Balanced Parquet written by Spark on the driver, Petastorm's sharded reader on the
+    ranks."""
 
     name = "petastorm"
     distribution = "petastorm"
@@ -125,45 +145,58 @@ class PetastormLoader(Loader):
         return super().problem()
 
     def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
-        """Materialise ``df`` in ``num_partitions`` partitions with Petastorm and plan its
-        shards (row group ``i`` -> rank ``i % world_size``).
+        """Write ``df`` as balanced Parquet partitions under ``<cache_url>/petastorm-<split>``
+        (:func:`write_balanced`) and plan its shards from the files' metadata
+        (:func:`plan_shards`): row group ``i`` -> rank ``i % world_size``.
 
         Raises:
-            DataError: an empty split, unworkable shards (:func:`plan_shards`), or the volume
-                filling up during the write (naming the directory).
+            DataError: an empty split, unworkable shards (:func:`plan_shards`), a cache that
+                does not hold the rows as written, or the volume filling up during the write
+                (naming the directory).
         """
         cfg = self.cfg
         quiet_petastorm()
-        spark.conf.set(CACHE_CONF, cache_url)
-        converter = make_cache(df.repartition(cfg.num_partitions), cache_url, f"the {split} table")
-        if len(converter) == 0:
-            raise DataError(f"the {split} table {cfg.paths.table(split)} is empty")
-        file_urls = sorted(converter.file_urls)  # part-00000, ...: the same order on every run
+        out_url = f"{cache_url.rstrip('/')}/petastorm-{split}"
+        t0 = time.perf_counter()
+        cache = write_balanced(
+            spark,
+            df,
+            out_url,
+            world_size=cfg.world_size,
+            min_partitions=cfg.num_partitions,
+            what=f"the {split} split of {cfg.paths.table('images')}",
+        )
+        t1 = time.perf_counter()
         rows, checksum, steps = plan_shards(
-            file_urls,
+            cache.file_urls,
+            cache.file_checksums,
             cfg.world_size,
             cfg.train.per_device_batch_size,
             full_batches=split == "train",
             split=split,
         )
         log.info(
-            "%s: %d rows in %d partitions, rows per shard %s, %d steps per epoch",
+            "%s: %d rows (%.1f MB of images) in %d partitions, rows per shard %s, "
+            "%d steps per epoch; written and summed in %.1f s, planned in %.2f s",
             split,
-            len(converter),
-            cfg.num_partitions,
+            cache.rows,
+            cache.image_bytes / 1e6,
+            len(cache.file_urls),
             rows,
             steps,
+            t1 - t0,
+            time.perf_counter() - t1,
         )
         return PetastormPlan(
             loader=self.name,
-            cache_dir_url=converter.cache_dir_url,
-            dataset_size=len(converter),
-            checksum=sum(checksum),
+            cache_dir_url=out_url,
+            dataset_size=cache.rows,
+            checksum=wrap_int64(sum(checksum)),
             rows_per_shard=rows,
             checksum_per_shard=checksum,
             steps_per_epoch=steps,
             per_device_batch_size=cfg.train.per_device_batch_size,
-            file_urls=file_urls,
+            file_urls=cache.file_urls,
         )
 
     @classmethod
@@ -197,49 +230,227 @@ class PetastormLoader(Loader):
         )
 
 
-def make_cache(df: DataFrame, cache_dir_url: str, what: str) -> Any:
-    """Materialise ``df`` with Petastorm's ``make_spark_converter`` under ``cache_dir_url``
-    (which must be the session's ``petastorm.spark.converter.parentCacheDirUrl``).
+def cache_partitions(image_bytes: int, world_size: int, min_partitions: int) -> int:
+    """Partitions (= Parquet files = row groups) of a split's cache: enough that each holds
+    about :data:`PARTITION_BYTES` of images or less, at least ``min_partitions``, and a
+    multiple of ``world_size`` (so that every rank reads as many files).
 
-    Row groups of at most ~32 MB, one file per partition, no compression: the images are
-    JPEG already.
+    ``cache_partitions(0, 2, 4) == 4``; ``cache_partitions(300 * 2**20, 2, 4) == 6``.
+    """
+    n = max(min_partitions, math.ceil(image_bytes / PARTITION_BYTES), 1)
+    return math.ceil(n / world_size) * world_size
 
-    Returns:
-        Petastorm's ``SparkDatasetConverter``.
+
+def partition_keys(spark: SparkSession, num_partitions: int) -> list[int]:
+    """``keys[j]``: a long whose Spark hash lands in partition ``j`` of ``num_partitions``.
+
+    Spark's ``HashPartitioning`` sends a row to ``pmod(hash(key), num_partitions)``
+    (Murmur3, seed 42: ``F.hash``), so ``repartition(num_partitions, key)`` with
+    ``key = keys[j]`` puts the row in partition ``j``. Found with a small ``spark.range``
+    query (the smallest such long for each ``j``).
+    """
+    from pyspark.sql import functions as F
+
+    found: dict[int, int] = {}
+    span = 64 * num_partitions
+    while len(found) < num_partitions:
+        rows = (
+            spark.range(span)
+            .select("id", F.pmod(F.hash("id"), F.lit(num_partitions)).alias("j"))
+            .groupBy("j")
+            .agg(F.min("id").alias("key"))
+            .collect()
+        )
+        found = {int(r["j"]): int(r["key"]) for r in rows}
+        span *= 4
+    return [found[j] for j in range(num_partitions)]
+
+
+def partition_counts(df: DataFrame) -> tuple[list[int], int]:
+    """Rows of each of ``df``'s partitions (index = ``spark_partition_id``) and the bytes of
+    its ``image`` column, in one Spark aggregation (a row per non-empty partition reaches
+    the driver)."""
+    from pyspark.sql import functions as F
+
+    rows = (
+        df.select(F.spark_partition_id().alias("p"), F.length("image").alias("b"))
+        .groupBy("p")
+        .agg(F.count(F.lit(1)).alias("n"), F.sum("b").alias("b"))
+        .collect()
+    )
+    counts = [0] * (max((int(r["p"]) for r in rows), default=-1) + 1)
+    for r in rows:
+        counts[int(r["p"])] = int(r["n"])
+    return counts, sum(int(r["b"] or 0) for r in rows)
+
+
+def balance(df: DataFrame, counts: list[int], keys: list[int]) -> DataFrame:
+    """``df`` in ``len(keys)`` partitions of ``floor`` or ``ceil(N / len(keys))`` rows, with
+    no global sort (``N = sum(counts)``).
+
+    Row ``k`` (0-based) of input partition ``p`` gets the global index ``offset[p] + k``
+    (``offset``: the running sum of ``counts``, the rows of each input partition, from
+    :func:`partition_counts`; ``k`` from ``monotonically_increasing_id``, which keeps the
+    partition id in bits 33 and up) and goes to partition ``index mod len(keys)``, through
+    the hash of ``keys[target]`` (:func:`partition_keys`). Requires ``df``'s partitions to
+    hold ``counts`` rows when read again (true of a table scan or any deterministic plan).
+    """
+    from pyspark.sql import functions as F
+
+    offsets = [0]
+    for n in counts[:-1]:
+        offsets.append(offsets[-1] + n)
+    pid = F.spark_partition_id()
+    position = F.monotonically_increasing_id() - F.shiftleft(pid.cast("long"), 33)
+    offset = F.element_at(F.array(*[F.lit(o).cast("long") for o in offsets]), pid + 1)
+    target = F.pmod(offset + position, F.lit(len(keys)).cast("long")).cast("int")
+    key = F.element_at(F.array(*[F.lit(k).cast("long") for k in keys]), target + 1)
+    columns = df.columns
+    return df.withColumn(BALANCE_KEY, key).repartition(len(keys), BALANCE_KEY).select(*columns)
+
+
+@dataclass(frozen=True)
+class ParquetCache:
+    """What :func:`write_balanced` wrote.
+
+    Attributes:
+        file_urls: the Parquet files, sorted (``part-00000``, ...: file ``j`` holds
+            partition ``j``), as Petastorm reads them.
+        file_checksums: per file (same order), ``(rows, int64 row_id sum mod 2**64)``.
+        rows: rows in all files.
+        image_bytes: bytes of the ``image`` column.
+    """
+
+    file_urls: list[str]
+    file_checksums: list[tuple[int, int]]
+    rows: int
+    image_bytes: int
+
+
+def write_balanced(
+    spark: SparkSession,
+    df: DataFrame,
+    out_url: str,
+    *,
+    world_size: int,
+    min_partitions: int,
+    what: str,
+) -> ParquetCache:
+    """Write ``df`` (``row_id``, ``image``, ``label_index``) to ``out_url`` as Parquet: one
+    file per partition, one row group per file, uncompressed (the images are JPEG already).
+
+    The partitions (:func:`cache_partitions`: more as the images' bytes grow) hold
+    ``floor`` or ``ceil(rows / partitions)`` rows each (:func:`balance`), whatever the
+    sizes of ``df``'s own partitions; with Petastorm's rule (row group ``i`` -> rank
+    ``i % world_size``, files in name order) the ranks' rows then differ by one at most.
+    Three small Spark jobs besides the write: the rows per input partition, the partition
+    keys, and the per-file row counts and checksums (which read only ``row_id``).
 
     Raises:
-        DataError: the volume filled up during the write ("No space left on device"); names
-            the directory. The caller removes the partial cache.
+        DataError: an empty ``df``; the volume filled up ("No space left on device", naming
+            the directory; the caller removes the partial cache); a file with several row
+            groups; or files whose rows are not as planned (a ``df`` whose partitions
+            changed between two reads).
     """
-    from petastorm.spark import make_spark_converter
+    from pyspark.sql import functions as F
 
+    counts, image_bytes = partition_counts(df)
+    rows = sum(counts)
+    if rows == 0:
+        raise DataError(f"{what} is empty")
+    num_partitions = cache_partitions(image_bytes, world_size, min_partitions)
+    data = balance(df, counts, partition_keys(spark, num_partitions))
     try:
-        return make_spark_converter(df, compression_codec="uncompressed")
+        (
+            data.write.option("compression", "uncompressed")
+            .option("parquet.block.size", str(ROW_GROUP_LIMIT_BYTES))
+            .parquet(out_url)
+        )
     except Exception as exc:
         if "No space left on device" in str(exc):
-            folder = local_dir(cache_dir_url) or cache_dir_url
+            folder = local_dir(out_url)
             raise DataError(
-                f"no space left for the loader cache of {what} in {folder}; free some space "
-                "or set paths.cache_url to a larger volume"
+                f"no space left for the loader cache of {what} in "
+                f"{folder.parent if folder else out_url}; free some space or set "
+                "paths.cache_url to a larger volume"
             ) from exc
         raise
+    written = spark.read.parquet(out_url)
+    file_urls = sorted(written.inputFiles())
+    sums = {
+        _url_path(str(r["f"])): (int(r["n"]), wrap_int64(int(r["s"])))
+        for r in written.select("row_id", F.input_file_name().alias("f"))
+        .groupBy("f")
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.sum(F.col("row_id").cast("decimal(38,0)")).alias("s"),
+        )
+        .collect()
+    }
+    file_checksums = [sums.get(_url_path(u), (0, 0)) for u in file_urls]
+    per_file = [n for n, _ in file_checksums]
+    footers = footer_rows(file_urls)
+    q = rows // num_partitions
+    if footers != per_file or sum(per_file) != rows or any(n not in (q, q + 1) for n in per_file):
+        raise DataError(
+            f"the Petastorm cache of {what} under {out_url} holds {per_file} rows per file "
+            f"(footers: {footers}), {sum(per_file)} in all; {rows} rows were written as "
+            f"{num_partitions} partitions of {q} or {q + 1}: the table's partitions changed "
+            "between two reads"
+        )
+    return ParquetCache(file_urls, file_checksums, rows, image_bytes)
+
+
+def _url_path(url: str) -> str:
+    """The path part of a Hadoop path or URL (``file:/a`` and ``file:///a`` both give ``/a``)."""
+    return urlparse(url).path
+
+
+def footer_rows(file_urls: list[str]) -> list[int]:
+    """Rows of each Parquet file, from its footer.
+
+    Raises:
+        DataError: a file holds several row groups (Petastorm would shard it by row group,
+            and the per-file checksums would not describe its shards).
+    """
+    import pyarrow.parquet as pq
+    from petastorm.fs_utils import get_filesystem_and_path_or_paths
+
+    fs, paths = get_filesystem_and_path_or_paths(file_urls)
+    rows = []
+    for url, path in zip(file_urls, paths, strict=True):
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+        if meta.num_row_groups != 1:
+            raise DataError(
+                f"{url} holds {meta.num_row_groups} Parquet row groups; the Petastorm cache "
+                f"writes one per file (parquet.block.size={ROW_GROUP_LIMIT_BYTES}), and "
+                "Parquet's writer cuts row groups smaller when the executor's heap is short: "
+                "give the executors more memory"
+            )
+        rows.append(meta.num_rows)
+    return rows
 
 
 def plan_shards(
     file_urls: list[str],
+    file_checksums: list[tuple[int, int]],
     world_size: int,
     per_device_batch_size: int,
     *,
     full_batches: bool = False,
     split: str = "train",
 ) -> tuple[list[int], list[int], int]:
-    """Rows and row checksum per Petastorm shard, and the common steps per epoch.
+    """Rows and row checksum per Petastorm shard, and the common steps per epoch, from
+    metadata only (no row is read here).
 
-    Uses Petastorm's own row-group listing (``load_row_groups``) and its shard rule
-    (row group ``i`` goes to shard ``i % world_size``).
+    Uses Petastorm's own row-group listing (``load_row_groups``, which reads the footers)
+    and its shard rule (row group ``i`` goes to shard ``i % world_size``).
 
     Args:
-        file_urls: the split's Parquet files (``file://`` URLs), in Petastorm's order.
+        file_urls: the split's Parquet files (``file://`` URLs), one row group each.
+        file_checksums: per file, ``(rows, int64 row_id sum mod 2**64)``
+            (:attr:`ParquetCache.file_checksums`).
         world_size: number of ranks (shards).
         per_device_batch_size: images per rank per step.
         full_batches: require every shard to hold at least one full batch, as training does
@@ -247,12 +458,12 @@ def plan_shards(
         split: the split's name, for messages.
 
     Returns:
-        ``(rows_per_shard, checksum_per_shard, steps_per_epoch)``.
+        ``(rows_per_shard, checksum_per_shard, steps_per_epoch)``; checksums are int64.
 
     Raises:
-        DataError: fewer row groups than ranks; with ``full_batches``, a shard smaller than
-            ``per_device_batch_size``; or shards so uneven that the smallest cannot fill
-            ``steps_per_epoch`` batches.
+        DataError: fewer row groups than ranks; a file with several row groups; with
+            ``full_batches``, a shard smaller than ``per_device_batch_size``; or shards so
+            uneven that the smallest cannot fill ``steps_per_epoch`` batches.
     """
     import pyarrow.parquet as pq
     from petastorm.etl.dataset_metadata import load_row_groups
@@ -268,14 +479,18 @@ def plan_shards(
             f"{len(pieces)} Parquet row groups for {world_size} ranks: Petastorm needs at least "
             "one row group per rank; raise data.partitions_per_process"
         )
+    by_path = {_url_path(p): c for p, c in zip(paths, file_checksums, strict=True)}
+    if len(pieces) != len(by_path):
+        raise DataError(
+            f"{len(pieces)} Parquet row groups in {len(by_path)} files: the shards are planned "
+            "from per-file checksums, which needs one row group per file"
+        )
     rows = [0] * world_size
     checksum = [0] * world_size
     for i, piece in enumerate(pieces):
-        with fs.open(piece.path, "rb") as f:
-            table = pq.ParquetFile(f).read_row_group(piece.row_group, columns=["row_id"])
-        ids = table.column("row_id").to_pylist()
-        rows[i % world_size] += len(ids)
-        checksum[i % world_size] += sum(x % CHECKSUM_MODULUS for x in ids)
+        n, s = by_path[_url_path(piece.path)]
+        rows[i % world_size] += n
+        checksum[i % world_size] = wrap_int64(checksum[i % world_size] + s)
     check_batch_fits(rows, per_device_batch_size, world_size, split, full_batches)
     steps = max(math.ceil(n / per_device_batch_size) for n in rows)
     if min(rows) < steps:

@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders.base import (
-    CHECKSUM_MODULUS,
     Batch,
     Loader,
     ShardPlan,
     check_batch_fits,
     local_dir,
+    row_stats,
 )
 from flowers_job.processes import at_driver_death
 
@@ -263,18 +263,17 @@ def write_mds(
     import_streaming()
     from streaming.base.converters import dataframe_to_mds
 
-    stats = df.agg(
-        F.count(F.lit(1)).alias("rows"),
-        F.sum(F.pmod("row_id", F.lit(CHECKSUM_MODULUS))).alias("checksum"),
-    ).first()
-    rows = int(stats["rows"]) if stats is not None else 0
+    rows, checksum = row_stats(df)
     if rows == 0:
         raise DataError(f"the {split} table is empty")
-    checksum = int(stats["checksum"]) if stats is not None else 0
     padding = (-rows) % world_size
     data = df.withColumn("valid", F.lit(1).cast("tinyint"))
     if padding:
-        pads = df.orderBy("row_id").limit(padding).withColumn("valid", F.lit(0).cast("tinyint"))
+        # the rows with the smallest ids, found by sorting row_id alone (not the images)
+        first_ids = df.select("row_id").orderBy("row_id").limit(padding)
+        pads = df.join(F.broadcast(first_ids), "row_id", "left_semi").withColumn(
+            "valid", F.lit(0).cast("tinyint")
+        )
         data = data.unionByName(pads)
     per_rank = (rows + padding) // world_size
     check_batch_fits(

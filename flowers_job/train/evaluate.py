@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from flowers_job.distributed import all_gather_object, all_reduce_sum
+from flowers_job.distributed import all_gather_object
 from flowers_job.models import Classifier
 from flowers_job.report import WORST_MISTAKES, Mistake, TestReport, build_test_report
 from flowers_job.train.state import FrozenFeatures, TrainState, open_reader
 from flowers_job.train.step import DeviceNormalize, autocast, forward, masked_loss
-from flowers_job.train.sums import Sums, check_shard, check_totals
+from flowers_job.train.sums import PassSums, Sums, check_shard, check_totals, reduce_sums
 
 __all__ = ["ShardScores", "evaluate", "evaluate_test", "score_shard"]
 
@@ -33,7 +33,7 @@ def evaluate(
     normalize: DeviceNormalize,
     amp_dtype: torch.dtype | None,
     features: FrozenFeatures | None = None,
-) -> list[float]:
+) -> PassSums:
     """Loss and accuracy sums on this rank's validation shard.
 
     Args:
@@ -93,7 +93,7 @@ class ShardScores:
         mistakes: this rank's worst misclassified rows (highest loss first), with pixels.
     """
 
-    sums: list[float]
+    sums: PassSums
     labels: np.ndarray
     predicted: np.ndarray
     mistakes: list[Mistake]
@@ -185,7 +185,7 @@ def evaluate_test(state: TrainState) -> TestReport | None:
     finally:
         reader.close()
     check_shard("test", plan, ctx.rank, scores.sums)
-    totals = all_reduce_sum(scores.sums, ctx)
+    (totals,) = reduce_sums([scores.sums], ctx)
     check_totals("test", plan, totals)
     gathered = all_gather_object(
         (scores.labels, scores.predicted, scores.mistakes, time.perf_counter() - t0), ctx
@@ -195,7 +195,7 @@ def evaluate_test(state: TrainState) -> TestReport | None:
     return build_test_report(
         np.concatenate([g[0] for g in gathered]),
         np.concatenate([g[1] for g in gathered]),
-        totals[0],
+        totals.loss_sum,
         state.label_names,
         max(g[3] for g in gathered),
         [m for g in gathered for m in g[2]],

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from flowers_job import faults
 from flowers_job.config import JobConfig
-from flowers_job.distributed import DistContext, all_reduce_sum, broadcast_object, gather_ranks
+from flowers_job.distributed import DistContext, broadcast_object, gather_ranks
 from flowers_job.train.checkpoint import save_checkpoint
 from flowers_job.train.early_stopping import Decision
 from flowers_job.train.evaluate import evaluate, evaluate_test
@@ -31,7 +31,7 @@ from flowers_job.train.rank0 import finish, start_tracking
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers
 from flowers_job.train.step import DeviceNormalize, forward
-from flowers_job.train.sums import SUMS, Sums, check_shard, check_totals
+from flowers_job.train.sums import PassSums, Sums, check_shard, check_totals, reduce_sums
 
 __all__ = ["end_epoch", "fit", "run_epoch", "train_one_epoch"]
 
@@ -63,7 +63,7 @@ def train_one_epoch(
     normalize: DeviceNormalize,
     amp_dtype: torch.dtype | None,
     scaler: torch.amp.GradScaler,
-) -> list[float]:
+) -> PassSums:
     """One pass over this rank's training batches.
 
     ``batches`` yields dicts with ``image`` uint8 ``[B, 3, S, S]`` (normalised here, on the
@@ -144,18 +144,18 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
     t2 = time.perf_counter()
     check_shard("train", plans.train, ctx.rank, train_sums)
     check_shard("val", plans.val, ctx.rank, val_sums)
-    tot = all_reduce_sum([*train_sums, *val_sums], ctx)
-    check_totals("train", plans.train, tot[:SUMS])
-    check_totals("val", plans.val, tot[SUMS:])
+    train, val = reduce_sums([train_sums, val_sums], ctx)
+    check_totals("train", plans.train, train)
+    check_totals("val", plans.val, val)
     return {
-        "train_loss": tot[0] / tot[2],
-        "train_accuracy": tot[1] / tot[2],
-        "val_loss": tot[SUMS] / tot[SUMS + 2],
-        "val_accuracy": tot[SUMS + 1] / tot[SUMS + 2],
+        "train_loss": train.loss_sum / train.rows,
+        "train_accuracy": train.correct / train.rows,
+        "val_loss": val.loss_sum / val.rows,
+        "val_accuracy": val.correct / val.rows,
         "learning_rate": float(state.optimizer.param_groups[0]["lr"]),
         "epoch_seconds": t2 - t0,
-        "train_images_per_second": tot[2] / (t1 - t0),
-        "images_per_second": (tot[2] + tot[SUMS + 2]) / (t2 - t0),
+        "train_images_per_second": train.rows / (t1 - t0),
+        "images_per_second": (train.rows + val.rows) / (t2 - t0),
     }
 
 

@@ -10,28 +10,62 @@ of the split exactly once (no row dropped or read twice).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from flowers_job.distributed import DistContext, all_reduce_sum, all_reduce_sum_int64
 from flowers_job.errors import ShardError
-from flowers_job.loaders.base import CHECKSUM_MODULUS, ShardPlan
+from flowers_job.loaders.base import ShardPlan
 
-__all__ = ["SUMS", "Sums", "check_shard", "check_totals"]
+__all__ = ["PassSums", "Sums", "check_shard", "check_totals", "reduce_sums", "row_checksum"]
 
-SUMS = 5
-"""Entries of :meth:`Sums.values`: ``[loss_sum, correct, rows, row_checksum, rows_read]``."""
+
+@dataclass(frozen=True)
+class PassSums:
+    """What one pass over a shard (or, all-reduced, over a split) adds up.
+
+    Attributes:
+        loss_sum: the loss summed over the valid rows (nats; float64).
+        correct: valid rows predicted right.
+        rows: valid rows (padding excluded).
+        checksum: int64 sum of the valid rows' ``row_id`` modulo 2**64
+            (:data:`~flowers_job.loaders.base.CHECKSUM_MODULUS`).
+        read: every row read, padding included.
+    """
+
+    loss_sum: float
+    correct: int
+    rows: int
+    checksum: int
+    read: int
+
+    def counts(self) -> list[int]:
+        """``[correct, rows, checksum, read]``: the integer part, all-reduced as int64."""
+        return [self.correct, self.rows, self.checksum, self.read]
+
+
+def row_checksum(row_id: torch.Tensor) -> torch.Tensor:
+    """The int64 sum of ``row_id`` (int64 ``[B]``): a scalar int64 tensor, wrapped modulo
+    2**64 as int64 additions are (two's complement), never through a float."""
+    return row_id.to(torch.int64).sum(dtype=torch.int64)
 
 
 class Sums:
     """Running sums of one pass over a shard.
 
-    ``loss_sum`` (float64) and ``correct`` (int64) stay on ``device`` and are read once, in
-    :meth:`values`; ``rows``, ``checksum`` and ``read`` are Python ints.
+    ``loss_sum`` (float64) and ``correct`` (int64) stay on ``device``; ``rows``,
+    ``checksum`` and ``read`` are int64 tensors on the host, where ``row_id`` is. All are
+    read once, in :meth:`values`.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.correct = torch.zeros((), dtype=torch.int64, device=device)
-        self.rows = self.checksum = self.read = 0
+        self.rows = torch.zeros((), dtype=torch.int64)
+        self.checksum = torch.zeros((), dtype=torch.int64)
+        self.read = torch.zeros((), dtype=torch.int64)
 
     def add(
         self,
@@ -49,26 +83,34 @@ class Sums:
             row_id: int64 ``[B]``, on the host.
         """
         keep = valid.cpu()
-        n = int(keep.sum())
-        self.loss_sum += loss.detach().double() * n
+        n = keep.sum(dtype=torch.int64)
+        self.loss_sum += loss.detach().double() * n.to(self.loss_sum.device)
         self.correct += ((logits.detach().argmax(1) == y) & valid).sum()
         self.rows += n
-        self.checksum += int((row_id % CHECKSUM_MODULUS)[keep].sum())
+        self.checksum += row_checksum(row_id[keep])
         self.read += len(y)
 
-    def values(self) -> list[float]:
-        """``[loss_sum, correct, rows, row_checksum, rows_read]`` as floats (the all-reduce's
-        input)."""
-        return [
+    def values(self) -> PassSums:
+        """The sums as Python numbers (the all-reduce's input)."""
+        return PassSums(
             float(self.loss_sum),
-            float(self.correct),
-            float(self.rows),
-            float(self.checksum),
-            float(self.read),
-        ]
+            int(self.correct),
+            int(self.rows),
+            int(self.checksum),
+            int(self.read),
+        )
 
 
-def check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> None:
+def reduce_sums(parts: Sequence[PassSums], ctx: DistContext) -> list[PassSums]:
+    """Each of ``parts`` summed over all ranks: the loss sums in one float64 all-reduce, the
+    counts and checksums in one int64 all-reduce (checksums wrap modulo 2**64, exactly as
+    on the driver). A collective: every rank calls it with as many parts."""
+    losses = all_reduce_sum([p.loss_sum for p in parts], ctx)
+    counts = all_reduce_sum_int64([c for p in parts for c in p.counts()], ctx)
+    return [PassSums(loss, *counts[4 * i : 4 * i + 4]) for i, loss in enumerate(losses)]
+
+
+def check_shard(split: str, plan: ShardPlan, rank: int, sums: PassSums) -> None:
     """This rank's rows against the plan: how many it read (padding included), and, when a
     rank reads the same rows every epoch (``plan.checksum_per_shard``), their count and
     checksum.
@@ -76,7 +118,7 @@ def check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> No
     Raises:
         ShardError: naming the rank, the split, what was read and what the plan expects.
     """
-    rows, checksum, read = int(sums[2]), int(sums[3]), int(sums[4])
+    rows, checksum, read = sums.rows, sums.checksum, sums.read
     expected = plan.checksum_per_shard[rank] if plan.checksum_per_shard is not None else None
     if read != plan.rows_per_shard[rank] or (
         expected is not None and (rows != read or checksum != expected)
@@ -88,7 +130,7 @@ def check_shard(split: str, plan: ShardPlan, rank: int, sums: list[float]) -> No
         )
 
 
-def check_totals(split: str, plan: ShardPlan, totals: list[float]) -> None:
+def check_totals(split: str, plan: ShardPlan, totals: PassSums) -> None:
     """All ranks together read every row of the split exactly once: the all-reduced count of
     valid rows and their checksum equal the split's. The same on every rank, so every rank
     raises together (no hang).
@@ -96,7 +138,7 @@ def check_totals(split: str, plan: ShardPlan, totals: list[float]) -> None:
     Raises:
         ShardError: a row was dropped or read twice this epoch.
     """
-    rows, checksum = int(totals[2]), int(totals[3])
+    rows, checksum = totals.rows, totals.checksum
     if rows != plan.dataset_size or checksum != plan.checksum:
         raise ShardError(
             f"the ranks read {rows} valid {split} rows (checksum {checksum}) this epoch; the "
