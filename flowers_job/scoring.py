@@ -12,8 +12,10 @@ fail the job, and a row cannot carry a reason next to a null prediction. Here th
 the pyfunc's own :meth:`~flowers_job.serving.FlowersClassifierModel.score`, which scores the
 good rows and returns a rejection for each bad one, so the REST server and batch scoring
 share one decode/transform/model path and differ only in what they do with a bad row. The
-UDF loads the model once per Python worker (Spark reuses its Python workers across tasks) and
-scores Arrow batches in the model's own batches of ``batch_size``.
+UDF loads the model once per Python worker (Spark reuses its Python workers across tasks),
+runs it with as many torch threads as the task holds cores (:func:`task_threads`: 2 slots on 2
+cores, 1 thread each, as the training ranks) and scores Arrow batches in the model's own
+batches of ``batch_size``.
 """
 
 from __future__ import annotations
