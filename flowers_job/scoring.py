@@ -12,8 +12,10 @@ fail the job, and a row cannot carry a reason next to a null prediction. Here th
 the pyfunc's own :meth:`~flowers_job.serving.FlowersClassifierModel.score`, which scores the
 good rows and returns a rejection for each bad one, so the REST server and batch scoring
 share one decode/transform/model path and differ only in what they do with a bad row. The
-UDF loads the model once per Python worker (Spark reuses its Python workers across tasks) and
-scores Arrow batches in the model's own batches of ``batch_size``.
+UDF loads the model once per Python worker (Spark reuses its Python workers across tasks),
+runs it with as many torch threads as the task holds cores (:func:`task_threads`: 2 slots on 2
+cores, 1 thread each, as the training ranks) and scores Arrow batches in the model's own
+batches of ``batch_size``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pyspark.sql import types as T
 
 from flowers_job.model_ref import ModelRef, resolve_model, ship_model
 
-__all__ = ["OUTPUT_COLUMNS", "score_images"]
+__all__ = ["OUTPUT_COLUMNS", "WORKER_LOADS", "score_images", "task_threads"]
 
 OUTPUT_COLUMNS = (
     "predicted_label",
@@ -55,10 +57,33 @@ _UDF_OUT = [
 
 _WORKER_MODELS: dict[str, Any] = {}
 """SparkFiles folder name -> the loaded FlowersClassifierModel, once per Python worker."""
+WORKER_LOADS: dict[str, int] = {}
+"""SparkFiles folder name -> times this Python worker loaded it (1 while the cache holds)."""
+
+
+def task_threads() -> int:
+    """Torch intra-op threads for a scoring task: the cores it holds (``spark.task.cpus``,
+    from the running task's context; 1 outside a task).
+
+    An executor runs cores / ``spark.task.cpus`` tasks at once, each in its own Python
+    worker; with more threads per worker than that, the workers' threads oversubscribe the
+    cores (torch's default is every core of the host). Spark also sets ``OMP_NUM_THREADS``
+    to the task's cores, unless ``spark.executorEnv.OMP_NUM_THREADS`` says otherwise; this
+    does not depend on it.
+    """
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return max(1, int(ctx.cpus())) if ctx is not None else 1
 
 
 def _worker_model(name: str) -> Any:
-    """The shipped model, loaded on the first call in this Python worker."""
+    """The shipped model, loaded on the first call in this Python worker and reused by every
+    later task the worker runs (``spark.python.worker.reuse``, on by default); torch's
+    threads set to :func:`task_threads` on every call (cheap; a worker keeps its setting)."""
+    import torch
+
+    torch.set_num_threads(task_threads())
     model = _WORKER_MODELS.get(name)
     if model is None:
         import mlflow
@@ -68,6 +93,7 @@ def _worker_model(name: str) -> Any:
             warnings.simplefilter("ignore", UserWarning)
             model = mlflow.pyfunc.load_model(SparkFiles.get(name)).unwrap_python_model()
         _WORKER_MODELS[name] = model
+        WORKER_LOADS[name] = WORKER_LOADS.get(name, 0) + 1
     return model
 
 

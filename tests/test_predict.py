@@ -10,9 +10,11 @@ comes from summary.json, ``models:/name@alias`` resolves; the CLI end to end onc
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 from delta.tables import DeltaTable
 from mlflow import MlflowClient
@@ -20,6 +22,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.cli import main
+from flowers_job.model_ref import ship_model
 from flowers_job.predict import (
     OUTPUT_COLUMNS,
     PredictError,
@@ -170,6 +173,48 @@ def test_table_input_new_version_and_alias(
     df = spark.read.format("delta").load(str(table)).where(F.col("row_id") < 5)
     scored = score_images(spark, champion, df, num_partitions=2)
     assert scored.where(F.col("predicted_label").isNull()).count() == 0
+
+
+def test_model_loaded_once_per_python_worker(spark: SparkSession, registry: dict[str, Any]) -> None:
+    """Two jobs of 8 scoring tasks each on 2 slots: every Python worker loads the model once
+    (the workers and the model are reused across tasks and jobs), with torch's threads at the
+    task's cores (``spark.task.cpus`` = 1 here, so 2 workers use the 2 cores, no more)."""
+    photos = [sorted((PHOTOS / label).glob("*.jpg"))[3].read_bytes() for label in LABELS]
+    df = spark.createDataFrame(
+        [(i, photos[i % len(photos)]) for i in range(16)], "row_id long, image binary"
+    )
+    ref = resolve_model("models:/flowers_classifier/1", registry["mlflow_tracking_uri"])
+    scored = score_images(spark, ref, df, num_partitions=8)
+    for _ in range(2):
+        rows = scored.select("row_id", "predicted_label").collect()
+        assert len(rows) == 16 and all(r["predicted_label"] for r in rows)
+    name = ship_model(spark, ref).name
+
+    def worker_state(batches: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        import os
+
+        import torch
+
+        from flowers_job import scoring
+
+        for _ in batches:
+            yield pd.DataFrame(
+                {
+                    "pid": [os.getpid()],
+                    "loads": [scoring.WORKER_LOADS.get(name, 0)],
+                    "threads": [torch.get_num_threads()],
+                }
+            )
+
+    seen = (
+        spark.range(8)
+        .repartition(8)
+        .mapInPandas(worker_state, "pid long, loads long, threads long")
+        .collect()
+    )
+    loads = {r["pid"]: r["loads"] for r in seen}
+    assert 1 in loads.values() and set(loads.values()) <= {0, 1}, loads
+    assert {r["threads"] for r in seen} == {1}
 
 
 def test_default_model_and_errors(registry: dict[str, Any], tmp_path: Path) -> None:
