@@ -621,16 +621,19 @@ def metrics(result: dict[str, Any]) -> dict[str, float | None]:
         if result.get(k, {}).get("train_images_per_second")
     ]
     ranks = [
-        v for k in ("train_first", "train_second") for v in result[k]["rank_peak_rss_mib"].values()
+        v
+        for k in ("train_first", "train_second")
+        for v in result.get(k, {}).get("rank_peak_rss_mib", {}).values()
     ]
+    get = lambda step, key: result.get(step, {}).get(key)  # noqa: E731 (a run stopped half-way)
     return {
-        "ingest_files_per_second": result["full_ingest"]["files_per_second"],
-        "driver_peak_rss_mib": result["full_ingest"]["driver_peak_rss_mib"],
+        "ingest_files_per_second": get("full_ingest", "files_per_second"),
+        "driver_peak_rss_mib": get("full_ingest", "driver_peak_rss_mib"),
         "train_images_per_second": sum(trains) / len(trains) if trains else None,
         "rank_peak_rss_mib": max(ranks) if ranks else None,
-        "predict_images_per_second": result["predict"]["images_per_second"],
-        "incremental_vs_full_ingest": result["incremental_ingest"].get("vs_full_ingest"),
-        "second_vs_first_preparation": result["train_second"].get("vs_first_preparation"),
+        "predict_images_per_second": get("predict", "images_per_second"),
+        "incremental_vs_full_ingest": get("incremental_ingest", "vs_full_ingest"),
+        "second_vs_first_preparation": get("train_second", "vs_first_preparation"),
     }
 
 
@@ -647,7 +650,7 @@ def table(results_dir: Path) -> str:
         lines += [
             f"Fraction {fraction:g} of the photos; "
             + "; ".join(
-                f"{r['factor']}x: {r['full_ingest']['files']} files, "
+                f"{r['factor']}x: {r.get('full_ingest', {}).get('files')} files, "
                 f"{r['machine']['date']}, {r['machine']['nproc']} cores, "
                 f"{r['machine']['memory_gib']} GiB"
                 for r in group
@@ -673,12 +676,18 @@ def table(results_dir: Path) -> str:
                 if r["factor"] == 1:
                     continue
                 b = metrics(base)[name] if base else None
-                ratios.append("(itself)" if own_ratio else _ratio(v, b))
+                ratios.append("-" if own_ratio else _ratio(v, b))
             op, bound = TARGETS.get(name, ("", None))
             target = f"{op} {bound}x" if bound is not None else "-"
             row = [name, *cells, *ratios, target]
             lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
+        lines += [
+            "",
+            "The last two rows are ratios within one factor (incremental ingest of 1 % / the "
+            "full ingest; the second train's preparation / the first's): their target holds "
+            "for each factor's column.",
+            "",
+        ]
     return "\n".join(lines)
 
 
