@@ -115,7 +115,7 @@ class TreeSampler(threading.Thread):
     Each process gets a role the first time it is seen: ``driver_python`` (the root),
     ``driver_jvm`` (``java``), ``rank<r>`` (a process with ``RANK`` in its environment that
     is not torchrun itself), ``spark_python_workers`` (other Python processes under the
-    JVM) or ``other``. Per process the peak is the larger of its sampled RSS and its last
+    JVM) or ``other:<name>``. Per process the peak is the larger of its sampled RSS and its last
     ``VmHWM`` (the kernel's own peak, which catches spikes between samples).
     """
 
@@ -144,7 +144,7 @@ class TreeSampler(threading.Thread):
             return f"rank{rank}"
         if name.startswith("python") and any(p.name() == "java" for p in proc.parents()):
             return "spark_python_workers"
-        return "other"
+        return f"other:{name}"
 
     def sample(self) -> None:
         """One sample of every process of the tree."""
@@ -156,7 +156,7 @@ class TreeSampler(threading.Thread):
         for proc in procs:
             try:
                 # "other" again until it execs: a rank is first seen as a fork of torchrun
-                if self.roles.get(proc.pid, "other") == "other":
+                if self.roles.get(proc.pid, "other").startswith("other"):
                     self.roles[proc.pid] = self._role(proc)
                 rss = proc.memory_info().rss
             except psutil.Error:
@@ -301,6 +301,7 @@ def run_cli(args: list[str], log_path: Path, cgroup: MemoryCgroup | None = None)
     lines: list[tuple[float, str]] = []
     out_lines: list[tuple[float, str]] = []
     lock = threading.Lock()
+    started_at = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cgroup.wrap(command) if cgroup else command,
@@ -346,6 +347,7 @@ def run_cli(args: list[str], log_path: Path, cgroup: MemoryCgroup | None = None)
     result = {
         "command": ["python", "-m", "flowers_job", *args],
         "returncode": returncode,
+        "started_at": started_at,
         "wall_seconds": round(wall, 1),
         "peak_rss_mib": sampler.peaks_mib(),
         "markers": markers,
@@ -437,7 +439,8 @@ def dir_bytes(path: Path) -> int:
 
 def train_result(run: dict[str, Any], summary_path: Path) -> dict[str, Any]:
     """A ``train`` run's numbers: its command's, plus the summary's."""
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    fresh = summary_path.exists() and summary_path.stat().st_mtime > run["started_at"]
+    summary = json.loads(summary_path.read_text()) if fresh else {}  # not a previous run's
     history = summary.get("history") or [{}]
     first_step = run["markers"].get("first_step", run["markers"].get("ranks_banner"))
     ranks = {k: v for k, v in run["peak_rss_mib"].items() if k.startswith("rank")}
