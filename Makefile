@@ -48,8 +48,10 @@ WHEEL_DIR ?= dist
 # (a fresh uv environment of its own, whichever suite starts it), and the checks of
 # flowers_job's own that read and write Delta tables through the stack both suites
 # exercise in test_ingest.py (the quarantine of each bad input, training's refusal of
-# damaged tables).
-DBR_ONLY ?= test_clean_install.py test_table_checks.py test_bad_input.py
+# damaged tables, the incremental ingest and retention, the loader cache's reuse, locking and
+# eviction, which are the loader's own in-between: the Streaming loader there).
+DBR_ONLY ?= test_clean_install.py test_table_checks.py test_bad_input.py test_incremental.py \
+	test_loader_cache.py
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
 	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py \

@@ -181,7 +181,7 @@ def _rank_pass(
             rows += len(pending)
 
     scores = score_shard(model, batches(), criterion, normalize, None)
-    results.put((rank, rows, time.perf_counter() - t0, float(scores.sums[0])))
+    results.put((rank, rows, time.perf_counter() - t0, float(scores.sums.loss_sum)))
 
 
 def _batch(pending: list[tuple[bytes, int, int]], decode: Any) -> dict[str, Any]:

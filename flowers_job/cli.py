@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--images", type=Path, help="photos: <images>/<label>/<file> or flat")
     source.add_argument("--table", type=Path, help="Delta table with row_id and image columns")
     predict.add_argument(
+        "--split",
+        choices=("train", "val", "test"),
+        help="with --table: only the rows of this split (a partition of the images table)",
+    )
+    predict.add_argument(
         "--output-table", type=Path, required=True, help="Delta table the predictions go to"
     )
     return parser
@@ -218,6 +223,7 @@ def _predict(args: argparse.Namespace) -> int:
             args.output_table,
             images=args.images,
             table=args.table,
+            split=args.split,
             data=cfg.data,
         )
     except predict.PredictError as exc:

@@ -199,11 +199,15 @@ def _image_rows(
     return rows, listing, entries, {"listing": digest(groups, settings=settings)}
 
 
-def _table_rows(spark: SparkSession, table: Path) -> tuple[DataFrame, int, dict[str, object]]:
-    """The input Delta table's ``row_id, [path], [label], image`` and its fingerprint.
+def _table_rows(
+    spark: SparkSession, table: Path, split: str | None = None
+) -> tuple[DataFrame, int, dict[str, object]]:
+    """The input Delta table's ``row_id, [path], [label], image`` (its rows of ``split``
+    when given: a partition of the ``images`` table) and its fingerprint.
 
     Raises:
-        PredictError: no ``row_id`` or binary ``image`` column.
+        PredictError: no ``row_id`` or binary ``image`` column, or ``split`` given for a
+            table without a ``split`` column.
     """
     from delta.tables import DeltaTable
 
@@ -217,6 +221,10 @@ def _table_rows(spark: SparkSession, table: Path) -> tuple[DataFrame, int, dict[
             f"--table {table}: needs a row_id column and a binary image column "
             f"(the tables under <output-dir>/tables have them); its columns are {types}"
         )
+    if split is not None:
+        if "split" not in types:
+            raise PredictError(f"--split {split}: the table {table} has no split column")
+        df = df.where(F.col("split") == split)
     columns = ["row_id", *(c for c in ("path", "label") if c in types), "image"]
     rows = int(df.count())
     meta = {
@@ -224,6 +232,7 @@ def _table_rows(spark: SparkSession, table: Path) -> tuple[DataFrame, int, dict[
         "path": os.path.realpath(table),
         "table_id": detail["id"] if detail else None,
         "version": int(last["version"]) if last else None,
+        **({"split": split} if split is not None else {}),
     }
     return df.select(*columns), rows, meta
 
@@ -254,6 +263,7 @@ def predict(
     *,
     images: Path | None = None,
     table: Path | None = None,
+    split: str | None = None,
     data: DataConfig | None = None,
 ) -> PredictReport:
     """Score every photo under ``images`` (or row of the Delta ``table``) into ``output_table``.
@@ -267,6 +277,8 @@ def predict(
             directly in it (no label); listed and decoded exactly as ingest does.
         table: a Delta table with ``row_id`` and binary ``image`` (``path`` and ``label`` are
             kept when present), e.g. ``<output-dir>/tables/images``.
+        split: with ``table``, score only its rows of this split (``train``, ``val``,
+            ``test``: a partition of the ``images`` table).
         data: ``jpeg_quality`` and ``extensions`` of the decode (default: the config's
             defaults); the stored short side and pixel limit are the model's own.
 
@@ -287,7 +299,7 @@ def predict(
             partitions = None  # already partitioned by the decode
         else:
             assert table is not None
-            rows, input_rows, source = _table_rows(spark, table)
+            rows, input_rows, source = _table_rows(spark, table, split)
             partitions = _partitions(spark, input_rows)
         model_key = {"uri": model.uri, "name": model.name, "version": model.version}
         text = json.dumps(

@@ -263,7 +263,12 @@ def test_score_task_scores_the_test_table_with_the_model_train_registered(
     assert _flag(args, "--output-dir") == _flag(
         train["spark_python_task"]["parameters"], "--output-dir"
     )
-    assert _flag(args, "--table") == "${var.output_dir}/tables/test"
+    assert _flag(args, "--table") == "${var.output_dir}/tables/images"
+    assert _flag(args, "--split") == "test"  # the held-out split, a partition of images
+    from flowers_job.cli import build_parser
+
+    parsed = build_parser().parse_args(["predict", *args])  # what the entry point parses
+    assert (parsed.split, str(parsed.table)) == ("test", "${var.output_dir}/tables/images")
     assert _flag(args, "--output-table").startswith("${var.output_dir}/")
     assert "--model" not in args  # the version summary.json names
     assert _settings(args)["tracking.tracking_uri"] == "databricks"

@@ -128,13 +128,17 @@ def test_table_input_new_version_and_alias(
     version 2 writes a new Delta version; ``@champion`` resolves to it."""
     photos = [sorted((PHOTOS / label).glob("*.jpg"))[3] for label in LABELS]
     data: list[tuple[Any, ...]] = [
-        (i, str(p), p.parent.name, p.read_bytes()) for i, p in enumerate(photos)
+        (i, str(p), p.parent.name, p.read_bytes(), "test" if i < 3 else "train")
+        for i, p in enumerate(photos)
     ]
-    data += [(10, "cut.jpg", "roses", photos[2].read_bytes()[:500]), (11, None, None, None)]
+    data += [
+        (10, "cut.jpg", "roses", photos[2].read_bytes()[:500], "train"),
+        (11, None, None, None, "val"),
+    ]
     table = tmp_path / "images"
     spark.createDataFrame(
-        data, "row_id long, path string, label string, image binary"
-    ).write.format("delta").save(str(table))
+        data, "row_id long, path string, label string, image binary, split string"
+    ).write.format("delta").partitionBy("split").save(str(table))
 
     uri = registry["mlflow_tracking_uri"]
     out = tmp_path / "predictions"
@@ -168,6 +172,9 @@ def test_table_input_new_version_and_alias(
     assert rows[0]["model_version"] == 2
     assert third.label_counts == second.label_counts  # the same version, the same predictions
     assert not predict(spark, champion, out, table=table).written
+    # --split: one partition of the table, as the bundle scores the held-out test split
+    held_out = predict(spark, champion, tmp_path / "test_predictions", table=table, split="test")
+    assert held_out.input_rows == held_out.output_rows == 3
 
     # score_images is lazy and reusable: the scored frame of any DataFrame with `image`
     df = spark.read.format("delta").load(str(table)).where(F.col("row_id") < 5)

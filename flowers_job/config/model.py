@@ -71,10 +71,11 @@ class DataConfig(_Section):
     full_ingest: bool = False
     """Decode every file and rewrite both tables, instead of decoding only the files that are
     new or changed (path, size or modification time) and MERGEing them (``--full``)."""
-    retention_hours: float = Field(168.0, ge=0.0, le=87_600.0)
+    retention_hours: int = Field(168, ge=0, le=87_600)
     """VACUUM after each ingest that writes removes the files of Delta versions older than
-    this (hours; Delta's default is 168, 7 days), except those of versions that a kept
-    loader cache or a registered model's lineage names."""
+    this (whole hours, as Delta's VACUUM counts them; Delta's default is 168, 7 days),
+    except those of versions that a kept loader cache or a registered model's lineage
+    names."""
     loader: str = "auto"
     """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
     'petastorm' (Parquet cache, the local pinned stack; needs pyarrow < 15 and NumPy < 2),

@@ -32,7 +32,7 @@ Before a split is written, the free space of the cache's file system is checked 
 the split's size (:func:`check_cache_space`).
 
 A cache root that is not a local or mounted path (an object store URL) gets a staging
-folder per run, removed at the end, as before version 0.3: nothing is reused there.
+folder per run, removed at the end: nothing is reused there.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ table"; the time is the remove action's ``deletionTimestamp``). A file that vers
 reads is removed by a later commit, whose remove actions are made after ``v`` was
 committed, so keeping every file removed since ``v``'s commit keeps ``v`` readable:
 
-``retain_hours = max(data.retention_hours, age of the commit of v_min + 0.001 h)``
+``retain_hours = max(data.retention_hours, ceil(age of the commit of v_min) + 1)``
+
+in whole hours: Delta rounds the retention to whole hours (``VacuumCommand``:
+``TimeUnit.HOURS.toMillis(math.round(h))``; seen here as ``specifiedRetentionMillis`` 0 for
+0.01 h), so the extra hour keeps a rounding from cutting into the protected version.
 
 where ``v_min`` is the oldest protected version of ``images``: one that an entry of the
 loader cache was built from (:func:`flowers_job.data.cache.cached_versions`) or that a
@@ -100,12 +104,12 @@ def _hours_since_commit(spark: SparkSession, path: Path, version: int) -> float 
     return max(0.0, (time.time() - rows[0]["timestamp"].timestamp()) / 3600.0)
 
 
-def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, float] | None:
+def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
     """VACUUM ``images`` and ``quarantine`` with ``data.retention_hours``, raised to keep every
     protected version of ``images`` readable (module docstring).
 
     Returns:
-        Table name -> the retention used (hours); None when the protected versions could
+        Table name -> the retention used (whole hours); None when the protected versions could
         not be read and nothing was vacuumed (logged as a warning).
     """
     from delta.tables import DeltaTable
@@ -120,12 +124,12 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, float] | Non
             exc,
         )
         return None
-    hours = {name: cfg.data.retention_hours for name in TABLE_NAMES}
+    hours = {name: int(cfg.data.retention_hours) for name in TABLE_NAMES}
     if protected:
         oldest = min(protected)
         age = _hours_since_commit(spark, cfg.paths.table("images"), oldest)
         if age is not None:
-            hours["images"] = max(hours["images"], math.ceil(age * 1000) / 1000 + 0.001)
+            hours["images"] = max(hours["images"], math.ceil(age) + 1)
     before = spark.conf.get(_RETENTION_CHECK, None)
     spark.conf.set(_RETENTION_CHECK, "false")  # retention_hours below Delta's 168 is allowed
     try:
@@ -133,7 +137,7 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, float] | Non
             t0 = time.perf_counter()
             DeltaTable.forPath(spark, str(cfg.paths.table(name))).vacuum(retain)
             log.info(
-                "vacuumed %s, keeping %.3f h of history%s, in %.1f s",
+                "vacuumed %s, keeping %d h of history%s, in %.1f s",
                 name,
                 retain,
                 f" (images versions {sorted(protected)} are kept)"
