@@ -162,7 +162,7 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     assert ingest(spark, cfg).mode == "incremental"  # rewrites the file that held the photo
     assert readable(kept)  # protected by the cache entry
     shutil.rmtree(entry)
-    (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()
+    (images / "roses" / sorted(os.listdir(images / "roses"))[0]).unlink()
     ingest(spark, cfg)
     assert not readable(kept)
     assert readable(checked_tables(spark, cfg).versions["images"])
