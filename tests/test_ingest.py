@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data import ingest as ingest_module
+from flowers_job.data import ingest_write
 from flowers_job.data.ingest import IngestError, ingest
 from flowers_job.data.tables import SPLITS, TABLE_NAMES
 
@@ -130,7 +130,7 @@ def test_split_is_deterministic_whatever_the_partitioning(
     tables: every row, every column, the image bytes included."""
     _, report = ingested
     before = _rows(spark, report.tables["images"], "relative_path", "split")
-    monkeypatch.setattr(ingest_module, "FILES_PER_PARTITION", 5)  # 13 partitions, not 4
+    monkeypatch.setattr(ingest_write, "FILES_PER_PARTITION", 5)  # 13 partitions, not 4
     again = ingest(spark, _cfg(dirty_photos, tmp_path, "data.max_bad_fraction=0.1"))
     for name in TABLE_NAMES:
         assert _contents(spark, again.tables[name]) == _contents(spark, report.tables[name]), name
