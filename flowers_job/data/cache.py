@@ -382,6 +382,8 @@ class LoaderCache:
         if reused is None:
             from filelock import FileLock, Timeout
 
+            # before the lock file is made: a volume without room is left as it was
+            check_cache_space(self.staging_url, needed_bytes, f"the {split} split")
             (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
             lock = FileLock(str(self.root / LOCKS / f"{key}.lock"))
             t_wait = time.perf_counter()
