@@ -31,8 +31,9 @@ loader left on this host outside it (:meth:`~flowers_job.loaders.base.Loader.swe
 Before a split is written, the free space of the cache's file system is checked against
 the split's size (:func:`check_cache_space`).
 
-A cache root that is not a local or mounted path (an object store URL) gets a staging
-folder per run, removed at the end: nothing is reused there.
+A cache root that is not a local or mounted path (an object store URL) is written per run
+under the run's staging folder and never reused; this job does not remove it there (leave
+that to the store's lifecycle rules).
 """
 
 from __future__ import annotations
@@ -133,18 +134,12 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Path]:
     return removed
 
 
-def cache_bytes_needed(spark: SparkSession, table: Path, fraction: float = 1.0) -> int:
-    """Bytes the loader cache of ``fraction`` of the rows of the Delta table at ``table``
-    needs (an estimate: rows are about the same size).
-
-    ``sizeInBytes`` of ``DESCRIBE DETAIL`` x ``fraction`` x :data:`CACHE_SPACE_FACTOR` +
-    :data:`CACHE_SPACE_HEADROOM_BYTES`.
-    """
-    from delta.tables import DeltaTable
-
-    row = DeltaTable.forPath(spark, str(table)).detail().select("sizeInBytes").first()
-    size = int(row["sizeInBytes"]) if row is not None else 0
-    return math.ceil(size * fraction * CACHE_SPACE_FACTOR) + CACHE_SPACE_HEADROOM_BYTES
+def cache_bytes_needed(table_bytes: int, fraction: float = 1.0) -> int:
+    """Bytes the loader cache of ``fraction`` of the rows of a Delta table of
+    ``table_bytes`` (``DESCRIBE DETAIL``'s ``sizeInBytes``) needs: an estimate, rows being
+    about the same size, of ``table_bytes x fraction x`` :data:`CACHE_SPACE_FACTOR` ``+``
+    :data:`CACHE_SPACE_HEADROOM_BYTES`."""
+    return math.ceil(table_bytes * fraction * CACHE_SPACE_FACTOR) + CACHE_SPACE_HEADROOM_BYTES
 
 
 def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:

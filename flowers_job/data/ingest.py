@@ -289,9 +289,6 @@ def _report(
     reasons = {
         r["reason_code"]: int(r["count"]) for r in q.groupBy("reason_code").count().collect()
     }
-    commit = latest_commit(spark, tables["images"])
-    stored = (commit[1] if commit else None) or {}
-    label_names = [str(x) for x in stored.get("label_names", labels)]  # type: ignore[attr-defined]
     return IngestReport(
         files=n_files,
         images_rows=sum(per_split.values()),
@@ -300,7 +297,7 @@ def _report(
         test_rows=per_split.get("test", 0),
         quarantined_rows=sum(reasons.values()),
         quarantine_reasons=reasons,
-        label_names=label_names,
+        label_names=labels,
         tables={name: str(p) for name, p in tables.items()},
         fingerprint=fingerprint,
         written=changes.mode != "unchanged",

@@ -143,7 +143,8 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     images = cfg.paths.table("images")
     from delta.tables import DeltaTable
 
-    detail = DeltaTable.forPath(spark, str(images)).detail().select("id").first()
+    detail = DeltaTable.forPath(spark, str(images)).detail().select("id", "sizeInBytes").first()
+    size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())
     with loader_cache(cfg, loader) as cache:
         plans: dict[str, ShardPlan] = {}
@@ -163,7 +164,7 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 split,
                 fields,
                 lambda split=split: _split(spark, cfg, split, version),  # type: ignore[misc]
-                cache_bytes_needed(spark, images, checked.split_rows[split] / total),
+                cache_bytes_needed(size, checked.split_rows[split] / total),
             )
             uses[split] = use.to_dict()
         yield PreparedData(
