@@ -231,12 +231,12 @@ def test_petastorm_shards_stay_within_one_row_whatever_the_input_partitions(
     cache has more partitions than configured (bytes decide), each of floor or ceil(N/P)
     rows, one row group per file; Petastorm's readers read exactly the planned rows and
     checksum per shard, every row once."""
-    import flowers_job.loaders.petastorm as petastorm_loader
+    from flowers_job.data import balanced
 
     jpeg = _jpeg()
     df = _skewed_split(spark, SKEWED, jpeg)
     rows = sum(SKEWED)
-    monkeypatch.setattr(petastorm_loader, "PARTITION_BYTES", rows * len(jpeg) // 9)
+    monkeypatch.setattr(balanced, "PARTITION_BYTES", rows * len(jpeg) // 9)
     cfg = load_config(
         None,
         [
