@@ -49,9 +49,16 @@ WHEEL_DIR ?= dist
 # flowers_job's own that read and write Delta tables through the stack both suites
 # exercise in test_ingest.py (the quarantine of each bad input, training's refusal of
 # damaged tables, the incremental ingest and retention, the loader cache's reuse, locking and
-# eviction, which are the loader's own in-between: the Streaming loader there).
+# eviction, which are the loader's own in-between: the Streaming loader there), and batch
+# scoring (the bundle's score task runs on the runtime).
 DBR_ONLY ?= test_clean_install.py test_table_checks.py test_bad_input.py test_incremental.py \
-	test_loader_cache.py
+	test_loader_cache.py test_predict.py
+# Tests that `make test` runs in the DBR suite only (test-local deselects them), for the same
+# reason: Delta's commit protocol under an interrupted ingest, which the ingest tests of
+# both stacks build on.
+DBR_ONLY_TESTS ?= test_ingest.py::test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun
+# Tests test-local deselects (`make test` sets it to DBR_ONLY_TESTS).
+LOCAL_DESELECT ?=
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
 	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py \
@@ -59,14 +66,13 @@ DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_j
 # Test files test-local leaves out (`make test` sets it to DBR_ONLY).
 LOCAL_IGNORE ?=
 # Tests of the DBR files whose guarantee does not depend on the Python stack run once, in
-# test-local: Delta's commit protocol under an interrupted or a changed ingest and the
+# test-local: Delta's commit protocol under a changed ingest and the
 # split's independence of the partitioning (the DBR environment's delta-spark is OSS Delta,
 # not the runtime's own, so it could not speak for Databricks there anyway), and the slot
 # count of a cluster that is too small (Spark's). The rest of test_ingest.py and
 # test_fail_fast.py runs in both: the decode over Arrow (pyarrow 19, NumPy 2, pandas 2.2) and
 # MLflow 3.0.1's client depend on the stack.
-DBR_DESELECT ?= test_ingest.py::test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun \
-	test_ingest.py::test_changed_clean_input_is_reingested_consistently \
+DBR_DESELECT ?= test_ingest.py::test_changed_clean_input_is_reingested_consistently \
 	test_ingest.py::test_split_is_deterministic_whatever_the_partitioning \
 	test_fail_fast.py::test_cli_exits_2_when_the_processes_do_not_fit_the_cluster
 # The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs. Both run
@@ -150,16 +156,19 @@ ISOLATE := $(shell [ "$$(id -u)" = 0 ] && unshare --mount --propagation private 
 test: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite LOCAL_IGNORE="$(DBR_ONLY)"
+	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite LOCAL_IGNORE="$(DBR_ONLY)" \
+		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
-	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY)"
+	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY)" \
+		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 	@$(MAKE) --no-print-directory dbr-suite
 endif
 
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
 	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest --durations=0 \
-		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) || rc=$$?; \
+		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) \
+		$(addprefix --deselect tests/,$(LOCAL_DESELECT)) || rc=$$?; \
 	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
 
 # Build the wheel (as the bundle's artifact does) and install it into .venv-dbr with its

@@ -545,16 +545,20 @@ class TestLoopbackNames:
         assert "distributed.num_processes: 3 processes, but this Spark cluster" in log
         assert "has 2 GPU task slots (spark.task.resource.gpu.amount=1 per task)" in log
 
-    def test_job_with_loopback_host_names(self, loopback_cluster: Cluster, photos: Path) -> None:
+    def test_job_with_loopback_host_names(
+        self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
+    ) -> None:
+        """``flowers-job train`` with Mosaic Streaming on a copy of the tables the Petastorm
+        job ingested (the ingest on a cluster is that job's to test)."""
         out = fresh(loopback_cluster.shared / "streaming")
+        shutil.copytree(fault_tables / "tables", out / "tables")
         rc, log = submit(
             loopback_cluster,
             # GPU slots place one rank per executor; the ranks train on CPU (gloo).
-            job_args(
-                loopback_cluster, photos, out, "data.loader=streaming", "distributed.use_gpu=false"
-            ),
+            train_args(loopback_cluster, out, "data.loader=streaming", "distributed.use_gpu=false"),
             BASE / "streaming.log",
-            conf=GPU_CONF,
+            conf={**TRAIN_CONF, **GPU_CONF},
+            script=train_entry,
         )
         assert rc == 0, log[-4000:]
         summary = check_summary(out, loopback_cluster)
