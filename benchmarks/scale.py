@@ -15,11 +15,13 @@ For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default) i
      seconds against the full ingest's, and the counts of an incremental ingest when the
      CLI prints them (``files_listed``, ``files_decoded``, ``rows_*``);
    - ``train`` twice with ``train.epochs=1``: the first run writes the loader cache, the
-     second may reuse it (``loader_cache`` of ``summary.json`` when the job records it); each
-     run's preparation time (from its start to its first training step: the first progress
-     line of epoch 1), its training images/s (``train_images_per_second`` of the epoch),
-     the rows per shard of the train split and the peak RSS of each rank;
-   - ``predict --table`` over the stored images table: images/s (the report's);
+     second reuses it; each run's preparation time (from its start to its first training
+     step: the first progress line of epoch 1); of the first, its training images/s
+     (``train_images_per_second`` of the epoch), ``loader_cache`` and the rows per shard of
+     ``summary.json``, and the peak RSS of each rank. The second is stopped at its first
+     step (``--second-train full`` runs it to its end): its preparation is what it measures;
+   - ``predict --table`` over the test split of the stored images table (``--predict-split``):
+     images/s (the report's);
    - with ``--memory-limit SIZE``: a third ``train`` in a memory cgroup of that size, with
      the train split's stored size beside it (a run on data larger than its memory when
      the limit is below it).
@@ -39,6 +41,7 @@ is a result, not a failure), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -77,6 +80,10 @@ INCREMENTAL_KEYS = (
 )
 """Counts an incremental ingest reports (recorded when the CLI prints them)."""
 INGEST_LINE = re.compile(r"ingest: (\d+) files -> .* in ([\d.]+) s")
+CACHE_LINE = re.compile(
+    r"\b(train|val|test): loader cache (reused|written:) \S+ \(([\d.]+) MiB written, ([\d.]+) s\)"
+)
+"""The job's log line of each split's loader cache entry (flowers_job.data.cache)."""
 MARKERS = {
     "split_prepared": re.compile(r"\b(train|val|test): \d+ rows"),
     "ranks_banner": re.compile(r"world_size \d+ \("),
@@ -276,14 +283,32 @@ def parse_size(text: str) -> int:
 # --- one command -----------------------------------------------------------------------
 
 
-def _pump(stream: IO[str], sink: list[tuple[float, str]], t0: float, lock: threading.Lock) -> None:
+def _pump(
+    stream: IO[str],
+    sink: list[tuple[float, str]],
+    t0: float,
+    lock: threading.Lock,
+    stop_at: re.Pattern[str] | None = None,
+    seen: threading.Event | None = None,
+) -> None:
     for line in stream:
         with lock:
             sink.append((time.perf_counter() - t0, line.rstrip("\n")))
+        if stop_at is not None and seen is not None and stop_at.search(line):
+            seen.set()
 
 
-def run_cli(args: list[str], log_path: Path, cgroup: MemoryCgroup | None = None) -> dict[str, Any]:
+def run_cli(
+    args: list[str],
+    log_path: Path,
+    cgroup: MemoryCgroup | None = None,
+    stop_at: str | None = None,
+) -> dict[str, Any]:
     """``python -m flowers_job <args>`` as a user runs it, its tree sampled.
+
+    With ``stop_at`` (a name of :data:`MARKERS`), the command's process group is stopped
+    (SIGTERM, then SIGKILL after 30 s) once that line arrives: a run measured up to its first
+    training step only. ``stopped_at`` then says so, and its exit status is the signal's.
 
     Returns:
         ``command``, ``returncode``, ``wall_seconds``, ``peak_rss_mib``
@@ -315,14 +340,29 @@ def run_cli(args: list[str], log_path: Path, cgroup: MemoryCgroup | None = None)
     sampler = TreeSampler(psutil.Process(proc.pid))
     sampler.start()
     assert proc.stdout is not None and proc.stderr is not None
+    seen = threading.Event()
+    pattern = MARKERS[stop_at] if stop_at else None
     pumps = [
-        threading.Thread(target=_pump, args=(proc.stdout, out_lines, t0, lock), daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, lines, t0, lock), daemon=True),
+        threading.Thread(target=_pump, args=(stream, sink, t0, lock, pattern, seen), daemon=True)
+        for stream, sink in ((proc.stdout, out_lines), (proc.stderr, lines))
     ]
     for pump in pumps:
         pump.start()
+    stopped_at = None
     try:
-        returncode = proc.wait()
+        while (returncode := proc.poll()) is None:
+            if stopped_at is not None:
+                time.sleep(0.2)
+            elif seen.wait(0.5):
+                stopped_at = round(time.perf_counter() - t0, 2)
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        if stopped_at is not None:  # the JVM and the ranks too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     except BaseException:  # Ctrl-C, or SIGTERM (main): leave no JVM or rank behind
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -338,12 +378,19 @@ def run_cli(args: list[str], log_path: Path, cgroup: MemoryCgroup | None = None)
     )
     markers: dict[str, float] = {}
     ingest_seconds = None
+    cache_log: dict[str, dict[str, Any]] = {}
     for t, text in every:
         for name, pattern in MARKERS.items():
             if pattern.search(text) and (name == "split_prepared" or name not in markers):
                 markers[name] = round(t, 2)
         if match := INGEST_LINE.search(text):
             ingest_seconds = float(match.group(2))
+        if match := CACHE_LINE.search(text):
+            cache_log[match.group(1)] = {
+                "reused": match.group(2) == "reused",
+                "bytes_written": round(float(match.group(3)) * MIB),
+                "seconds": float(match.group(4)),
+            }
     result = {
         "command": ["python", "-m", "flowers_job", *args],
         "returncode": returncode,
@@ -352,10 +399,12 @@ def run_cli(args: list[str], log_path: Path, cgroup: MemoryCgroup | None = None)
         "peak_rss_mib": sampler.peaks_mib(),
         "markers": markers,
         "ingest_seconds": ingest_seconds,
+        "loader_cache_log": cache_log,
         "printed": _last_json([text for _, text in out_lines]),
         "log": str(log_path),
+        "stopped_at": stopped_at,
     }
-    if returncode != 0:
+    if returncode != 0 and stopped_at is None:
         tail = "\n".join(text for _, text in every[-15:])
         print(f"  {' '.join(args[:1])} exited {returncode}; last lines:\n{tail}", flush=True)
     return result
@@ -411,19 +460,23 @@ def change_images(
     return {"files_before": len(before), "added": added, "deleted": len(deleted)}
 
 
-def delta_table_bytes(table: Path) -> int:
-    """Bytes of the data files of a Delta table's latest version (its JSON log replayed;
-    all Parquet files under it when the log has been checkpointed away)."""
+def delta_table_bytes(table: Path, split: str | None = None) -> int:
+    """Bytes of the data files of a Delta table's latest version, or of its partition
+    ``split=<split>`` (its JSON log replayed; all Parquet files under it, or under the
+    partition's folder, when the log has been checkpointed away)."""
     log = table / "_delta_log"
     commits = sorted(log.glob("*.json"))
     if not commits or not commits[0].name.startswith("0" * 20):
-        return sum(p.stat().st_size for p in table.rglob("*.parquet"))
+        root = table / f"split={split}" if split else table
+        return sum(p.stat().st_size for p in root.rglob("*.parquet"))
     live: dict[str, int] = {}
     for commit in commits:
         for line in commit.read_text().splitlines():
             action = json.loads(line)
             if "add" in action:
-                live[action["add"]["path"]] = int(action["add"]["size"])
+                add = action["add"]
+                if split is None or add.get("partitionValues", {}).get("split") == split:
+                    live[add["path"]] = int(add["size"])
             elif "remove" in action:
                 live.pop(action["remove"]["path"], None)
     return sum(live.values())
@@ -455,7 +508,8 @@ def train_result(run: dict[str, Any], summary_path: Path) -> dict[str, Any]:
         "train_rows": summary.get("train_rows"),
         "rows_per_shard": summary.get("rows_per_shard"),
         "loader": summary.get("loader"),
-        "loader_cache": summary.get("loader_cache"),
+        # a run stopped at its first step wrote no summary: its log says the same
+        "loader_cache": summary.get("loader_cache") or run["loader_cache_log"] or None,
         "rank_peak_rss_mib": dict(sorted(ranks.items())),
     }
 
@@ -544,11 +598,13 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
     )
     if full["ingest_seconds"] and incr["ingest_seconds"]:
         incr["vs_full_ingest"] = round(incr["ingest_seconds"] / full["ingest_seconds"], 3)
-    result["train_split_bytes"] = delta_table_bytes(out / "tables" / "train")
+    result["train_split_bytes"] = delta_table_bytes(out / "tables" / "images", "train")
     summary = out / "summary.json"
     first = step("train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary))
+    stop_second = "first_step" if args.second_train == "preparation" else None
     second = step(
-        "train_second", lambda: train_result(run_cli(train_args, logs / "t2.log"), summary)
+        "train_second",
+        lambda: train_result(run_cli(train_args, logs / "t2.log", stop_at=stop_second), summary),
     )
     if first["preparation_seconds"] and second["preparation_seconds"] is not None:
         second["vs_first_preparation"] = round(
@@ -561,6 +617,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         str(out),
         "--table",
         str(out / "tables" / "images"),
+        *(["--split", args.predict_split] if args.predict_split != "all" else []),
         "--output-table",
         str(run_dir / "predictions"),
     ]
@@ -728,6 +785,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="more train overrides"
     )
+    parser.add_argument(
+        "--second-train",
+        choices=("preparation", "full"),
+        default="preparation",
+        help="the second train: stopped at its first training step (preparation, the default: "
+        "what it measures), or run to its end (full)",
+    )
+    parser.add_argument(
+        "--predict-split",
+        choices=("train", "val", "test", "all"),
+        default="test",
+        help="the split of the images table predict scores (test, the default: 10 %% of the "
+        "rows; all: the whole table)",
+    )
     parser.add_argument("--new-fraction", type=float, default=0.01, help="photos added")
     parser.add_argument("--delete-fraction", type=float, default=0.001, help="photos deleted")
     parser.add_argument(
@@ -745,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         args.results.mkdir(parents=True, exist_ok=True)
         result = measure(args, lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
         ok = all(
-            result[k]["returncode"] == 0
+            result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None
             for k in ("full_ingest", "incremental_ingest", "train_first", "train_second", "predict")
         )
     text = table(args.results)
