@@ -95,7 +95,7 @@ def prepare(photos: Path, output_dir: Path) -> dict[str, Any]:
     (output_dir / "summary.json").write_text(json.dumps(summary))
     cfg = load_config(None, [], **{"paths.output_dir": output_dir, "data.images": photos})
     handler = _DecodeLog()
-    logger = logging.getLogger("flowers_job.data.ingest")
+    logger = logging.getLogger("flowers_job.data")  # ingest and ingest_write
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     spark = get_spark("predict_speed")
