@@ -22,9 +22,13 @@ For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default) i
      step (``--second-train full`` runs it to its end): its preparation is what it measures;
    - ``predict --table`` over the test split of the stored images table (``--predict-split``):
      images/s (the report's);
-   - with ``--memory-limit SIZE``: a third ``train`` in a memory cgroup of that size, with
-     the train split's stored size beside it (a run on data larger than its memory when
-     the limit is below it).
+   - with ``--memory-limit SIZE``: a third ``train`` in a memory cgroup of that size
+     (``--limited-set`` overrides; ``--limited-driver-memory M``: ``run`` under
+     ``spark-submit --driver-memory M`` instead), with the train split's stored size beside
+     it (a run on data larger than its memory when the limit is below it);
+     ``--only-limited`` runs the full ingest and this train only (``limited_x<N>.json``).
+
+``--set KEY=VALUE`` goes to every ingest and train (the data settings must match).
 
 Writes ``<results>/scale_x<N>[_f<F>].json``, then a Markdown table of every factor in that
 folder against the 1x run of the same fraction (``scale.md``, also printed). Run from the
@@ -32,6 +36,10 @@ repository root:
 
     python benchmarks/scale.py --factor 1 --fraction 0.1      # a few minutes
     python benchmarks/scale.py --factor 30 --corpus /work/scale-corpus/x30
+    python benchmarks/scale.py --factor 30 --corpus /work/scale-corpus/x30 --only-limited \
+        --set data.image_size=128 --set data.resize_ratio=2 --set data.jpeg_quality=100 \
+        --set data.val_fraction=0.05 --set data.test_fraction=0.05 --memory-limit 4.5G \
+        --limited-driver-memory 1g --limited-set distributed.num_processes=1
     python benchmarks/scale.py --table                        # the table only, from the JSONs
 
 Exit status: 0 when every command succeeded (an out-of-memory kill under ``--memory-limit``
@@ -601,39 +609,46 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         return value
 
     full = step("full_ingest", lambda: ingest_result(run_cli(ingest_args, logs / "ingest.log")))
-    result["change"] = change_images(images, corpus_dir / "extra", args.delete_fraction)
-    incr = step(
-        "incremental_ingest",
-        lambda: ingest_result(run_cli(ingest_args, logs / "ingest_incremental.log")),
-    )
-    if full["ingest_seconds"] and incr["ingest_seconds"]:
-        incr["vs_full_ingest"] = round(incr["ingest_seconds"] / full["ingest_seconds"], 3)
     result["train_split_bytes"] = delta_table_bytes(out / "tables" / "images", "train")
     summary = out / "summary.json"
-    first = step("train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary))
-    stop_second = "first_step" if args.second_train == "preparation" else None
-    second = step(
-        "train_second",
-        lambda: train_result(run_cli(train_args, logs / "t2.log", stop_at=stop_second), summary),
-    )
-    if first["cache_seconds"] and second["cache_seconds"] is not None:
-        second["vs_first_preparation"] = round(second["cache_seconds"] / first["cache_seconds"], 3)
-    if first["preparation_seconds"] and second["preparation_seconds"] is not None:
-        second["vs_first_start_to_first_step"] = round(
-            second["preparation_seconds"] / first["preparation_seconds"], 3
+    if not args.only_limited:
+        result["change"] = change_images(images, corpus_dir / "extra", args.delete_fraction)
+        incr = step(
+            "incremental_ingest",
+            lambda: ingest_result(run_cli(ingest_args, logs / "ingest_incremental.log")),
         )
-    result["loader_cache_bytes_after"] = dir_bytes(out / "loader_cache")
-    predict_args = [
-        "predict",
-        "--output-dir",
-        str(out),
-        "--table",
-        str(out / "tables" / "images"),
-        *(["--split", args.predict_split] if args.predict_split != "all" else []),
-        "--output-table",
-        str(run_dir / "predictions"),
-    ]
-    step("predict", lambda: _predict_result(run_cli(predict_args, logs / "predict.log")))
+        if full["ingest_seconds"] and incr["ingest_seconds"]:
+            incr["vs_full_ingest"] = round(incr["ingest_seconds"] / full["ingest_seconds"], 3)
+        first = step(
+            "train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary)
+        )
+        stop_second = "first_step" if args.second_train == "preparation" else None
+        second = step(
+            "train_second",
+            lambda: train_result(
+                run_cli(train_args, logs / "t2.log", stop_at=stop_second), summary
+            ),
+        )
+        if first["cache_seconds"] and second["cache_seconds"] is not None:
+            second["vs_first_preparation"] = round(
+                second["cache_seconds"] / first["cache_seconds"], 3
+            )
+        if first["preparation_seconds"] and second["preparation_seconds"] is not None:
+            second["vs_first_start_to_first_step"] = round(
+                second["preparation_seconds"] / first["preparation_seconds"], 3
+            )
+        result["loader_cache_bytes_after"] = dir_bytes(out / "loader_cache")
+        predict_args = [
+            "predict",
+            "--output-dir",
+            str(out),
+            "--table",
+            str(out / "tables" / "images"),
+            *(["--split", args.predict_split] if args.predict_split != "all" else []),
+            "--output-table",
+            str(run_dir / "predictions"),
+        ]
+        step("predict", lambda: _predict_result(run_cli(predict_args, logs / "predict.log")))
     if args.memory_limit:
         group = MemoryCgroup(args.memory_limit)
         limited_args = train_args + [
@@ -884,6 +899,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--memory-limit", type=parse_size, help="a third train in a memory cgroup of this size"
     )
+    parser.add_argument(
+        "--only-limited",
+        action="store_true",
+        help="the full ingest, then only the train under --memory-limit (limited_x<N>.json)",
+    )
     parser.add_argument("--processes", type=int, default=2, help="corpus builder processes")
     parser.add_argument("--keep", action="store_true", help="keep the run's images and tables")
     parser.add_argument("--table", action="store_true", help="only print and save the table")
@@ -891,13 +911,20 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if not args.table:
         signal.signal(signal.SIGTERM, _stop)
-        name = f"scale_x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
+        if args.only_limited and not args.memory_limit:
+            parser.error("--only-limited needs --memory-limit")
+        kind = "limited" if args.only_limited else "scale"
+        name = f"{kind}_x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
         path = args.results / f"{name}.json"
         args.results.mkdir(parents=True, exist_ok=True)
         result = measure(args, lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
+        steps = (
+            ("full_ingest",)
+            if args.only_limited
+            else ("full_ingest", "incremental_ingest", "train_first", "train_second", "predict")
+        )
         ok = all(
-            result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None
-            for k in ("full_ingest", "incremental_ingest", "train_first", "train_second", "predict")
+            result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None for k in steps
         )
     text = table(args.results)
     (args.results / "scale.md").write_text(text + "\n")
