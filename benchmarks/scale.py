@@ -514,8 +514,6 @@ def train_result(run: dict[str, Any], summary_path: Path) -> dict[str, Any]:
     return {
         **run,
         "preparation_seconds": first_step,
-        # prepare_data's loader caches: each split's entry written, or found and reused
-        "cache_seconds": _cache_seconds(summary.get("loader_cache") or run["loader_cache_log"]),
         "preparation_from": "first_step" if "first_step" in run["markers"] else "ranks_banner",
         "train_images_per_second": history[0].get("train_images_per_second"),
         "epoch_seconds": history[0].get("epoch_seconds"),
@@ -619,24 +617,15 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         )
         if full["ingest_seconds"] and incr["ingest_seconds"]:
             incr["vs_full_ingest"] = round(incr["ingest_seconds"] / full["ingest_seconds"], 3)
-        first = step(
-            "train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary)
-        )
+        step("train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary))
         stop_second = "first_step" if args.second_train == "preparation" else None
-        second = step(
+        step(
             "train_second",
             lambda: train_result(
                 run_cli(train_args, logs / "t2.log", stop_at=stop_second), summary
             ),
         )
-        if first["cache_seconds"] and second["cache_seconds"] is not None:
-            second["vs_first_preparation"] = round(
-                second["cache_seconds"] / first["cache_seconds"], 3
-            )
-        if first["preparation_seconds"] and second["preparation_seconds"] is not None:
-            second["vs_first_start_to_first_step"] = round(
-                second["preparation_seconds"] / first["preparation_seconds"], 3
-            )
+        print(f"  second/first preparation {_ratio_of(result, 'loader_cache')}", flush=True)
         result["loader_cache_bytes_after"] = dir_bytes(out / "loader_cache")
         predict_args = [
             "predict",
@@ -717,7 +706,6 @@ def _brief(value: dict[str, Any]) -> str:
         "preparation_seconds",
         "train_images_per_second",
         "rank_peak_rss_mib",
-        "vs_first_preparation",
         "images_per_second",
         "loader_cache",
         "cgroup",
@@ -748,7 +736,7 @@ def metrics(result: dict[str, Any]) -> dict[str, float | None]:
         "rank_peak_rss_mib": max(ranks) if ranks else None,
         "predict_images_per_second": get("predict", "images_per_second"),
         "incremental_vs_full_ingest": get("incremental_ingest", "vs_full_ingest"),
-        "second_vs_first_preparation": _ratio_of(result, "cache_seconds"),
+        "second_vs_first_preparation": _ratio_of(result, "loader_cache"),
         "second_vs_first_start_to_first_step": _ratio_of(result, "preparation_seconds"),
     }
 
@@ -810,20 +798,19 @@ def table(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _cache_seconds(caches: dict[str, Any] | None) -> float | None:
-    """Seconds of the loader cache of every split, summed (None when none was recorded)."""
-    if not caches:
-        return None
-    return round(sum(float(c.get("seconds") or 0.0) for c in caches.values()), 3)
+def _seconds(train: dict[str, Any], key: str) -> float | None:
+    """A train's ``preparation_seconds``, or for ``loader_cache`` the seconds of every
+    split's entry (prepare_data: written, or found and reused), summed."""
+    value = train.get(key)
+    if key == "loader_cache":
+        return sum(float(c.get("seconds") or 0.0) for c in value.values()) if value else None
+    return None if value is None else float(value)
 
 
 def _ratio_of(result: dict[str, Any], key: str) -> float | None:
-    """The second train's ``key`` / the first's (from the JSON, also for older ones)."""
-    first, second = result.get("train_first", {}), result.get("train_second", {})
-    a = first.get(key)
-    b = second.get(key)
-    if key == "cache_seconds" and a is None:
-        a, b = (_cache_seconds(r.get("loader_cache")) for r in (first, second))
+    """The second train's :func:`_seconds` of ``key`` / the first's."""
+    a = _seconds(result.get("train_first", {}), key)
+    b = _seconds(result.get("train_second", {}), key)
     return round(b / a, 3) if a and b is not None else None
 
 
