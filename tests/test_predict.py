@@ -25,12 +25,14 @@ from flowers_job.cli import main
 from flowers_job.model_ref import ship_model
 from flowers_job.predict import (
     OUTPUT_COLUMNS,
+    ROWS_PER_PARTITION,
     PredictError,
     UsageError,
     default_model,
     predict,
     resolve_model,
     score_images,
+    scoring_partitions,
 )
 
 from .conftest import LABELS, PHOTOS, run_cli, sample_photos
@@ -222,6 +224,18 @@ def test_model_loaded_once_per_python_worker(spark: SparkSession, registry: dict
     loads = {r["pid"]: r["loads"] for r in seen}
     assert 1 in loads.values() and set(loads.values()) <= {0, 1}, loads
     assert {r["threads"] for r in seen} == {1}
+
+
+@pytest.mark.parametrize(
+    ("rows", "slots", "tasks"),
+    [(3670, 2, 6), (0, 2, 2), (10, 8, 8), (1_000_000, 64, 1920), (ROWS_PER_PARTITION * 4, 2, 4)],
+)
+def test_scoring_tasks_fill_every_slot_of_the_last_wave(rows: int, slots: int, tasks: int) -> None:
+    """A multiple of the slots, each task of ROWS_PER_PARTITION rows or more (unless the
+    input is smaller than one per slot): tasks of 127 rows cost 20-25 % more per row."""
+    got = scoring_partitions(rows, slots)
+    assert got == tasks and got % slots == 0
+    assert got == slots or rows / got >= ROWS_PER_PARTITION
 
 
 def test_default_model_and_errors(registry: dict[str, Any], tmp_path: Path) -> None:
