@@ -11,9 +11,12 @@ For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default) i
 
    - ``ingest`` of all the files: files/s (files / the ingest's own seconds, from its log
      line), the driver's peak RSS (JVM + Python);
+   - ``ingest`` again with nothing changed (it lists and compares, writes nothing);
    - ``ingest`` again after 1 % new photos (spare variants) were added and 0.1 % deleted: its
-     seconds against the full ingest's, and the counts of an incremental ingest when the
-     CLI prints them (``files_listed``, ``files_decoded``, ``rows_*``);
+     seconds against the full ingest's, the same above the unchanged run's (what the change
+     itself cost), and the counts of an incremental ingest when the CLI prints them
+     (``files_listed``, ``files_decoded``, ``rows_*``); ``--only-ingest`` stops here
+     (``ingest_x<N>.json``);
    - ``train`` twice with ``train.epochs=1``: the first run writes the loader cache, the
      second reuses it; each run's preparation time (from its start to its first training
      step: the first progress line of epoch 1); of the first, its training images/s
@@ -610,6 +613,10 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
     result["train_split_bytes"] = delta_table_bytes(out / "tables" / "images", "train")
     summary = out / "summary.json"
     if not args.only_limited:
+        same = step(
+            "unchanged_ingest",
+            lambda: ingest_result(run_cli(ingest_args, logs / "ingest_unchanged.log")),
+        )
         result["change"] = change_images(images, corpus_dir / "extra", args.delete_fraction)
         incr = step(
             "incremental_ingest",
@@ -617,6 +624,13 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         )
         if full["ingest_seconds"] and incr["ingest_seconds"]:
             incr["vs_full_ingest"] = round(incr["ingest_seconds"] / full["ingest_seconds"], 3)
+            if same["ingest_seconds"] is not None:
+                # what the change itself cost, above listing and comparing an unchanged root
+                incr["above_unchanged_vs_full_ingest"] = round(
+                    (incr["ingest_seconds"] - same["ingest_seconds"]) / full["ingest_seconds"], 3
+                )
+            save(result)
+    if not (args.only_limited or args.only_ingest):
         step("train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary))
         stop_second = "first_step" if args.second_train == "preparation" else None
         step(
@@ -891,6 +905,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the full ingest, then only the train under --memory-limit (limited_x<N>.json)",
     )
+    parser.add_argument(
+        "--only-ingest",
+        action="store_true",
+        help="the ingests only: full, unchanged, incremental (ingest_x<N>.json)",
+    )
     parser.add_argument("--processes", type=int, default=2, help="corpus builder processes")
     parser.add_argument("--keep", action="store_true", help="keep the run's images and tables")
     parser.add_argument("--table", action="store_true", help="only print and save the table")
@@ -900,16 +919,16 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _stop)
         if args.only_limited and not args.memory_limit:
             parser.error("--only-limited needs --memory-limit")
-        kind = "limited" if args.only_limited else "scale"
+        kind = "limited" if args.only_limited else "ingest" if args.only_ingest else "scale"
         name = f"{kind}_x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
         path = args.results / f"{name}.json"
         args.results.mkdir(parents=True, exist_ok=True)
         result = measure(args, lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
-        steps = (
-            ("full_ingest",)
-            if args.only_limited
-            else ("full_ingest", "incremental_ingest", "train_first", "train_second", "predict")
-        )
+        steps: tuple[str, ...] = ("full_ingest",)
+        if not args.only_limited:
+            steps += ("unchanged_ingest", "incremental_ingest")
+        if not (args.only_limited or args.only_ingest):
+            steps += ("train_first", "train_second", "predict")
         ok = all(
             result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None for k in steps
         )
