@@ -201,12 +201,12 @@ def _image_rows(
     decode = decode_partitions(
         root, short_side, data.jpeg_quality, max_pixels, tuple(data.extensions)
     )
-    columns = ["path", "relative_path", *(["label"] if labels else []), "content_sha256"]
+    columns = ["relative_path", *(["label"] if labels else []), "content_sha256"]
     rows = (
         listing.select("relative_path", "label", "num_bytes", "reason_code", "reason")
         .repartition(_partitions(spark, entries), "relative_path")
         .mapInPandas(decode, schema=DECODED_SCHEMA)
-        .select(*columns, "reason_code", "reason", "image")
+        .select(F.col("source_path").alias("path"), *columns, "reason_code", "reason", "image")
     )
     return rows, listing, entries, {"listing": digest(groups, settings=settings)}
 
@@ -215,7 +215,8 @@ def _table_rows(
     spark: SparkSession, table: Path, split: str | None = None
 ) -> tuple[DataFrame, int, dict[str, object]]:
     """The input Delta table's ``row_id, [path], [label], image`` (its rows of ``split``
-    when given: a partition of the ``images`` table) and its fingerprint.
+    when given: a partition of the ``images`` table) and its fingerprint. ``path`` is the
+    table's ``source_path`` (the ``images`` table's since ingest format 5) or ``path``.
 
     Raises:
         PredictError: no ``row_id`` or binary ``image`` column, or ``split`` given for a
@@ -237,7 +238,13 @@ def _table_rows(
         if "split" not in types:
             raise PredictError(f"--split {split}: the table {table} has no split column")
         df = df.where(F.col("split") == split)
-    columns = ["row_id", *(c for c in ("path", "label") if c in types), "image"]
+    source = next((c for c in ("source_path", "path") if c in types), None)
+    columns = [
+        F.col("row_id"),
+        *([F.col(source).alias("path")] if source else []),
+        *([F.col("label")] if "label" in types else []),
+        F.col("image"),
+    ]
     rows = int(df.count())
     meta = {
         "input": "table",

@@ -83,6 +83,13 @@ def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
     assert second.rows_quarantined == 1 and second.quarantine_reasons == {"corrupt": 1}
     assert (second.images_rows, second.quarantined_rows, second.files) == (11, 1, 12)
     assert checked_tables(spark, cfg).meta["fingerprint"] == second.fingerprint
+    # the MERGE marked the deleted and replaced rows in deletion vectors: it copied no row
+    # of the files those rows shared with unchanged photos
+    merge = DeltaTable.forPath(spark, second.tables["images"]).history(1).first()
+    assert merge is not None and merge["operation"] == "MERGE"
+    metrics = merge["operationMetrics"]
+    assert int(metrics["numTargetDeletionVectorsAdded"]) > 0, metrics
+    assert int(metrics["numTargetRowsCopied"]) == 0, metrics
     # photos that did not change stayed in their split
     after = {
         r["relative_path"]: r["split"]
@@ -133,7 +140,9 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """With ``data.retention_hours=0``, an ingest that writes removes the files of older
-    versions, except those of a version a loader cache entry was built from."""
+    versions, except those of a version a loader cache entry was built from. The changes
+    are full rebuilds (``--full``): an incremental MERGE marks rows in deletion vectors and
+    leaves every data file of the older versions in use."""
     from flowers_job.data.cache import ENTRIES, ENTRY_FILE, PLAN_FILE
 
     images = sample_photos(tmp_path / "images", per_label=2)
@@ -158,11 +167,12 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
         except Exception:
             return False
 
+    rebuild = _cfg(images, tmp_path / "out", "data.retention_hours=0", "data.full_ingest=true")
     (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()
-    assert ingest(spark, cfg).mode == "incremental"  # rewrites the file that held the photo
+    assert ingest(spark, rebuild).mode.startswith("full")  # removes every file of `kept`
     assert readable(kept)  # protected by the cache entry
     shutil.rmtree(entry)
     (images / "roses" / sorted(os.listdir(images / "roses"))[0]).unlink()
-    ingest(spark, cfg)
+    ingest(spark, rebuild)
     assert not readable(kept)
     assert readable(checked_tables(spark, cfg).versions["images"])

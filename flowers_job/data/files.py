@@ -57,7 +57,7 @@ LISTING_SCHEMA = T.StructType(
 
 DECODED_SCHEMA = T.StructType(
     [
-        T.StructField("path", T.StringType(), False),
+        T.StructField("source_path", T.StringType(), False),
         T.StructField("relative_path", T.StringType(), False),
         T.StructField("label", T.StringType(), True),
         T.StructField("num_bytes", T.LongType(), True),
@@ -170,7 +170,7 @@ def decode_partitions(
         mtime = getattr(rec, "mtime_ns", None)
         row: dict[str, Any] = dict.fromkeys(columns)
         row.update(
-            path=f"file:{root}/{rec.relative_path}",
+            source_path=f"file:{root}/{rec.relative_path}",
             relative_path=rec.relative_path,
             label=rec.label,
             num_bytes=num_bytes,

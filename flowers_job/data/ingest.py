@@ -6,7 +6,7 @@ The images root ``<images>/<label>/**/<file>`` is listed on the executors
 (:func:`~flowers_job.data.images.normalize_image`), and two Delta tables under
 ``<output_dir>/tables`` are brought up to date (:mod:`flowers_job.data.tables`):
 
-- ``images``: every photo that decoded (path, label, label_index, image, width, height,
+- ``images``: every photo that decoded (source_path, label, label_index, image, width, height,
   split, row_id, content_sha256, num_bytes, mtime_ns, notes), partitioned by ``split``
   (``train``, ``val`` picks the best epoch and early-stops, ``test`` is held out of both and
   scored once at the end);
@@ -86,9 +86,11 @@ __all__ = ["INGEST_FORMAT_VERSION", "IngestError", "IngestReport", "check_images
 
 log = logging.getLogger(__name__)
 
-INGEST_FORMAT_VERSION = 4
+INGEST_FORMAT_VERSION = 5
 """Bump when the table layout or the image normalisation changes: forces a full rebuild.
-4: ``images`` partitioned by ``split``, no split tables, ``mtime_ns`` stored."""
+4: ``images`` partitioned by ``split``, no split tables, ``mtime_ns`` stored.
+5: deletion vectors on both tables; the source file's URI in ``source_path`` (was ``path``;
+:data:`~flowers_job.data.tables.TABLE_PROPERTIES` says why)."""
 
 
 @dataclass(frozen=True)

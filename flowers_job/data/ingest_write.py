@@ -19,7 +19,13 @@ from flowers_job import faults
 from flowers_job.config import JobConfig
 from flowers_job.data.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.data.listing import LISTING_REASONS
-from flowers_job.data.tables import PARTITION_COLUMNS, TABLE_SCHEMAS, merge_table, write_table
+from flowers_job.data.tables import (
+    PARTITION_COLUMNS,
+    TABLE_PROPERTIES,
+    TABLE_SCHEMAS,
+    merge_table,
+    write_table,
+)
 
 __all__ = [
     "FILES_PER_PARTITION",
@@ -175,7 +181,13 @@ def write_full(
         images = decoded.where(F.col("reason_code").isNull())
         quarantine = decoded.where(F.col("reason_code").isNotNull())
         t0 = time.perf_counter()
-        write_table(spark, _conform(quarantine, "quarantine"), tables["quarantine"], meta)
+        write_table(
+            spark,
+            _conform(quarantine, "quarantine"),
+            tables["quarantine"],
+            meta,
+            properties=TABLE_PROPERTIES,
+        )
         faults.ingest_pause("quarantine")
         write_table(
             spark,
@@ -183,6 +195,7 @@ def write_full(
             tables["images"],
             meta,
             partition_by=PARTITION_COLUMNS["images"],
+            properties=TABLE_PROPERTIES,
         )
         faults.ingest_pause("images")
         counts = {

@@ -1,9 +1,10 @@
 """Retention (driver side): VACUUM the tables after an ingest, never removing what a kept
 loader cache or a registered model still names.
 
-An incremental ingest rewrites only the files it touches, and a full one all of them; the
-files the latest version no longer uses stay on disk for time travel until VACUUM removes
-them. VACUUM ``RETAIN h HOURS`` deletes every such file that was removed from the table more
+An incremental ingest adds files and deletion vectors (the older versions' data files stay
+in use), and a full one rewrites every file; the files the latest version no longer uses
+(replaced data files and deletion vectors) stay on disk for time travel until VACUUM
+removes them. VACUUM ``RETAIN h HOURS`` deletes every such file that was removed from the table more
 than ``h`` hours ago (Delta's documentation, "Remove files no longer referenced by a Delta
 table"; the time is the remove action's ``deletionTimestamp``). A file that version ``v``
 reads is removed by a later commit, whose remove actions are made after ``v`` was

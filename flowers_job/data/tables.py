@@ -55,7 +55,7 @@ META_KEY = "flowers_job"
 _IMAGE_COLUMNS = T.StructType(
     [
         T.StructField("row_id", T.LongType()),
-        T.StructField("path", T.StringType()),
+        T.StructField("source_path", T.StringType()),
         T.StructField("relative_path", T.StringType()),
         T.StructField("label", T.StringType()),
         T.StructField("label_index", T.IntegerType()),
@@ -73,7 +73,7 @@ TABLE_SCHEMAS: dict[str, T.StructType] = {
     "images": _IMAGE_COLUMNS,
     "quarantine": T.StructType(
         [
-            T.StructField("path", T.StringType()),
+            T.StructField("source_path", T.StringType()),
             T.StructField("relative_path", T.StringType()),
             T.StructField("label", T.StringType()),
             T.StructField("reason_code", T.StringType()),
@@ -90,6 +90,16 @@ TABLE_SCHEMAS: dict[str, T.StructType] = {
 ingest compares to know whether a file changed."""
 PARTITION_COLUMNS: dict[str, list[str]] = {"images": ["split"], "quarantine": []}
 """The Delta partition columns of each table."""
+TABLE_PROPERTIES = {"delta.enableDeletionVectors": "true"}
+"""Delta table properties of ``images`` and ``quarantine``, set when ingest writes them in
+full. Deletion vectors: a MERGE that deletes or replaces a row marks it deleted in a small
+bitmap file beside its data file instead of rewriting that file with every other row of it
+(Delta's documentation, "What are deletion vectors?"), so an incremental ingest writes about
+what changed, not every file a changed photo shares. Readers need Delta 2.3 or later
+(reader version 3, the ``deletionVectors`` table feature); Databricks Runtime 12.2 LTS and
+later. The column that holds the source file's URI is ``source_path``, not ``path``: Delta
+4.0's MERGE with deletion vectors fails on a table with a column named ``path``
+(``AMBIGUOUS_REFERENCE filePath``, delta-io/delta#2943, fixed in Delta 4.3)."""
 
 
 MAINTENANCE_OPERATIONS = frozenset(
@@ -197,9 +207,11 @@ def write_table(
     path: Path,
     meta: dict[str, object],
     partition_by: Sequence[str] = (),
+    properties: Mapping[str, str] | None = None,
 ) -> None:
-    """Overwrite the Delta table at ``path`` with ``df`` (partitioned by ``partition_by``),
-    committing ``meta``; one commit, also when ``df`` is empty.
+    """Overwrite the Delta table at ``path`` with ``df`` (partitioned by ``partition_by``,
+    with the table ``properties``), committing ``meta``; one commit, also when ``df`` is
+    empty.
 
     Raises:
         DataError: the latest commit does not carry ``meta['run_id']`` (another writer
@@ -210,6 +222,7 @@ def write_table(
             df.write.format("delta")
             .mode("overwrite")
             .option("overwriteSchema", "true")
+            .options(**(properties or {}))
             .partitionBy(*partition_by)
             .save(str(path))
         )
@@ -235,8 +248,10 @@ def merge_table(
     - matched, ``keep`` and ``changed``: the row is replaced;
     - not matched, ``keep`` and not ``_gone``: the row is inserted.
 
-    Rows of the table without a source row are not read beyond the join key, and files
-    without a match are not rewritten.
+    Rows of the table without a source row are not read beyond the join key. On a table
+    with deletion vectors (:data:`TABLE_PROPERTIES`) no file is rewritten: deleted and
+    replaced rows are marked in a deletion vector of their file, and the new rows written
+    to new files; without them, each file that holds a matched row is rewritten whole.
 
     Returns:
         Delta's ``operationMetrics`` of the commit: ``inserted``, ``updated``, ``deleted``.
