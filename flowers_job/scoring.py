@@ -30,6 +30,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from flowers_job.model_ref import ModelRef, resolve_model, ship_model
+from flowers_job.python_workers import prepare_worker
 
 __all__ = ["OUTPUT_COLUMNS", "WORKER_LOADS", "score_images", "task_threads"]
 
@@ -111,6 +112,7 @@ def _score_partitions(
     """
 
     def score(batches: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        prepare_worker()
         model = _worker_model(model_name)
         labels = list(model.label_names)
         for pdf in batches:

@@ -192,3 +192,22 @@ def test_one_large_folder_is_listed_by_several_tasks(spark: SparkSession, tmp_pa
     assert len(paths) == len(set(paths)) == 401
     assert set(paths) == set(_listing(root))
     assert len({r["task"] for r in rows}) > 1
+
+
+def test_many_folders_are_listed_in_two_tasks_per_slot(spark: SparkSession, tmp_path: Path) -> None:
+    """7 label folders of 4 units each (28 units) are listed by 2 tasks per task slot, not
+    one task per unit: each Python task has a fixed cost (flowers_job.data.files), and every
+    entry is still listed once."""
+    from flowers_job.data.files import list_files, listing_shards
+
+    root = tmp_path / "root"
+    for label in range(7):
+        (root / f"label{label}").mkdir(parents=True)
+        for i in range(9):
+            (root / f"label{label}" / f"{i}.jpg").write_bytes(b"x")
+    labels, others = label_folders(str(root))
+    listing = list_files(spark, str(root), labels, labels + others, shards=4)
+    assert listing.rdd.getNumPartitions() == listing_shards(spark) == 4  # local[2]
+    paths = [r["relative_path"] for r in listing.select("relative_path").collect()]
+    assert len(paths) == len(set(paths)) == 63
+    assert set(paths) == set(_listing(root))
