@@ -317,13 +317,17 @@ def test_cli_run_local_mode_then_resume(
     _assert_no_secret_shipped(spark, cfg, tmp_path)
 
 
+@pytest.mark.parametrize("loader", ["streaming"], indirect=True)
 def test_run_barrier_mode(
     spark: SparkSession, photos: Path, tables: Path, tmp_path: Path, loader: str
 ) -> None:
     """local_mode=False: TorchDistributor runs the ranks as a Spark barrier stage.
 
     ``run_job`` on ``photos`` with their tables already in the output dir: its ingest finds
-    them up to date and writes nothing (the CLI run above ingests for real)."""
+    them up to date and writes nothing (the CLI run above ingests for real). Streaming only,
+    the loader of Databricks' barrier-mode jobs (the DBR suite runs it); Petastorm in
+    barrier mode runs end to end on a real cluster of several hosts (tests/test_cluster.py,
+    the Petastorm job)."""
     cfg = load_config(
         None,
         [*FAST, "train.epochs=2", "distributed.local_mode=false", f"data.loader={loader}"],
