@@ -67,10 +67,13 @@ def _total(parts: list[PassSums]) -> PassSums:
     )
 
 
-@pytest.mark.parametrize(("world_size", "batch"), [(2, 8), (3, 5)])
+@pytest.mark.parametrize(("world_size", "batch"), [(3, 5)])
 def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_resume(
     spark: SparkSession, tables: Path, loader: str, world_size: int, batch: int
 ) -> None:
+    """3 ranks, batches of 5: shards that do not divide evenly. (2 ranks, the default, train
+    in every end-to-end and fault test, whose ranks run the same row checks every epoch;
+    tests/test_shards.py checks 2-rank plans.)"""
     cfg: JobConfig = load_config(
         None,
         [
