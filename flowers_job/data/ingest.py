@@ -19,7 +19,9 @@ whole table after the change) stop ingest before anything is written. Neither th
 nor any image passes through the driver: it collects only counts per label and reason.
 
 **Incremental.** A re-run compares the listing with what the tables hold (``relative_path``,
-``num_bytes``, ``mtime_ns``) and decodes only new and changed files; it MERGEs them into
+``num_bytes``, ``mtime_ns``) in one outer join that reads no image bytes, written to a
+staging folder that the decode, the set-level checks and both MERGEs read instead of the
+tables, and decodes only new and changed files; it MERGEs them into
 both tables and deletes the rows of files that are gone (:func:`~flowers_job.data.tables.
 merge_table`). An entry that now decodes leaves quarantine and one that no longer does
 enters it. Entries refused at listing (links, special files, hidden names) are never

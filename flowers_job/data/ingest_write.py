@@ -231,51 +231,29 @@ def write_incremental(
 ) -> Changes:
     """Decode the new and changed files and MERGE them, with the deletions, into both
     tables (module docstring)."""
-    images = spark.read.format("delta").load(str(tables["images"]))
-    quarantine = spark.read.format("delta").load(str(tables["quarantine"]))
-    key = ["relative_path", "num_bytes", "mtime_ns"]
-    # What the tables hold of files that were read: their path, size and time.
-    stored = images.select(*key).unionByName(
-        quarantine.where(~F.col("reason_code").isin(*LISTING_REASONS)).select(*key)
-    )
-    readable = listing.where(F.col("reason_code").isNull())
-    changed = readable.alias("l").join(
-        stored.alias("s"),
-        (F.col("l.relative_path") == F.col("s.relative_path"))
-        & F.col("l.num_bytes").eqNullSafe(F.col("s.num_bytes"))
-        & F.col("l.mtime_ns").eqNullSafe(F.col("s.mtime_ns")),
-        "left_anti",
-    )
-    # Entries refused at listing are never opened: their verdicts come again, at no cost.
-    todo = changed.unionByName(listing.where(F.col("reason_code").isNotNull()))
-    listed = listing.select("relative_path")
-    gone = (
-        images.select("relative_path")
-        .unionByName(quarantine.select("relative_path"))
-        .join(listed, "relative_path", "left_anti")
-        .distinct()
-    )
     t0 = time.perf_counter()
-    n_todo = todo.count()
     # Written out, not cached: the first MERGE changes a table these plans read, and Delta's
     # commit refreshes cached plans that read it (a cached ``decoded`` would be recomputed
-    # without the rows that MERGE just wrote).
+    # without the rows that MERGE just wrote). The comparison is written too: the decode,
+    # the checks and both MERGEs read it instead of the tables.
     staging = cfg.paths.tables_dir / f"_staging-{meta['run_id']}"
-    decoded_path, gone_path = staging / "decoded", staging / "gone"
-    _with_image_columns(cfg, _decode(spark, cfg, todo, n_todo), labels).write.parquet(
-        str(decoded_path)
-    )
-    gone.write.parquet(str(gone_path))
-    decoded = spark.read.parquet(str(decoded_path))
-    gone = spark.read.parquet(str(gone_path))
+    diff_path, decoded_path = staging / "diff", staging / "decoded"
     try:
-        touched = decoded.select("relative_path").unionByName(gone)
-        none = F.lit(None).cast("string")
+        # One pass over both tables' key columns; everything below reads this small file.
+        _diff(spark, listing, tables).write.parquet(str(diff_path))
+        diff = spark.read.parquet(str(diff_path))
+        todo = diff.where(F.col("_status") == "todo").drop("_status")
+        n_todo = todo.count()
+        _with_image_columns(cfg, _decode(spark, cfg, todo, n_todo), labels).write.parquet(
+            str(decoded_path)
+        )
+        decoded = spark.read.parquet(str(decoded_path))
+        gone = diff.where(F.col("_status") == "gone").select("relative_path")
+        columns = ["relative_path", "label", "reason_code", "reason"]
         after = (
-            images.select("relative_path", "label", none.alias("reason_code"), none.alias("reason"))
-            .unionByName(quarantine.select("relative_path", "label", "reason_code", "reason"))
-            .join(touched, "relative_path", "left_anti")
-            .unionByName(decoded.select("relative_path", "label", "reason_code", "reason"))
+            diff.where(F.col("_status") == "keep")
+            .select(*columns)
+            .unionByName(decoded.select(*columns))
         )
         _check_after(cfg, after, labels, n_files)
         n_decoded = decoded.where(
@@ -322,6 +300,50 @@ def write_incremental(
         updated=i["updated"],
         deleted=i["deleted"],
         quarantined=q["inserted"] + q["updated"],
+    )
+
+
+DIFF_COLUMNS = ("label", "num_bytes", "mtime_ns", "reason_code", "reason")
+"""The columns of an incremental ingest's comparison besides ``relative_path`` and
+``_status``: the listing's for entries to decode, the tables' for the others."""
+
+
+def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, Path]) -> DataFrame:
+    """The listing against what both tables hold, in one full outer join on
+    ``relative_path`` that reads only the tables' small columns (no image bytes).
+
+    One row per path that is listed or stored, with :data:`DIFF_COLUMNS` and ``_status``:
+
+    - ``keep``: a readable file that a table holds with the same ``num_bytes`` and
+      ``mtime_ns`` (the stored columns): nothing to do;
+    - ``todo``: a new or changed file, a file refused at listing (its verdict comes again, at
+      no cost) or one stored with a listing verdict that is now readable (the listing's
+      columns): to decode;
+    - ``gone``: a stored row whose file is no longer listed (the stored columns): to delete.
+    """
+    images = spark.read.format("delta").load(str(tables["images"]))
+    quarantine = spark.read.format("delta").load(str(tables["quarantine"]))
+    none = F.lit(None).cast("string")
+    stored = images.select(
+        "relative_path", "label", "num_bytes", "mtime_ns",
+        none.alias("reason_code"), none.alias("reason"),
+    ).unionByName(quarantine.select("relative_path", *DIFF_COLUMNS))  # fmt: skip
+    listed = listing.select("relative_path", *DIFF_COLUMNS, F.lit(True).alias("_listed")).alias("l")
+    held = stored.select("relative_path", *DIFF_COLUMNS, F.lit(True).alias("_held")).alias("s")
+    same = (
+        F.col("_listed").isNotNull()
+        & F.col("_held").isNotNull()
+        & F.col("l.reason_code").isNull()
+        & (F.col("s.reason_code").isNull() | ~F.col("s.reason_code").isin(*LISTING_REASONS))
+        & F.col("l.num_bytes").eqNullSafe(F.col("s.num_bytes"))
+        & F.col("l.mtime_ns").eqNullSafe(F.col("s.mtime_ns"))
+    )
+    status = F.when(F.col("_listed").isNull(), "gone").when(same, "keep").otherwise("todo")
+    todo = status == "todo"
+    return listed.join(held, "relative_path", "full_outer").select(
+        "relative_path",
+        *[F.when(todo, F.col(f"l.{c}")).otherwise(F.col(f"s.{c}")).alias(c) for c in DIFF_COLUMNS],
+        status.alias("_status"),
     )
 
 
