@@ -344,14 +344,20 @@ def _train(
         try:
             result = distributor.run(train_worker, job)
         except Exception as exc:
-            raise failure(Path(failure_dir), exc, cfg.world_size) from exc
-        check_finished(Path(failure_dir), cfg.world_size)
-        if not isinstance(result, dict):
-            raise failure(
-                Path(failure_dir),
-                RuntimeError(f"no result from rank 0 ({result!r})"),
-                cfg.world_size,
-            )
+            error = failure(Path(failure_dir), exc, cfg.world_size)
+            _end_stale_run(cfg, error)
+            raise error from exc
+        try:
+            check_finished(Path(failure_dir), cfg.world_size)
+            if not isinstance(result, dict):
+                raise failure(
+                    Path(failure_dir),
+                    RuntimeError(f"no result from rank 0 ({result!r})"),
+                    cfg.world_size,
+                )
+        except TrainingError as error:
+            _end_stale_run(cfg, error)
+            raise
         result = {**result, **registered_model(Path(failure_dir))}
         quarantined = (
             ingest_report.quarantined_rows
@@ -391,6 +397,18 @@ def _train(
         summary["promotion"] = decision.to_dict()
         write_summary(summary, cfg.paths.summary_path)
     return summary
+
+
+def _end_stale_run(cfg: JobConfig, error: TrainingError) -> None:
+    """After a failed training: the MLflow run that rank 0 recorded, if a rank left it
+    RUNNING (rank 0 SIGKILLed, or stopped before it could end it), ends FAILED with the
+    first line of ``error`` as its cause (:func:`flowers_job.tracking.mark_run_failed`)."""
+    from flowers_job.tracking import mark_run_failed
+    from flowers_job.train.checkpoint import read_run_id
+
+    run_id = read_run_id(cfg.paths.checkpoint_dir)
+    if run_id is not None:
+        mark_run_failed(cfg.tracking_uri, run_id, str(error).splitlines()[0])
 
 
 def write_summary(summary: dict[str, Any], path: Path) -> None:

@@ -32,6 +32,7 @@ from flowers_job.report import TestReport
 
 __all__ = [
     "EPOCH_KEY",
+    "FAILURE_TAG",
     "PREFLIGHT_TIMEOUT_SECONDS",
     "TAG_FINGERPRINT",
     "TAG_TEST_SPLIT",
@@ -41,6 +42,7 @@ __all__ = [
     "end_failed_run",
     "fail_fast",
     "flatten",
+    "mark_run_failed",
     "preflight",
     "use_credentials",
 ]
@@ -373,13 +375,55 @@ class RunTracker:
         mlflow.end_run(status=status)
 
 
-def end_failed_run() -> None:
-    """Mark this process's active MLflow run FAILED (no-op without one; never raises)."""
+FAILURE_TAG = "flowers_job.failure"
+"""The tag that holds a failed run's cause (its first :data:`FAILURE_TAG_CHARS` characters)."""
+FAILURE_TAG_CHARS = 500
+FAILURE_REPORT_SECONDS = 5
+"""Per MLflow request while a failure is reported (one retry): the two requests of
+:func:`end_failed_run` end within about 20 s, inside torchrun's 30 s between the SIGTERM
+that stops the other ranks and its SIGKILL (``torch.distributed.elastic.multiprocessing``'s
+``close(timeout=30)``)."""
+
+
+def end_failed_run(cause: str) -> None:
+    """Mark this process's active MLflow run FAILED, its ``cause`` in the
+    :data:`FAILURE_TAG` tag, within :data:`FAILURE_REPORT_SECONDS` per request (no-op
+    without an active run; never raises: the failure being reported matters more)."""
     try:
-        if mlflow.active_run() is not None:
-            mlflow.end_run(status="FAILED")
+        if mlflow.active_run() is None:
+            return
+        with fail_fast(FAILURE_REPORT_SECONDS):
+            try:
+                mlflow.set_tag(FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+            finally:
+                mlflow.end_run(status="FAILED")
     except Exception:
-        pass
+        log.exception("could not mark the MLflow run FAILED")
+
+
+def mark_run_failed(tracking_uri: str, run_id: str, cause: str) -> bool:
+    """The driver's backstop after a failed training: end the MLflow run ``run_id`` FAILED,
+    with ``cause`` in the :data:`FAILURE_TAG` tag, if it is still RUNNING. Rank 0 normally
+    does this itself (:func:`end_failed_run`); it cannot when it was SIGKILLed (by torchrun
+    after its grace period, the kernel's OOM killer, a lost executor).
+
+    Returns:
+        True if the run was RUNNING and is now FAILED; False if it had ended already or
+        cannot be read (logged; never raises, within :data:`FAILURE_REPORT_SECONDS` per
+        request).
+    """
+    try:
+        with fail_fast(FAILURE_REPORT_SECONDS):
+            client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+            if client.get_run(run_id).info.status != "RUNNING":
+                return False
+            client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+            client.set_terminated(run_id, status="FAILED")
+        log.warning("MLflow run %s was left RUNNING by the failed ranks: marked FAILED", run_id)
+        return True
+    except Exception:
+        log.exception("could not check or end MLflow run %s", run_id)
+        return False
 
 
 class _Context:

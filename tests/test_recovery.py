@@ -177,3 +177,70 @@ def test_the_shared_memory_of_a_killed_runs_streaming_datasets_is_swept(tmp_path
             with contextlib.suppress(FileNotFoundError):
                 block.unlink()
         (Path(tempfile.gettempdir()) / "990002_barrier_filelock").unlink(missing_ok=True)
+
+
+_SIGTERM_IN_REPORT = """
+import os, signal, sys, time
+import mlflow
+from flowers_job.train import rank
+
+mlflow.set_tracking_uri(sys.argv[1])
+print(mlflow.start_run().info.run_id, flush=True)
+report = rank._report_failure
+
+
+def report_under_sigterm(directory, exc):
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun stopping the ranks, mid-report
+    time.sleep(0.5)  # the handler runs here
+    report(directory, exc)
+
+
+rank._report_failure = report_under_sigterm
+rank.train_worker({"config": {"no_such_section": 1}, "failure_dir": sys.argv[2]})
+"""
+
+
+def test_a_sigterm_during_a_ranks_failure_report_does_not_cut_it_short(tmp_path: Path) -> None:
+    """Rank 0 fails (an invalid config here) and torchrun's SIGTERM arrives while it writes
+    its report: the report is still written, the exception is still the rank's own, and its
+    MLflow run ends FAILED with the cause, not RUNNING (issue 18; CI run of 2026-11-24)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_IN_REPORT, uri, str(tmp_path / "failures")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RANK": "0"},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "SIGTERM while reporting its failure" in proc.stderr
+    assert "Terminated" not in proc.stderr  # the rank's own exception propagated
+    report = json.loads((tmp_path / "failures" / "rank-0.json").read_text())
+    assert report["type"] == "ValidationError"
+    run = mlflow.MlflowClient(uri).get_run(proc.stdout.split()[0])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["flowers_job.failure"].startswith("rank 0: ValidationError")
+
+
+def test_the_driver_ends_a_run_its_ranks_left_running(tmp_path: Path) -> None:
+    """A rank 0 SIGKILLed mid-run cannot end its run: the driver's backstop marks it FAILED
+    with the cause, and leaves an ended run as it is."""
+    from flowers_job.tracking import mark_run_failed
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("backstop")
+    running = client.create_run(experiment).info.run_id
+    finished = client.create_run(experiment).info.run_id
+    client.set_terminated(finished, "FINISHED")
+
+    assert mark_run_failed(uri, running, "rank 1 was killed by SIGKILL")
+    assert not mark_run_failed(uri, finished, "not this one")
+    assert not mark_run_failed(uri, "0" * 32, "no such run")  # logged, not raised
+    assert client.get_run(running).info.status == "FAILED"
+    assert client.get_run(running).data.tags["flowers_job.failure"] == (
+        "rank 1 was killed by SIGKILL"
+    )
+    assert client.get_run(finished).info.status == "FINISHED"
+    assert "flowers_job.failure" not in client.get_run(finished).data.tags

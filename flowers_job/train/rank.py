@@ -9,7 +9,9 @@ returns a small summary dict, identical on every rank (rank 0's, broadcast: STAC
   job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);
 - a rank that dies of a fatal signal leaves ``rank-<r>.fatal`` (:mod:`faulthandler`);
 - SIGTERM (torchrun stopping the others) unwinds as :class:`Terminated`, so the rank reports
-  and rank 0 marks its MLflow run FAILED;
+  and rank 0 marks its MLflow run FAILED with the cause; once a rank is reporting a failure,
+  a SIGTERM no longer cuts the report short (it is logged and the report goes on: torchrun
+  SIGKILLs 30 s later, and the driver ends a run still RUNNING then);
 - rank 0 writes ``ranks.json`` (every rank's host) and, once the model is registered,
   ``model.json``; the driver reads them (:mod:`flowers_job.pipeline`).
 """
@@ -102,12 +104,13 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             result = {**result, **registered}
         return result
     except BaseException as exc:
+        _FAILING.set()  # from here on a SIGTERM waits for the report (_terminated)
         explained = _explain_timeout(exc, job)
         _report_failure(Path(job["failure_dir"]), explained or exc)
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
             from flowers_job.tracking import end_failed_run
 
-            end_failed_run()
+            end_failed_run(f"rank {env_rank()}: {_one_line(explained or exc)}")
         if explained is not None:
             raise explained from exc
         raise
@@ -207,10 +210,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+_FAILING = threading.Event()
+"""Set once :func:`train_worker` handles a failure: a SIGTERM then must not interrupt the
+report (in one CI run, 2026-11-24, torchrun's SIGTERM reached rank 0 while it handled its
+peer's loss, and its MLflow run stayed RUNNING)."""
+
+
 def _terminated(signum: int, frame: Any) -> None:
     # As an exception, SIGTERM unwinds through train_worker's handler: the rank reports
-    # it and rank 0 marks its MLflow run FAILED instead of leaving it RUNNING.
+    # it and rank 0 marks its MLflow run FAILED instead of leaving it RUNNING. Inside that
+    # handler, raising again would cut the report short: log it and let the report finish.
+    if _FAILING.is_set():
+        log.warning("rank %s: SIGTERM while reporting its failure: the report goes on", env_rank())
+        return
     raise Terminated(f"rank {env_rank()}: stopped by SIGTERM (signal {signum})")
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, for a tag."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeoutError | None:
