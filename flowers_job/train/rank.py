@@ -127,6 +127,7 @@ def _prepare_process(job: dict[str, Any]) -> None:
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
     watch_driver(job.get("driver"))
+    _FAILING.clear()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
 
