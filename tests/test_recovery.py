@@ -211,7 +211,8 @@ def test_a_sigterm_during_a_ranks_failure_report_does_not_cut_it_short(tmp_path:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "RANK": "0"},
+        # The child's own store: no MLFLOW_* setting of an earlier test (an experiment id).
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "RANK": "0"},
     )
     assert proc.returncode == 1, proc.stderr
     assert "SIGTERM while reporting its failure" in proc.stderr
