@@ -8,12 +8,12 @@ worker's path holds ``pyspark.zip`` (1,220 entries) and py4j's zip. Measured her
 machine, ``local[2]``, Python 3.11.7, 2026-11-25): 200 tasks that do nothing took 20-22 s
 of CPU, most of it in ``zipimporter._read_directory`` under ``invalidate_caches`` (py-spy
 on a worker), and 3.7-5.7 s with the fix below; 40 ``mapInPandas`` tasks 9.3 s, then 6.3 s.
-An ingest lists in 20 such tasks and decodes in 4 or more. CPython fixed it in 3.12
+An ingest lists in up to 2 tasks per slot and decodes in 4 or more. CPython fixed it in 3.12
 (gh-103200, reported by a Spark developer): invalidation drops the cached directory, and
 the next lookup in that archive reads it again.
 
-Each function the job runs in a Python worker (the listing and decoding ``mapInPandas``
-functions, batch scoring, the storage check) calls :func:`prepare_worker` first. Workers
+The job's listing, decoding and batch-scoring functions (the ``mapInPandas`` functions
+that run in Python workers) call :func:`prepare_worker` first. Workers
 are reused (``spark.python.worker.reuse``), so the first task of a worker pays the old cost
 once and its later tasks do not. Nothing changes on Python 3.12 and later (Databricks
 Runtime 17.3 LTS runs 3.12), nor in a process that never calls it.
