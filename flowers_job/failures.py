@@ -2,9 +2,11 @@
 
 The ranks write into the job's report dir (:mod:`flowers_job.train.rank`): ``rank-<r>.json``
 (a Python exception), ``rank-<r>.fatal`` (a fatal signal), ``ranks.json`` (every rank's host)
-and ``model.json`` (rank 0, once the model is registered). After TorchDistributor returns or
-raises, the driver turns them into one :class:`TrainingError` that names the first failing
-rank, its host and its cause, ahead of the others' consequences.
+and ``model.json`` (rank 0, once the model is registered); each rank's sentinel
+(:mod:`flowers_job.sentinel`) writes ``rank-<r>.killed`` when its rank died without either
+report (SIGKILL, the OOM killer). After TorchDistributor returns or raises, the driver turns
+them into one :class:`TrainingError` that names the failing rank, its host and its cause,
+ahead of the others' consequences.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flowers_job.sentinel import KILLED_SUFFIX
+
 __all__ = [
+    "CONSEQUENCE_MESSAGES",
     "FATAL_SUFFIX",
+    "KINDS",
     "MODEL_FILE",
+    "PERMANENT_TYPES",
     "RANKS_FILE",
     "TrainingError",
     "check_finished",
@@ -31,6 +38,20 @@ thread's Python stack. Empty while the rank lives; the driver reports a non-empt
 RANKS_FILE = "ranks.json"
 """Written by rank 0 into the report dir once the group is up: every rank's host, address
 and pid (:func:`~flowers_job.distributed.gather_ranks`), for the driver's failure report."""
+KINDS = ("killed", "fatal_signal", "timeout", "connection", "exception", "permanent")
+""":attr:`TrainingError.kind`: how the failing rank failed. ``killed``: it died without a
+word (SIGKILL, the OOM killer; also when no rank reported anything); ``fatal_signal``: a
+crash in native code; ``timeout``: a collective waited past ``distributed.timeout_seconds``;
+``connection``: it lost a peer (and no rank said why); ``exception``: its Python code
+raised; ``permanent``: the configuration or the data is wrong, and a rerun fails the same."""
+PERMANENT_TYPES = frozenset(
+    {"ConfigError", "DataError", "ShardError", "IngestError", "TrackingError", "ValidationError"}
+)
+"""Exception type names (``report["type"]``) of failures that a rerun repeats."""
+CONSEQUENCE_MESSAGES = ("connection reset by peer", "connection closed by peer", "broken pipe")
+"""How gloo and NCCL word a lost peer (lower case): a rank that reports one failed because
+another rank went first."""
+_CONSEQUENCE_TYPES = ("CollectiveTimeoutError", "Terminated")
 MODEL_FILE = "model.json"
 """Written by rank 0 into the job's report dir after registering the model: the model URI,
 version and run id, which the driver adds to the summary (local mode returns whichever
@@ -38,8 +59,9 @@ rank's result was written last: STACK.md trap 4)."""
 
 
 class TrainingError(RuntimeError):
-    """Distributed training failed. ``rank`` and ``cause`` name the first failing rank;
-    ``reported_at`` is when that rank reported it (seconds since the epoch)."""
+    """Distributed training failed. ``rank`` and ``cause`` name the failing rank;
+    ``reported_at`` is when that rank reported it (seconds since the epoch); ``kind`` is
+    one of :data:`KINDS`, and ``oom`` whether the kernel's OOM killer ended that rank."""
 
     def __init__(
         self,
@@ -47,24 +69,32 @@ class TrainingError(RuntimeError):
         rank: int | None = None,
         cause: str | None = None,
         reported_at: float | None = None,
+        kind: str = "exception",
+        oom: bool = False,
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.cause = cause
         self.reported_at = reported_at
+        self.kind = kind
+        self.oom = oom
 
 
 def failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
     """The driver's error for a failed TorchDistributor run, from the ranks' reports.
 
-    Two kinds of report, in ``failure_dir``: ``rank-<r>.json``, the exception and traceback
-    of a rank whose Python code raised, and ``rank-<r>.fatal``, what :mod:`faulthandler`
-    wrote when a rank died of a fatal signal (a crash in native code: SIGSEGV, SIGABRT, ...)
-    and every thread's Python stack. The first (by time) names the rank and its cause; the
-    others are usually its consequences (a collective that lost its peer, torchrun's
-    SIGTERM) and are listed after it. Ranks that wrote neither were stopped from outside:
-    hung (the others' collectives then time out), killed by torchrun after another rank
-    failed, or killed by the OS (SIGKILL, the OOM killer).
+    Three kinds of report, in ``failure_dir``: ``rank-<r>.json``, the exception and
+    traceback of a rank whose Python code raised; ``rank-<r>.fatal``, what
+    :mod:`faulthandler` wrote when a rank died of a fatal signal (a crash in native code:
+    SIGSEGV, SIGABRT, ...) and every thread's Python stack; and ``rank-<r>.killed``, what a
+    rank's sentinel saw of a death without either (SIGKILL, the OOM killer). The cause is
+    chosen by class, then time: a rank that died (killed or fatal signal), then a Python
+    exception, then a consequence (a lost peer: :data:`CONSEQUENCE_MESSAGES`, a
+    ``CollectiveTimeoutError``), last torchrun's SIGTERM (``Terminated``). The sentinel and the
+    others' lost connections race by milliseconds, so time alone cannot tell which came
+    first. The others are listed after it. Ranks that wrote nothing were stopped from
+    outside: hung (the others' collectives then time out), killed by torchrun after another
+    rank failed, or killed without a sentinel.
     """
     reports = []
     for path in sorted(failure_dir.glob("rank-*.json")):
@@ -79,14 +109,18 @@ def failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingE
                 reports.append(_fatal_report(path, text))
         except OSError:
             continue
+    reports += _killed_reports(failure_dir)
     if not reports:
         return TrainingError(
             f"distributed training failed and no rank reported an exception (killed by the OS, "
-            f"out of memory?): {exc}"
+            f"out of memory?): {exc}",
+            kind="killed",
         )
-    reports.sort(key=lambda r: r.get("time", 0.0))
+    reports.sort(key=lambda r: (_precedence(r), r.get("time", 0.0)))
     first = reports[0]
     where = _rank_hosts(failure_dir)
+    if first["type"] == "Killed" and int(first["rank"]) not in where and first.get("host"):
+        where[int(first["rank"])] = f" on host {first['host']}"
     silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
     then = "".join(
         f"\nthen rank {r['rank']}: {r['type']}: {r['message']}"
@@ -101,14 +135,73 @@ def failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingE
         else ""
     )
     what = "died of a fatal signal" if first["type"] == "FatalSignal" else "failed"
+    lead = f"{first['type']}: {first['message']}"
+    if first["type"] == "Killed":
+        what, lead = first["how"], first["message"]
+    oom = bool((first.get("oom") or {}).get("killer"))
     return TrainingError(
-        f"rank {first['rank']} {what}{where.get(int(first['rank']), '')}: {first['type']}: "
-        f"{first['message']}{then}{note}\n"
+        f"rank {first['rank']} {what}{where.get(int(first['rank']), '')}: {lead}{then}{note}\n"
         f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
         rank=first["rank"],
-        cause=f"{first['type']}: {first['message']}",
+        cause=(
+            f"Killed: rank {first['rank']} {first['how']}" + (" (the OOM killer)" if oom else "")
+            if first["type"] == "Killed"
+            else f"{first['type']}: {first['message']}"
+        ),
         reported_at=first.get("time"),
+        kind=_kind(first),
+        oom=oom,
     )
+
+
+def _is_consequence(report: dict[str, Any]) -> bool:
+    """Whether a rank's report is another's consequence: a lost peer, a collective timeout,
+    torchrun's SIGTERM."""
+    message = str(report.get("message", "")).lower()
+    return report["type"] in _CONSEQUENCE_TYPES or any(m in message for m in CONSEQUENCE_MESSAGES)
+
+
+def _precedence(report: dict[str, Any]) -> int:
+    """0: the rank died (killed, fatal signal); 1: an exception of its own; 2: a consequence;
+    3: torchrun's SIGTERM (``Terminated``), which says nothing of the cause."""
+    if report["type"] in ("Killed", "FatalSignal"):
+        return 0
+    if report["type"] == "Terminated":
+        return 3
+    return 2 if _is_consequence(report) else 1
+
+
+def _kind(report: dict[str, Any]) -> str:
+    """:data:`KINDS` of the report that leads."""
+    if report["type"] in ("Killed", "FatalSignal"):
+        return "killed" if report["type"] == "Killed" else "fatal_signal"
+    if report["type"] == "CollectiveTimeoutError":
+        return "timeout"
+    if _is_consequence(report):
+        return "connection"
+    return "permanent" if report["type"] in PERMANENT_TYPES else "exception"
+
+
+def _killed_reports(failure_dir: Path) -> list[dict[str, Any]]:
+    """The sentinels' ``rank-<r>.killed`` reports, each with a ``traceback`` that says what
+    the sentinel saw (there is none: the process was killed)."""
+    reports = []
+    for path in sorted(failure_dir.glob(f"rank-*{KILLED_SUFFIX}")):
+        try:
+            report = json.loads(path.read_text())
+            oom = report.get("oom") or {}
+            kernel = oom.get("kernel_log") or (
+                "nothing about it" if oom.get("kernel_log_read") else "not readable"
+            )
+            report["traceback"] = (
+                f"(none: pid {report.get('pid')} {report['how']}; its memory cgroup "
+                f"{oom.get('cgroup')}: {oom.get('cgroup_oom_kills')} new OOM kills; the kernel "
+                f"log: {kernel})"
+            )
+            reports.append(report)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return reports
 
 
 def _fatal_report(path: Path, text: str) -> dict[str, Any]:
@@ -139,7 +232,8 @@ def check_finished(failure_dir: Path, world_size: int) -> None:
         TrainingError: a rank wrote a report, or ``model.json`` is missing.
     """
     fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.stat().st_size > 0]
-    if fatal or list(failure_dir.glob("rank-*.json")):
+    killed = list(failure_dir.glob(f"rank-*{KILLED_SUFFIX}"))
+    if fatal or killed or list(failure_dir.glob("rank-*.json")):
         raise failure(failure_dir, RuntimeError("a rank failed after training"), world_size)
     if not (failure_dir / MODEL_FILE).exists():
         raise TrainingError(
@@ -148,6 +242,7 @@ def check_finished(failure_dir: Path, world_size: int) -> None:
             "killed from outside (torchrun, the OS) without reporting an exception",
             rank=0,
             cause="no registered model",
+            kind="killed",
         )
 
 

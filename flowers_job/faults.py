@@ -1,6 +1,8 @@
 """Test-only fault injection, switched on by one environment variable. Never set it in production.
 
-``FLOWERS_JOB_FAULT`` holds comma-separated ``<kind>:<rank>:<epoch>`` entries:
+``FLOWERS_JOB_FAULT`` holds comma-separated ``<kind>:<rank>:<epoch>[:<attempt>]`` entries;
+without ``<attempt>`` an entry fires on every attempt of the run, with it only when
+``FLOWERS_JOB_ATTEMPT`` (:data:`ATTEMPT_ENV`, set by the rank; "0" when unset) equals it:
 
 =================== ======================================================================
 kind                what that rank does at that epoch
@@ -11,6 +13,14 @@ kind                what that rank does at that epoch
                     stuck reader or a deadlock): the other ranks' next collective times out
 ``abort``           the rank calls ``os.abort()`` half-way through the epoch: it dies of
                     SIGABRT without a Python exception, as a crash in native code does
+``kill``            the rank SIGKILLs itself half-way through the epoch: no exception, no
+                    fatal-signal report; its sentinel (:mod:`flowers_job.sentinel`) names it
+``oom``             the rank allocates and touches memory half-way through the epoch until
+                    the kernel's OOM killer ends it (at most :data:`OOM_MAX_BYTES` or
+                    :data:`OOM_MAX_SECONDS`, then it raises). Only in a memory cgroup with a
+                    limit below the machine's memory (else it raises): with
+                    ``FLOWERS_JOB_FAULT_CGROUP=<cgroup dir>`` the rank joins that cgroup
+                    first (:func:`join_fault_cgroup`)
 ``pause_checkpoint`` stops while writing the epoch's checkpoint (rank 0 writes it): the
                     temporary file is written, not yet synced nor renamed over
                     ``last.pt``; for at most :data:`HANG_SECONDS`, so a test can kill
@@ -36,23 +46,39 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
+from flowers_job.sentinel import memory_cgroup, memory_limit
+
 __all__ = [
+    "ATTEMPT_ENV",
+    "FAULT_CGROUP_ENV",
     "FAULT_ENV",
     "HANG_SECONDS",
     "INGEST_FAULT_ENV",
     "delay",
     "ingest_pause",
     "inject",
+    "join_fault_cgroup",
     "mid_epoch",
 ]
 
 T = TypeVar("T")
 
 FAULT_ENV = "FLOWERS_JOB_FAULT"
+ATTEMPT_ENV = "FLOWERS_JOB_ATTEMPT"
+"""The run's attempt (0, 1, ...), which an entry's optional fourth field selects."""
+FAULT_CGROUP_ENV = "FLOWERS_JOB_FAULT_CGROUP"
+"""Test only: the directory of a memory cgroup that a rank with an ``oom`` fault joins."""
+OOM_CHUNK_BYTES = 64 * 2**20
+"""What the ``oom`` fault allocates and touches at a time (bytes)."""
+OOM_MAX_BYTES = 64 * 2**30
+OOM_MAX_SECONDS = 120.0
+"""Bounds of the ``oom`` fault (bytes, seconds): past either it raises ``RuntimeError``."""
 INGEST_FAULT_ENV = "FLOWERS_JOB_INGEST_FAULT"
 """Test only: ``pause_after:<table>`` pauses ingest after writing ``<table>``."""
 INGEST_PAUSE_SECONDS = 3600.0
@@ -64,25 +90,33 @@ log = logging.getLogger(__name__)
 
 
 def inject(kind: str, rank: int | None, epoch: int) -> None:
-    """Act out fault ``kind`` if ``FLOWERS_JOB_FAULT`` asks for it at this rank and epoch.
+    """Act out fault ``kind`` if ``FLOWERS_JOB_FAULT`` asks for it at this rank and epoch
+    (and attempt, where the entry names one).
 
     Raises:
-        RuntimeError: for ``raise`` (the message names the setting).
+        RuntimeError: for ``raise`` (the message names the setting); for ``oom`` outside a
+            memory cgroup with a limit below the machine's memory, or past its bounds.
     """
     spec = os.environ.get(FAULT_ENV, "")
-    if f"{kind}:{rank}:{epoch}" not in spec.split(","):
+    if not any(e[2] == str(epoch) for e in _entries(kind, rank)):
         return
     if kind in ("raise", "fail_registration"):
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
     if kind == "abort":
         log.warning("injected fault %s:%s:%s: os.abort()", kind, rank, epoch)
         os.abort()
+    if kind == "kill":
+        log.warning("injected fault %s:%s:%s: SIGKILL", kind, rank, epoch)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "oom":
+        _exhaust_memory(f"{kind}:{rank}:{epoch}")
     log.warning("injected fault %s:%s:%s: sleeping up to %.0f s", kind, rank, epoch, HANG_SECONDS)
     time.sleep(HANG_SECONDS)
 
 
 def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterable[T]:
-    """``batches``, acting out ``raise``, ``abort`` and ``hang`` faults before batch ``step``
+    """``batches``, acting out ``raise``, ``abort``, ``kill``, ``oom`` and ``hang`` faults
+    before batch ``step``
     when ``FLOWERS_JOB_FAULT`` is set; ``batches`` itself otherwise."""
     if not os.environ.get(FAULT_ENV):
         return batches
@@ -94,19 +128,84 @@ def _mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterat
         if i == step:
             inject("raise", rank, epoch)
             inject("abort", rank, epoch)
+            inject("kill", rank, epoch)
+            inject("oom", rank, epoch)
             inject("hang", rank, epoch)
         yield batch
 
 
 def delay(kind: str, rank: int | None) -> None:
-    """Sleep the seconds that a ``<kind>:<rank>:<seconds>`` entry of ``FLOWERS_JOB_FAULT``
-    asks for (at most :data:`HANG_SECONDS`); nothing without one."""
-    for entry in os.environ.get(FAULT_ENV, "").split(","):
-        parts = entry.split(":")
-        if len(parts) == 3 and parts[0] == kind and parts[1] == str(rank):
-            seconds = min(float(parts[2]), HANG_SECONDS)
-            log.warning("injected fault %s: sleeping %.0f s", entry, seconds)
-            time.sleep(seconds)
+    """Sleep the seconds that a ``<kind>:<rank>:<seconds>[:<attempt>]`` entry of
+    ``FLOWERS_JOB_FAULT`` asks for (at most :data:`HANG_SECONDS`); nothing without one."""
+    for parts in _entries(kind, rank):
+        seconds = min(float(parts[2]), HANG_SECONDS)
+        log.warning("injected fault %s: sleeping %.0f s", ":".join(parts), seconds)
+        time.sleep(seconds)
+
+
+def join_fault_cgroup(rank: int | None) -> bool:
+    """Move this process into the memory cgroup ``FLOWERS_JOB_FAULT_CGROUP`` names (its
+    directory, e.g. ``/sys/fs/cgroup/memory/<name>``) if ``FLOWERS_JOB_FAULT`` holds an
+    ``oom`` entry for ``rank`` (any epoch, this attempt); the rank calls it before it starts
+    its sentinel, so that both count against the cgroup's limit. Needs write access to the
+    cgroup's ``cgroup.procs`` (root); a failure is logged, and the ``oom`` fault then
+    refuses to run.
+
+    Returns:
+        True if this process joined the cgroup.
+    """
+    directory = os.environ.get(FAULT_CGROUP_ENV)
+    if not directory or not _entries("oom", rank):
+        return False
+    try:
+        (Path(directory) / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        log.exception("rank %s could not join the fault's memory cgroup %s", rank, directory)
+        return False
+    log.warning("rank %s joined the memory cgroup %s (the oom fault)", rank, directory)
+    return True
+
+
+def _entries(kind: str, rank: int | None) -> list[list[str]]:
+    """The ``FLOWERS_JOB_FAULT`` entries of ``kind`` for ``rank`` on this attempt, split
+    on ``:`` (``[kind, rank, epoch or seconds]``, plus the attempt where one is named)."""
+    attempt = os.environ.get(ATTEMPT_ENV, "0")
+    return [
+        parts
+        for parts in (e.strip().split(":") for e in os.environ.get(FAULT_ENV, "").split(","))
+        if len(parts) in (3, 4)
+        and parts[:2] == [kind, str(rank)]
+        and (len(parts) == 3 or parts[3] == attempt)
+    ]
+
+
+def _exhaust_memory(entry: str) -> None:
+    """Allocate and touch :data:`OOM_CHUNK_BYTES` at a time, keeping every chunk, until the
+    kernel's OOM killer ends this process; only in a memory cgroup with a limit below the
+    machine's memory, so that a developer's machine is never the one that runs out.
+
+    Raises:
+        RuntimeError: no such cgroup, or :data:`OOM_MAX_BYTES` or :data:`OOM_MAX_SECONDS`
+            passed and the process still lives.
+    """
+    page = os.sysconf("SC_PAGE_SIZE")
+    machine = page * os.sysconf("SC_PHYS_PAGES")
+    limit = memory_limit(memory_cgroup())
+    if limit is None or limit >= machine:
+        raise RuntimeError(
+            f"injected fault {entry}: refused: this process is in no memory cgroup with a limit "
+            f"below the machine's memory ({machine} bytes); set {FAULT_CGROUP_ENV} to one"
+        )
+    log.warning("injected fault %s: allocating until the OOM killer (limit %d bytes)", entry, limit)
+    chunks: list[bytearray] = []
+    deadline = time.monotonic() + OOM_MAX_SECONDS
+    while len(chunks) * OOM_CHUNK_BYTES < OOM_MAX_BYTES and time.monotonic() < deadline:
+        chunk = bytearray(OOM_CHUNK_BYTES)
+        chunk[::page] = b"\x01" * (OOM_CHUNK_BYTES // page)  # touch every page
+        chunks.append(chunk)
+    raise RuntimeError(
+        f"injected fault {entry}: {len(chunks) * OOM_CHUNK_BYTES} bytes touched and still alive"
+    )
 
 
 def ingest_pause(table: str) -> None:
