@@ -1,4 +1,4 @@
-"""Command line: ``flowers-job {ingest,train,run,predict}`` (also ``python -m flowers_job``).
+"""Command line: ``flowers-job {ingest,train,run,predict,runs}`` (also ``python -m flowers_job``).
 
 Configuration is parsed and validated before Spark starts: an invalid value exits
 with status 2 and a message naming the field, within a second or two. The checks that need
@@ -8,6 +8,8 @@ run needs (status 2), the MLflow store (status 1). The cluster is checked once, 
 Spark starts (status 2).
 ``predict`` resolves the model in the registry and checks its input before Spark starts
 (an unknown model, version or alias, or a missing input, exits with status 1).
+``runs`` lists the MLflow runs of an output dir with their true state; it starts no Spark
+and creates no store.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in output dir"
     )
+    resume.add_argument(
+        "--resume-key",
+        metavar="KEY",
+        help="train.resume_key, with --resume: continue only a checkpoint written under KEY "
+        "(a Databricks job run id: the task's retries continue, the next run starts afresh)",
+    )
     sub.add_parser("ingest", parents=[common, images], help="photos -> Delta tables")
     sub.add_parser(
         "train", parents=[common, resume], help="Delta tables -> trained, registered model"
@@ -88,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--output-table", type=Path, required=True, help="Delta table the predictions go to"
     )
+    runs = sub.add_parser(
+        "runs",
+        parents=[common],
+        help="the MLflow runs of --output-dir and their state (ABANDONED: its driver is gone)",
+    )
+    runs.add_argument("--json", action="store_true", help="one JSON object per line")
     return parser
 
 
@@ -96,6 +110,7 @@ def _config(args: argparse.Namespace) -> JobConfig:
         "data.images": getattr(args, "images", None),
         "paths.output_dir": args.output_dir,
         "train.resume": True if getattr(args, "resume", False) else None,
+        "train.resume_key": getattr(args, "resume_key", None),
         "data.full_ingest": True if getattr(args, "full", False) else None,
     }
     return load_config(args.config, args.overrides, **flags)
@@ -107,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.command == "predict":
-        return _predict(args)
+    apart = {"predict": _predict, "runs": _runs}  # no pipeline checks: their own paths
+    if args.command in apart:
+        return apart[args.command](args)
     try:
         cfg = _config(args)
     except ConfigError as exc:
@@ -230,6 +246,37 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"flowers-job predict: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    """``flowers-job runs``: the output dir's MLflow runs, newest first, as a table or JSON
+    lines; no Spark, and a store or experiment that does not exist is not created."""
+    from flowers_job.runs import format_runs, list_runs
+    from flowers_job.tracking import TrackingError, use_credentials
+
+    try:
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"flowers-job runs: {exc}", file=sys.stderr)
+        return 2
+    use_credentials(cfg)
+    try:
+        found = list_runs(cfg.paths.output_dir, cfg.tracking_uri, cfg.tracking.experiment_name)
+    except TrackingError as exc:
+        print(f"flowers-job runs: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if not found:
+        print(
+            f"no runs of {cfg.paths.output_dir} in experiment {cfg.tracking.experiment_name!r} "
+            f"of the MLflow store {cfg.tracking_uri}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
+    elif args.json:
+        for run in found:
+            print(json.dumps(run))
+    else:
+        print(format_runs(found))
     return 0
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "FAILURE_TAG",
     "PREFLIGHT_TIMEOUT_SECONDS",
     "TAG_FINGERPRINT",
+    "TAG_OUTPUT_DIR",
     "TAG_TEST_SPLIT",
     "TAG_VERSION",
     "RunTracker",
@@ -53,6 +54,9 @@ TAG_TEST_SPLIT = "flowers_job.test_split_digest"
 (:func:`flowers_job.data.prepare.split_digest`); test scores compare only between equal
 digests."""
 TAG_VERSION = "flowers_job.version"
+TAG_OUTPUT_DIR = "flowers_job.output_dir"
+"""Run tag: the resolved ``paths.output_dir`` of the training, set when the run starts
+(``flowers-job runs`` lists an output dir's runs by it: :mod:`flowers_job.runs`)."""
 EPOCH_KEY = "val_loss"
 """The metric whose steps say which epochs a run has logged (every epoch logs it)."""
 PREFLIGHT_TIMEOUT_SECONDS = 10
@@ -226,6 +230,8 @@ class RunTracker:
             run_name=None if run_id else cfg.tracking.run_name,
         )
         self.run_id: str = self.run.info.run_id
+        if TAG_OUTPUT_DIR not in self.run.data.tags:  # kept by a resumed run
+            mlflow.set_tag(TAG_OUTPUT_DIR, str(cfg.paths.output_dir.resolve()))
         client = mlflow.MlflowClient()
         self._params: dict[str, str] = dict(self.run.data.params)
         self._logged_epochs: set[int] = (
@@ -245,6 +251,21 @@ class RunTracker:
         if new:
             mlflow.log_params(new)
             self._params.update({k: str(v) for k, v in new.items()})
+
+    def record_recovery(self, attempt: int) -> None:
+        """At the start of an attempt: the ``restarts`` metric (``attempt``, at
+        ``step=attempt``), and, when the run was reopened after a failure (an automatic
+        restart, a ``--resume``), its :data:`FAILURE_TAG` kept as
+        ``flowers_job.failure.<n>`` (the n-th interruption) and removed, so that only a run
+        that ends FAILED carries it."""
+        mlflow.log_metric("restarts", attempt, step=attempt)
+        tags = self.run.data.tags
+        cause = tags.get(FAILURE_TAG)
+        if cause is None:
+            return
+        n = 1 + sum(k.startswith(f"{FAILURE_TAG}.") for k in tags)
+        mlflow.set_tag(f"{FAILURE_TAG}.{n}", cause)
+        mlflow.MlflowClient().delete_tag(self.run_id, FAILURE_TAG)
 
     def log_epoch(self, metrics: dict[str, float], epoch: int) -> bool:
         """Log one epoch's metrics at ``step=epoch`` unless that epoch is logged already.
@@ -401,11 +422,16 @@ def end_failed_run(cause: str) -> None:
         log.exception("could not mark the MLflow run FAILED")
 
 
-def mark_run_failed(tracking_uri: str, run_id: str, cause: str) -> bool:
+def mark_run_failed(
+    tracking_uri: str, run_id: str, cause: str, *, correct_cause: bool = False
+) -> bool:
     """The driver's backstop after a failed training: end the MLflow run ``run_id`` FAILED,
     with ``cause`` in the :data:`FAILURE_TAG` tag, if it is still RUNNING. Rank 0 normally
     does this itself (:func:`end_failed_run`); it cannot when it was SIGKILLed (by torchrun
-    after its grace period, the kernel's OOM killer, a lost executor).
+    after its grace period, the kernel's OOM killer, a lost executor). With
+    ``correct_cause``, a run that rank 0 ended already gets ``cause`` in the tag too: the
+    driver names the rank that failed first, where rank 0 only saw its consequence (a lost
+    peer).
 
     Returns:
         True if the run was RUNNING and is now FAILED; False if it had ended already or
@@ -416,10 +442,12 @@ def mark_run_failed(tracking_uri: str, run_id: str, cause: str) -> bool:
         with fail_fast(FAILURE_REPORT_SECONDS):
             client = mlflow.MlflowClient(tracking_uri=tracking_uri)
             if client.get_run(run_id).info.status != "RUNNING":
+                if correct_cause:
+                    client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
                 return False
             client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
             client.set_terminated(run_id, status="FAILED")
-        log.warning("MLflow run %s was left RUNNING by the failed ranks: marked FAILED", run_id)
+        log.warning("MLflow run %s was still RUNNING: marked FAILED", run_id)
         return True
     except Exception:
         log.exception("could not check or end MLflow run %s", run_id)
