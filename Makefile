@@ -50,9 +50,10 @@ WHEEL_DIR ?= dist
 # exercise in test_ingest.py (the quarantine of each bad input, training's refusal of
 # damaged tables, the incremental ingest and retention, the loader cache's reuse, locking and
 # eviction, which are the loader's own in-between: the Streaming loader there), and batch
-# scoring (the bundle's score task runs on the runtime).
+# scoring (the bundle's score task runs on the runtime), and `flowers-job runs` (MLflow's
+# client as the runtime ships it).
 DBR_ONLY ?= test_clean_install.py test_table_checks.py test_bad_input.py test_incremental.py \
-	test_loader_cache.py test_predict.py
+	test_loader_cache.py test_predict.py test_runs.py
 # Tests that `make test` runs in the DBR suite only (test-local deselects them), for the same
 # reason: Delta's commit protocol under an interrupted ingest, which the ingest tests of
 # both stacks build on.
@@ -61,8 +62,8 @@ DBR_ONLY_TESTS ?= test_ingest.py::test_an_interrupted_ingest_is_refused_by_train
 LOCAL_DESELECT ?=
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
-	test_faults.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py test_packages.py \
-	$(DBR_ONLY)
+	test_faults.py test_restart.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py \
+	test_packages.py $(DBR_ONLY)
 # Test files test-local leaves out (`make test` sets it to DBR_ONLY).
 LOCAL_IGNORE ?=
 # Tests of the DBR files whose guarantee does not depend on the Python stack run once, in

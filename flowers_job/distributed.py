@@ -25,6 +25,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce_sum",
     "all_reduce_sum_int64",
+    "broadcast_flag",
     "broadcast_object",
     "describe_hosts",
     "env_rank",
@@ -134,6 +135,18 @@ def all_reduce_sum_int64(values: Sequence[int], ctx: DistContext) -> list[int]:
     t = torch.tensor(list(values), dtype=torch.int64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return [int(x) for x in t.cpu().tolist()]
+
+
+def broadcast_flag(value: bool, ctx: DistContext, src: int = 0) -> bool:
+    """``src``'s ``value`` on every rank: one broadcast of a one-element int32 tensor on the
+    rank's device (a host sync on a GPU: call it every few steps, not every step).
+
+    Raises:
+        RuntimeError: the collective fails or times out (``distributed.timeout_seconds``).
+    """
+    t = torch.tensor([int(value)], dtype=torch.int32, device=ctx.device)
+    _settle(dist.broadcast(t, src=src, async_op=True), t)
+    return bool(t.item())
 
 
 def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:

@@ -34,6 +34,15 @@ from flowers_job.failures import TrainingError, check_finished, failure, registe
 from flowers_job.loaders import resolve_loader
 from flowers_job.processes import driver_identity
 from flowers_job.promotion import promote
+from flowers_job.restarts import (
+    Restart,
+    begin_training,
+    end_stale_run,
+    read_first_step,
+    refusal,
+    restart_processes,
+)
+from flowers_job.runs import record_driver
 from flowers_job.spark import driver_gpus, executor_cores, task_slots, wait_for_slots
 from flowers_job.storage import check_shared_storage, is_local_master
 from flowers_job.tracking import TrackingError
@@ -294,13 +303,19 @@ def _threads_per_process(cfg: JobConfig) -> int | None:
 
 
 def training_job(
-    spark: SparkSession, cfg: JobConfig, data: PreparedData, failure_dir: str, use_gpu: bool
+    spark: SparkSession,
+    cfg: JobConfig,
+    data: PreparedData,
+    failure_dir: str,
+    use_gpu: bool,
+    attempt: int = 0,
 ) -> dict[str, Any]:
     """The plain data every rank receives: ``TorchDistributor.run(train_worker, job)``.
 
     ``config`` is ``cfg.model_dump(mode="json")``, which leaves out the secret fields
     (``tracking.password``/``token``): the workers get those from the environment only
-    (:func:`flowers_job.tracking.use_credentials`).
+    (:func:`flowers_job.tracking.use_credentials`). ``attempt``: 0, or the automatic
+    restart (:mod:`flowers_job.restarts`).
     """
     return {
         "config": cfg.model_dump(mode="json"),
@@ -316,75 +331,110 @@ def training_job(
         "task_cpus": int(spark.conf.get("spark.task.cpus", "1") or 1),
         "failure_dir": failure_dir,
         "driver": driver_identity(),
+        "attempt": attempt,
     }
 
 
-def _train(
-    spark: SparkSession, cfg: JobConfig, ingest_report: IngestReport | None = None
-) -> dict[str, Any]:
-    """Train on the Delta tables with TorchDistributor (checks done), write ``summary.json``
-    and decide the champion; errors as :func:`run_training`'s after its checks."""
+def _attempt(
+    spark: SparkSession, cfg: JobConfig, data: PreparedData, use_gpu: bool, restarts: list[Restart]
+) -> tuple[dict[str, Any] | None, TrainingError | None]:
+    """One TorchDistributor run: rank 0's result (and its registered model), or the
+    :class:`TrainingError` that names the failing rank. The last restart's record gets the
+    times this attempt's rank 0 reported (:data:`~flowers_job.restarts.FIRST_STEP_FILE`)."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
     from flowers_job.train.rank import train_worker
 
     d = cfg.distributed
-    use_gpu = _use_gpu(spark, cfg)
-    with (
-        prepare_data(spark, cfg) as data,
-        tempfile.TemporaryDirectory(
-            prefix="flowers-failures-", dir=cfg.paths.output_dir
-        ) as failure_dir,
-    ):
-        job = training_job(spark, cfg, data, failure_dir, use_gpu)
+    with tempfile.TemporaryDirectory(
+        prefix="flowers-failures-", dir=cfg.paths.output_dir
+    ) as failure_dir:
+        reports = Path(failure_dir)
+        job = training_job(spark, cfg, data, failure_dir, use_gpu, attempt=len(restarts))
         apply_to_environ()  # local mode's ranks inherit it (a session made elsewhere too)
+        record_driver(cfg.paths.checkpoint_dir)  # who drives the run (flowers-job runs)
         distributor = TorchDistributor(
             num_processes=d.num_processes, local_mode=d.local_mode, use_gpu=use_gpu
         )
+        error: TrainingError | None = None
         try:
             result = distributor.run(train_worker, job)
-        except Exception as exc:
-            error = failure(Path(failure_dir), exc, cfg.world_size)
-            _end_stale_run(cfg, error)
-            raise error from exc
-        try:
-            check_finished(Path(failure_dir), cfg.world_size)
+            check_finished(reports, cfg.world_size)
             if not isinstance(result, dict):
                 raise failure(
-                    Path(failure_dir),
-                    RuntimeError(f"no result from rank 0 ({result!r})"),
-                    cfg.world_size,
+                    reports, RuntimeError(f"no result from rank 0 ({result!r})"), cfg.world_size
                 )
-        except TrainingError as error:
-            _end_stale_run(cfg, error)
-            raise
-        result = {**result, **registered_model(Path(failure_dir))}
-        quarantined = (
-            ingest_report.quarantined_rows
-            if ingest_report is not None
-            else spark.read.format("delta").load(str(cfg.paths.table("quarantine"))).count()
-        )
-        summary = {
-            **{k: v for k, v in result.items() if k != "history"},
-            "train_rows": data.train.dataset_size,
-            "val_rows": data.val.dataset_size,
-            "test_rows": data.test.dataset_size,
-            "quarantined_rows": int(quarantined),
-            "num_partitions": data.num_partitions,
-            "rows_per_shard": {
-                "train": data.train.rows_per_shard,
-                "val": data.val.rows_per_shard,
-                "test": data.test.rows_per_shard,
-            },
-            "label_names": data.label_names,
-            "local_mode": d.local_mode,
-            "mlflow_tracking_uri": cfg.tracking_uri,
-            "tables": {name: str(cfg.paths.table(name)) for name in TABLE_NAMES},
-            "loader_cache": data.loader_cache,
-            "history": result["history"],
+        except TrainingError as exc:
+            error = exc
+        except Exception as exc:
+            error = failure(reports, exc, cfg.world_size)
+            error.__cause__ = exc
+        if restarts:
+            restarts[-1].complete(read_first_step(reports))
+        if error is not None:
+            end_stale_run(cfg, error)
+            return None, error
+        assert isinstance(result, dict)
+        return {**result, **registered_model(reports)}, None
+
+
+def _restart(
+    spark: SparkSession,
+    cfg: JobConfig,
+    error: TrainingError,
+    errors: list[TrainingError],
+    restarts: list[Restart],
+    wanted: int,
+) -> JobConfig:
+    """After a failed attempt: the configuration of the next one (resuming from the last
+    checkpoint, with the processes that fit), or ``error`` raised again, with why it is not
+    restarted (:func:`~flowers_job.restarts.refusal`)."""
+    why = refusal(error, len(restarts), cfg, errors)
+    if why is not None:
+        if cfg.train.max_restarts > 0:
+            error.args = (f"{error}\nnot restarted: {why}",)
+        raise error
+    try:
+        processes = restart_processes(spark, cfg, wanted)
+    except ConfigError as exc:
+        error.args = (f"{error}\nnot restarted: {exc}",)
+        raise error from exc
+    restarts.append(Restart.after(error, len(restarts) + 1, cfg.world_size, processes))
+    log.warning(
+        "restart %d of at most %d, from the last checkpoint, with %d processes, after: %s",
+        len(restarts),
+        cfg.train.max_restarts,
+        processes,
+        str(error).splitlines()[0],
+    )
+    return cfg.model_copy(
+        update={
+            "train": cfg.train.model_copy(update={"resume": True}),
+            "distributed": cfg.distributed.model_copy(update={"num_processes": processes}),
         }
-    if ingest_report is not None:
-        summary["ingest"] = ingest_report.to_dict()
+    )
+
+
+def _train(
+    spark: SparkSession, cfg: JobConfig, ingest_report: IngestReport | None = None
+) -> dict[str, Any]:
+    """Train on the Delta tables with TorchDistributor (checks done), restarting after a
+    failure that may be transient (:mod:`flowers_job.restarts`), write ``summary.json`` and
+    decide the champion; errors as :func:`run_training`'s after its checks."""
+    use_gpu = _use_gpu(spark, cfg)
+    cfg = begin_training(cfg)
+    wanted = cfg.distributed.num_processes
+    restarts: list[Restart] = []
+    errors: list[TrainingError] = []
+    while True:
+        with prepare_data(spark, cfg) as data:
+            result, error = _attempt(spark, cfg, data, use_gpu, restarts)
+            if error is None:
+                assert result is not None
+                summary = _summary(spark, cfg, data, result, ingest_report, restarts)
+                break
+        cfg = _restart(spark, cfg, error, errors, restarts, wanted)
+        errors.append(error)
     write_summary(summary, cfg.paths.summary_path)
     try:
         decision = promote(spark, cfg, summary)
@@ -399,16 +449,45 @@ def _train(
     return summary
 
 
-def _end_stale_run(cfg: JobConfig, error: TrainingError) -> None:
-    """After a failed training: the MLflow run that rank 0 recorded, if a rank left it
-    RUNNING (rank 0 SIGKILLed, or stopped before it could end it), ends FAILED with the
-    first line of ``error`` as its cause (:func:`flowers_job.tracking.mark_run_failed`)."""
-    from flowers_job.tracking import mark_run_failed
-    from flowers_job.train.checkpoint import read_run_id
-
-    run_id = read_run_id(cfg.paths.checkpoint_dir)
-    if run_id is not None:
-        mark_run_failed(cfg.tracking_uri, run_id, str(error).splitlines()[0])
+def _summary(
+    spark: SparkSession,
+    cfg: JobConfig,
+    data: PreparedData,
+    result: dict[str, Any],
+    ingest_report: IngestReport | None,
+    restarts: list[Restart],
+) -> dict[str, Any]:
+    """``summary.json``: rank 0's result, the data's sizes, where everything is, and the
+    restarts it took."""
+    quarantined = (
+        ingest_report.quarantined_rows
+        if ingest_report is not None
+        else spark.read.format("delta").load(str(cfg.paths.table("quarantine"))).count()
+    )
+    summary = {
+        **{k: v for k, v in result.items() if k != "history"},
+        "train_rows": data.train.dataset_size,
+        "val_rows": data.val.dataset_size,
+        "test_rows": data.test.dataset_size,
+        "quarantined_rows": int(quarantined),
+        "num_partitions": data.num_partitions,
+        "rows_per_shard": {
+            "train": data.train.rows_per_shard,
+            "val": data.val.rows_per_shard,
+            "test": data.test.rows_per_shard,
+        },
+        "label_names": data.label_names,
+        "local_mode": cfg.distributed.local_mode,
+        "mlflow_tracking_uri": cfg.tracking_uri,
+        "tables": {name: str(cfg.paths.table(name)) for name in TABLE_NAMES},
+        "loader_cache": data.loader_cache,
+        "restarts": len(restarts),
+        "restart_history": [r.to_dict() for r in restarts],
+        "history": result["history"],
+    }
+    if ingest_report is not None:
+        summary["ingest"] = ingest_report.to_dict()
+    return summary
 
 
 def write_summary(summary: dict[str, Any], path: Path) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "driver_gpus",
     "executor_cores",
     "get_spark",
+    "live_task_slots",
     "local_gpu_conf",
     "task_progress",
     "task_slots",
@@ -200,6 +201,58 @@ def wait_for_slots(
         if now != slots:
             slots, changed = now, time.monotonic()
     return slots
+
+
+LIVENESS_PROBE_SECONDS = 3.0
+"""How long :func:`live_task_slots` waits for an executor's block manager to accept a TCP
+connection, seconds."""
+
+
+def live_task_slots(spark: SparkSession, probe_seconds: float = LIVENESS_PROBE_SECONDS) -> int:
+    """:func:`task_slots` without the executors that no longer answer.
+
+    Spark keeps an executor that stopped answering (its host off the network) registered
+    until its heartbeats have been missing for ``spark.network.timeout`` (120 s by default),
+    and would place a barrier task there. Each registered executor's block manager port is
+    probed with one TCP connection (``probe_seconds``); an executor that does not accept it
+    is removed (``SparkContext.killExecutors``, so no task goes there) and its
+    ``cores // spark.task.cpus`` slots are not counted. On a local master: :func:`task_slots`.
+    """
+    import logging
+    import socket
+
+    if str(spark.sparkContext.master).startswith("local"):
+        return task_slots(spark)
+    jsc = spark.sparkContext._jsc.sc()
+    task_cpus = int(spark.conf.get("spark.task.cpus", "1") or 1)
+    dead: dict[str, int] = {}
+    executors = jsc.statusStore().executorList(True)
+    for i in range(executors.size()):
+        e = executors.apply(i)
+        if e.id() == "driver":
+            continue
+        host, _, port = str(e.hostPort()).rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=probe_seconds).close()
+        except (OSError, ValueError):
+            dead[str(e.id())] = int(e.totalCores()) // task_cpus
+    total = task_slots(spark)  # the dead ones still count here
+    if not dead:
+        return total
+    logging.getLogger(__name__).warning(
+        "executors %s do not answer (their block manager refuses or ignores a connection): "
+        "removed, their %d task slots not counted",
+        ", ".join(sorted(dead)),
+        sum(dead.values()),
+    )
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    ids = jvm.PythonUtils.toSeq(jvm.java.util.ArrayList(list(dead)))
+    try:
+        jsc.killExecutors(ids)
+    except Exception as exc:  # a cluster manager that cannot kill executors
+        logging.getLogger(__name__).warning("could not remove executors %s: %s", list(dead), exc)
+    return max(0, total - sum(dead.values()))
 
 
 def executor_cores(spark: SparkSession) -> dict[str, int]:

@@ -248,6 +248,20 @@ def test_task_passes_images_and_output_dir_from_variables(bundle: dict[str, Any]
     assert _flag(raw, "--output-dir") == "${var.output_dir}"
 
 
+def test_train_task_retries_continue_their_own_run(bundle: dict[str, Any]) -> None:
+    """A retry of the train task (the job's own, after the job's restarts are used up or
+    its driver was lost) resumes from the checkpoint in the same output dir, and only one
+    written under the same job run: the next scheduled run starts afresh."""
+    train = _task(bundle)
+    assert train["max_retries"] >= 1 and train["retry_on_timeout"] is False
+    raw = train["spark_python_task"]["parameters"]
+    assert "--resume" in raw and _flag(raw, "--resume-key") == "{{job.run_id}}"
+    from flowers_job.cli import build_parser
+
+    parsed = build_parser().parse_args(["run", *_task_args(bundle, "dev")])
+    assert parsed.resume and parsed.resume_key == "{{job.run_id}}"
+
+
 def test_score_task_scores_the_test_table_with_the_model_train_registered(
     bundle: dict[str, Any],
 ) -> None:

@@ -8,8 +8,8 @@ Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
 Two clusters, one after the other (the hosts' names and addresses are fixed): host names
 that resolve to the hosts' own addresses, for every test but :class:`TestLoopbackNames`,
 which gets names that resolve to loopback. The job runs end to end (``run``: ingest, then
-train) once on each: with Petastorm on the first through a killed rank and ``run --resume``,
-with Streaming on the second. The other fault runs train (``train``) on a copy of the
+train) once on each: with Petastorm on the first through a killed rank and the automatic
+restart that follows, with Streaming on the second. The other fault runs train (``train``) on a copy of the
 tables the first job ingested, so that none of them ingests again before its first epoch.
 
 Measured times to surface (fault -> driver exit, and -> no rank process on any host) are
@@ -67,8 +67,8 @@ TRAIN_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
 ingested: Delta rebuilds a table's state in 2 partitions, as local mode does
 (flowers_job.spark), instead of 50, which on two 1-core executors is some 800 tasks of
 nothing per run (about 30 s at a load of 5 on the 2-core CI machine). The job's first
-end-to-end run (``run``, killed in epoch 2) keeps Spark's defaults, as docs/cluster.md runs
-it; its ``--resume`` uses these."""
+end-to-end run (``run``, killed in epoch 2 and restarted) keeps Spark's defaults, as
+docs/cluster.md runs it."""
 TRAIN_ENTRY = """\
 # spark-submit entry of `flowers-job train` (tests/test_cluster.py), as jobs/train_flowers.py
 # is that of `flowers-job run`: training on the tables already in --output-dir.
@@ -288,10 +288,10 @@ def check_registered(cluster: Cluster, summary: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def petastorm_job(clusters: Clusters, photos: Path) -> dict[str, Any]:
     """The job end to end with Petastorm, once, through a killed rank: ``run`` (ingest, then
-    train) with rank 1's process killed in epoch 2 (its exit status, log and the MLflow run
-    of its checkpoint under ``"killed"``), then ``run --resume`` to the end (exit status,
-    log, output dir). For :class:`TestCluster`, the killed-rank test and, its tables,
-    :func:`fault_tables`."""
+    train) with rank 1's process SIGKILLed in epoch 2; the driver restarts the ranks from
+    the last checkpoint by itself (``train.max_restarts`` 1, the default) and the run ends
+    (exit status, log, output dir). For :class:`TestCluster`, the killed-rank test and, its
+    tables, :func:`fault_tables`."""
     cluster = clusters.get("own-address names")
     out = fresh(cluster.shared / "petastorm")
 
@@ -299,19 +299,13 @@ def petastorm_job(clusters: Clusters, photos: Path) -> dict[str, Any]:
         os.kill(ranks[1][1], signal.SIGKILL)
 
     rc, log, _, _ = _fault_run(cluster, out, "kill-rank", kill_rank, images=photos)
-    run_file = out / "checkpoints" / "mlflow_run.json"
-    killed = {
-        "rc": rc,
-        "log": log,
-        "run_id": json.loads(run_file.read_text())["mlflow_run_id"] if run_file.exists() else None,
-    }
-    rc, log = submit(
-        cluster,
-        [*job_args(cluster, photos, out, "data.loader=petastorm"), "--resume"],
-        BASE / "petastorm.log",
-        conf=TRAIN_CONF,  # the killed run above ran with Spark's defaults
-    )
-    return {"killed": killed, "rc": rc, "log": log, "out": out}
+    return {"rc": rc, "log": log, "out": out, "killed_host": _ranks_line_host(log)}
+
+
+def _ranks_line_host(log: str) -> str | None:
+    """The host of rank 1 in the first ``ranks:`` line of ``log``."""
+    found = re.search(r"1@(fl-w\d)\(", log)
+    return found[1] if found else None
 
 
 class TestCluster:
@@ -441,24 +435,23 @@ def _resumable(out: Path) -> None:
 
 
 class TestFaults:
-    def test_killed_rank_is_named_and_the_run_resumes(
+    def test_killed_rank_is_named_and_the_run_restarts(
         self, cluster: Cluster, petastorm_job: dict[str, Any]
     ) -> None:
-        """The Petastorm job's first run (:func:`petastorm_job`): rank 1 killed in epoch 2;
-        its ``run --resume`` ends the same epoch sequence in the same MLflow run."""
-        killed = petastorm_job["killed"]
-        rc, log = killed["rc"], killed["log"]
-        assert rc == 1, log[-3000:]
-        assert "TrainingError" in log
-        assert re.search(r"ranks 1 on host fl-w\d \(10\.88\.0\.1\d\) reported no exception", log)
-        assert killed["run_id"] is not None  # epoch 1's checkpoint names its MLflow run
+        """The Petastorm job (:func:`petastorm_job`): rank 1 SIGKILLed in epoch 2 is named
+        with its signal and host by its sentinel, and the barrier stage runs again from the
+        last checkpoint, in the same MLflow run, to the end."""
         rc, log, out = petastorm_job["rc"], petastorm_job["log"], petastorm_job["out"]
         assert rc == 0, log[-4000:]
         summary = json.loads((out / "summary.json").read_text())
-        assert summary["mlflow_run_id"] == killed["run_id"]
+        assert summary["restarts"] == 1
+        (restart,) = summary["restart_history"]
+        host = petastorm_job["killed_host"]
+        assert restart["cause"].startswith(f"rank 1 was killed by SIGKILL on host {host}"), restart
+        assert restart["world_size_after"] == 2
         assert [h["epoch"] for h in summary["history"]] == [1, 2, 3]
-        assert summary["epochs_this_run"] == 2
         assert "resumed from" in log
+        report(test="restart after a killed rank", **restart)
 
     def test_killed_worker_jvm(
         self, cluster: Cluster, fault_tables: Path, train_entry: Path
@@ -481,6 +474,8 @@ class TestFaults:
         assert rc == 1, log[-3000:]
         assert "TrainingError" in log
         assert f"on host {victim[0]}" in log
+        # a restart needs both slots (no distributed.min_processes): refused, naming them
+        assert "not restarted: distributed.num_processes: the restart needs 2 task slots" in log
         _resumable(out)
 
     def test_killed_driver_leaves_no_rank_behind(
@@ -515,15 +510,27 @@ class TestFaults:
                 pull_cable,
                 entry=train_entry,
                 fault="",
-                sets=("train.epochs=40", "train.early_stopping.enabled=false"),
+                sets=(
+                    "train.epochs=5",
+                    "train.early_stopping.enabled=false",
+                    "distributed.min_processes=1",
+                ),
             )
         finally:
             if cut:
                 cluster.link(cut[0], up=True)
-        assert rc == 1, log[-3000:]
-        assert "distributed.timeout_seconds=20" in log
-        assert re.search(r"rank \d failed on host fl-w\d \(10\.88\.0\.1\d\)", log)
-        _resumable(out)
+        # The collective timed out; the restart found the cut host's executor silent
+        # (its block manager unreachable) and continued on the other host's slot.
+        assert rc == 0, log[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        (restart,) = summary["restart_history"]
+        assert restart["kind"] == "timeout", restart
+        assert "distributed.timeout_seconds=20" in restart["cause"]
+        assert (restart["world_size_before"], restart["world_size_after"]) == (2, 1)
+        assert summary["world_size"] == 1
+        assert [h["world_size"] for h in summary["history"]][-1] == 1
+        assert {r["host"] for r in summary["ranks"]} != {cut[0]}
+        report(test="restart on the slots left after a host's link went down", **restart)
 
 
 # --------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from flowers_job.faults import FAULT_ENV
 from flowers_job.loaders.petastorm import write_balanced
 from flowers_job.loaders.streaming import write_mds
 from flowers_job.pipeline import TrainingError, run_training
+from flowers_job.runs import list_runs
 from flowers_job.tracking import FAILURE_TAG
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
 
@@ -142,9 +143,11 @@ def test_a_failing_rank_is_named_with_its_exception(
     loader: str,
 ) -> None:
     """TorchDistributor only says "failed during training"; we name the rank, its exception
-    and traceback, within 60 s of the fault, and leave no training process behind."""
+    and traceback, within 60 s of the fault, and leave no training process behind. One
+    attempt (``train.max_restarts=0``): a restart would fail the same way, and stop there
+    (tests/test_restart_policy.py)."""
     before = _streaming_state()
-    cfg = _fault_config(out, loader)
+    cfg = _fault_config(out, loader, "train.max_restarts=0")
     error = _failing_run(spark, cfg, monkeypatch, "raise:1:2")  # half-way through epoch 2
     surfaced = time.time()
     assert error.rank == 1
@@ -169,8 +172,9 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(
     """Rank 1 dies of SIGABRT half-way through epoch 2 (``os.abort()``, as a crash in native
     code does): no exception, so its faulthandler report (``rank-1.fatal``) names it; rank 0
     loses its peer or is stopped by torchrun. The error names rank 1, the signal and its
-    Python stack first, not rank 0's consequences."""
-    cfg = _fault_config(out, loader)
+    Python stack first, not rank 0's consequences. With ``train.max_restarts=0`` the run
+    fails at once, as before automatic restarts (tests/test_restart.py restarts one)."""
+    cfg = _fault_config(out, loader, "train.max_restarts=0")
     error = _failing_run(spark, cfg, monkeypatch, "abort:1:2")
     print(str(error).splitlines()[0])
     assert error.rank == 1
@@ -194,7 +198,8 @@ def test_a_registration_that_fails_after_the_last_collective_fails_the_run(
     TorchDistributor's result file: TorchDistributor returns that result (pyspark 4.0's
     torchrun wrapper exits 0 whatever torchrun's status), and the driver still fails the
     run, naming rank 0 and its exception; no summary is written."""
-    cfg = _fault_config(out, loader, epochs=1)  # the fault comes after the last epoch
+    # the fault comes after the last epoch; one attempt (a restart would fail the same way)
+    cfg = _fault_config(out, loader, "train.max_restarts=0", epochs=1)
     error = _failing_run(spark, cfg, monkeypatch, "fail_registration:0:0")
     assert error.rank == 0
     assert error.cause == f"RuntimeError: injected fault ({FAULT_ENV}=fail_registration:0:0)"
@@ -211,7 +216,11 @@ def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
     distributed.timeout_seconds, the run fails naming it, and the hung rank is stopped."""
     timeout = SHORT_TIMEOUT
     before = _streaming_state()
-    cfg = _fault_config(out, loader, f"distributed.timeout_seconds={timeout}")
+    # a timeout is restarted by default; this one would hang again (the fault fires on every
+    # attempt): one attempt
+    cfg = _fault_config(
+        out, loader, f"distributed.timeout_seconds={timeout}", "train.max_restarts=0"
+    )
     monkeypatch.setenv(FAULT_ENV, "hang:1:2")
     t0 = time.time()
     with pytest.raises(TrainingError) as err:
@@ -312,6 +321,11 @@ def _kill_and_resume(
     orphans = list(cache.glob("run-*"))
     assert len(orphans) == 1  # the killed run could not clean up its cache
     run_id = json.loads((ckpt / RUN_FILE_NAME).read_text())["mlflow_run_id"]
+    # Nothing could end the MLflow run: it is RUNNING, and `flowers-job runs` tells the truth.
+    store = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+    assert mlflow.MlflowClient(store).get_run(run_id).info.status == "RUNNING"
+    (listed,) = list_runs(out, store, "flowers_job")
+    assert (listed["run_id"], listed["state"]) == (run_id, "ABANDONED")
 
     # 2. Resumed to the end, here; rank 0's registration takes longer than the process-group
     # timeout: were it before the last collective, rank 1 would time out waiting for it.
@@ -338,7 +352,11 @@ def _kill_and_resume(
     assert experiment is not None
     runs = client.search_runs([experiment.experiment_id])
     assert [r.info.run_id for r in runs] == [run_id]
-    assert client.get_run(run_id).info.status == "FINISHED"
+    finished = client.get_run(run_id)
+    assert finished.info.status == "FINISHED"
+    # the resume ended the abandoned run FAILED before it continued it: that cause is kept
+    assert finished.data.tags[f"{FAILURE_TAG}.1"].startswith("interrupted: its driver")
+    assert FAILURE_TAG not in finished.data.tags
     for key in ("train_loss", "val_loss", "val_accuracy", "epoch_seconds"):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3], key
     logged = {m.step: m.value for m in client.get_metric_history(run_id, "val_loss")}

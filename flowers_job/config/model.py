@@ -262,7 +262,24 @@ class TrainConfig(_Section):
     is trained."""
     early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
     resume: bool = False
-    """Continue from the last complete checkpoint in ``<output_dir>/checkpoints``."""
+    """Continue from the last checkpoint in ``<output_dir>/checkpoints`` (``--resume``): the
+    one of an epoch's end, or one inside the next epoch when it can continue exactly."""
+    resume_key: str | None = None
+    """With ``resume``: continue only a checkpoint written under the same key, else start a
+    new run (``--resume-key``; the bundle passes the Databricks job run id, so a task's
+    retry continues its own run and the next day's run starts afresh)."""
+    checkpoint_every_steps: int | None = Field(None, ge=1)
+    """Also checkpoint inside an epoch after every this many training steps (repeatable:
+    tests, benchmarks). None: by time only (``checkpoint_every_seconds``)."""
+    checkpoint_every_seconds: float | None = Field(300.0, gt=0.0)
+    """Checkpoint inside an epoch once this many seconds (rank 0's clock, read every 16
+    steps) have passed since the last checkpoint: a failure loses at most about this much
+    training plus a restart. None: only at epoch ends and ``checkpoint_every_steps``."""
+    max_restarts: int = Field(1, ge=0, le=100)
+    """Automatic restarts from the last checkpoint, in the same MLflow run, after a failure
+    that may be transient (a rank killed, a host lost, a collective timeout, a connection
+    closed). 1: one retry clears a preempted node or a lost executor, and a second failure
+    of the same kind is rarely transient. 0: fail at once, as before issue 18."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -303,11 +320,20 @@ class DistributedConfig(_Section):
     """Barrier mode on a cluster: the longest the driver waits for enough executors to
     register (seconds) before it refuses ``num_processes`` as more than the cluster's task
     slots; it stops sooner once the slot count has not changed for 15 s."""
+    min_processes: int | None = Field(None, ge=1)
+    """Elastic restarts in barrier mode (Horovod's ``--min-np``): a restart that finds fewer
+    task slots than ``num_processes`` continues with as many processes as fit, down to this
+    many (learning rate and global batch rescaled). None: it fails, naming the slots."""
 
     @model_validator(mode="after")
     def _check(self) -> DistributedConfig:
         if self.backend == "nccl" and self.use_gpu is False:
             raise ValueError("backend: 'nccl' needs GPUs; set distributed.use_gpu=true or 'gloo'")
+        if self.min_processes is not None and self.min_processes > self.num_processes:
+            raise ValueError(
+                f"min_processes: {self.min_processes} is more than num_processes "
+                f"({self.num_processes})"
+            )
         return self
 
 

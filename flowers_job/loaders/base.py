@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 from urllib.parse import urlparse
 
-from flowers_job.errors import DataError
+from flowers_job.errors import DataError, ShardError
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from flowers_job.config import JobConfig
     from flowers_job.data.images import DecodeTransform
+    from flowers_job.loaders.position import EpochStart
 
 __all__ = [
     "CHECKSUM_MODULUS",
@@ -54,9 +55,12 @@ __all__ = [
     "ShardReader",
     "check_batch_fits",
     "local_dir",
+    "rebatch",
     "row_stats",
     "wrap_int64",
 ]
+
+T = TypeVar("T")
 
 Batch = dict[str, "torch.Tensor"]
 """One step's rows: ``image``, ``label_index``, ``row_id``, ``valid`` (module doc)."""
@@ -160,12 +164,20 @@ class ShardReader(Protocol):
         """Batches per epoch, the same on every rank."""
         ...
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
-        """This rank's batches of ``epoch`` (1-based): exactly ``steps_per_epoch`` of them.
+    def epoch(self, epoch: int, start: EpochStart | None = None) -> Iterator[Batch]:
+        """This rank's batches of ``epoch`` (1-based): exactly ``steps_per_epoch`` of them,
+        or, from ``start`` (a mid-epoch checkpoint), the ``steps_per_epoch - start.step``
+        that follow, the same batches an uninterrupted epoch yields there.
 
         Raises:
-            ShardError: the loader yielded more or fewer batches or rows than planned.
+            ShardError: the loader yielded more or fewer batches or rows than planned, or
+                could not reach ``start``.
         """
+        ...
+
+    def position(self) -> dict[str, Any]:
+        """Plain data (ints, tensors) from which :meth:`epoch` continues after the batches
+        this epoch has yielded so far (a mid-epoch checkpoint holds it)."""
         ...
 
     def close(self) -> None:
@@ -274,6 +286,12 @@ class Loader(ABC):
         return None
 
     @classmethod
+    def mid_epoch_problem(cls, cfg: JobConfig) -> str | None:
+        """Why this loader, so configured, cannot continue an epoch exactly from a mid-epoch
+        checkpoint (the epoch then restarts from its beginning); None when it can."""
+        return None
+
+    @classmethod
     @abstractmethod
     def open(
         cls,
@@ -300,6 +318,44 @@ class Loader(ABC):
                 ``data.loader_workers``).
             pin_memory: page-locked batches, for asynchronous copies to a CUDA device.
         """
+
+
+def rebatch(batches: Iterable[Batch], sizes: list[int]) -> Iterator[Batch]:
+    """Re-cut a stream of batches into batches of exactly ``sizes``. A batch that holds the
+    next batch's rows is sliced (views, no copy); only batches spanning two incoming ones
+    are concatenated.
+
+    Raises:
+        ShardError: the stream holds fewer or more rows than ``sum(sizes)``.
+    """
+    import torch
+
+    it = iter(batches)
+    pending: list[Batch] = []
+    have = 0
+    seen = 0
+    for size in sizes:
+        while have < size:
+            try:
+                b = next(it)
+            except StopIteration:
+                raise ShardError(
+                    f"shard ended after {seen + have} rows, the plan expects {sum(sizes)}"
+                ) from None
+            pending.append(b)
+            have += len(b["label_index"])
+        if len(pending) == 1:  # the batch arrived whole (or larger): views, no copy
+            merged = pending[0]
+        else:
+            merged = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
+        yield {k: v[:size] for k, v in merged.items()}
+        rest = {k: v[size:] for k, v in merged.items()}
+        have -= size
+        seen += size
+        pending = [rest] if have else []
+    extra = have + sum(len(b["label_index"]) for b in it)
+    if extra:
+        raise ShardError(f"shard holds {seen + extra} rows, the plan expects {sum(sizes)}")
 
 
 def check_batch_fits(

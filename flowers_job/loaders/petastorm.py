@@ -34,7 +34,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -53,14 +53,16 @@ from flowers_job.data.balanced import (
     partition_keys,
     url_path,
 )
-from flowers_job.errors import DataError, ShardError
+from flowers_job.errors import DataError
 from flowers_job.loaders.base import (
     Batch,
     Loader,
     ShardPlan,
     check_batch_fits,
+    rebatch,
     wrap_int64,
 )
+from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -142,6 +144,18 @@ class PetastormLoader(Loader):
                 "NumPy 2; it needs numpy < 2"
             )
         return super().problem()
+
+    @classmethod
+    def mid_epoch_problem(cls, cfg: JobConfig) -> str | None:
+        """The 'process' reader pool decodes and augments in its own processes, with their
+        own random state, and hands row groups back in the order they finish: a replayed
+        epoch would not repeat its batches."""
+        if cfg.loaders.petastorm.reader_pool_type == "process":
+            return (
+                "loaders.petastorm.reader_pool_type='process' augments in its own processes and "
+                "returns row groups in the order they finish, which a replay does not repeat"
+            )
+        return None
 
     def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
         """Write ``df`` as balanced Parquet partitions under ``<cache_url>/petastorm-<split>``
@@ -356,42 +370,6 @@ def transform_spec(transform: DecodeTransform) -> Any:
     return TransformSpec(transform, edit_fields=[("image", np.uint8, shape, False)])
 
 
-def rebatch(batches: Iterable[Batch], sizes: list[int]) -> Iterator[Batch]:
-    """Re-cut a stream of batches into batches of exactly ``sizes``. A batch that holds the
-    next batch's rows is sliced (views, no copy); only batches spanning two incoming ones
-    are concatenated.
-
-    Raises:
-        ShardError: the stream holds fewer or more rows than ``sum(sizes)``.
-    """
-    it = iter(batches)
-    pending: list[Batch] = []
-    have = 0
-    seen = 0
-    for size in sizes:
-        while have < size:
-            try:
-                b = next(it)
-            except StopIteration:
-                raise ShardError(
-                    f"shard ended after {seen + have} rows, the plan expects {sum(sizes)}"
-                ) from None
-            pending.append(b)
-            have += len(b["label_index"])
-        if len(pending) == 1:  # the batch arrived whole (or larger): views, no copy
-            merged = pending[0]
-        else:
-            merged = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
-        yield {k: v[:size] for k, v in merged.items()}
-        rest = {k: v[size:] for k, v in merged.items()}
-        have -= size
-        seen += size
-        pending = [rest] if have else []
-    extra = have + sum(len(b["label_index"]) for b in it)
-    if extra:
-        raise ShardError(f"shard holds {seen + extra} rows, the plan expects {sum(sizes)}")
-
-
 def shard_batches(
     plan: PetastormPlan,
     rank: int,
@@ -437,12 +415,8 @@ def shard_batches(
         yield from rebatch(loader, plan.batch_sizes(rank))
 
 
-def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    return (seed * 1_000_003 + epoch * 1_009 + rank) % 2**32
-
-
 @dataclass
-class PetastormReader:
+class PetastormReader(CursorReader):
     """Petastorm: shard ``rank`` of ``world_size``, re-cut to the plan's batch sizes.
 
     Shuffling (``shuffle=True``): row groups and rows within them are shuffled by
@@ -468,20 +442,30 @@ class PetastormReader:
     def steps_per_epoch(self) -> int:
         return self.plan.steps_per_epoch
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
-        torch.manual_seed(_epoch_seed(self.seed, epoch, self.rank))  # shuffling and augmentation
-        for batch in shard_batches(
-            self.plan,
-            self.rank,
-            self.world_size,
-            self.transform,
-            shuffle=self.shuffle,
-            # Petastorm also orders row groups by the seed: validation keeps one order
-            seed=self.seed + epoch if self.shuffle else self.seed,
-            reader_pool_type=self.reader_pool_type,
-            shuffle_buffer_rows=self.shuffle_buffer_rows,
-            workers_count=self.workers_count,
-        ):
+    def epoch(self, epoch: int, start: EpochStart | None = None) -> Iterator[Batch]:
+        """The epoch's batches (:meth:`ShardReader.epoch`); from a mid-epoch ``start``, the
+        first ``start.step`` batches are read again and dropped (:meth:`EpochCursor.replay`:
+        Petastorm cannot seek into a shuffled epoch), which costs their decoding and
+        augmentation (benchmarks/README.md)."""
+        # the shuffling buffer and the augmentation draw from the loader's own stream
+        self._cursor = cursor = EpochCursor(epoch_seed(self.seed, epoch, self.rank))
+        batches = cursor.wrap(
+            lambda: shard_batches(
+                self.plan,
+                self.rank,
+                self.world_size,
+                self.transform,
+                shuffle=self.shuffle,
+                # Petastorm also orders row groups by the seed: validation keeps one order
+                seed=self.seed + epoch if self.shuffle else self.seed,
+                reader_pool_type=self.reader_pool_type,
+                shuffle_buffer_rows=self.shuffle_buffer_rows,
+                workers_count=self.workers_count,
+            )
+        )
+        if start is not None:
+            cursor.replay(batches, start, self.rank)
+        for batch in batches:
             batch["valid"] = torch.ones(len(batch["row_id"]), dtype=torch.bool)
             yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 

@@ -1,23 +1,21 @@
 """Mosaic Streaming (``data.loader=streaming``): both sides of the loader.
 
-**Driver side.** Each split is repartitioned to ``num_partitions`` and written with
-Mosaic's own ``streaming.base.converters.dataframe_to_mds`` (one MDS folder per Spark
-partition, written on the executors, then one merged ``index.json``), uncompressed: the
-images are JPEG already.
+**Driver side.** Each split is repartitioned to ``num_partitions`` and written, uncompressed
+(the images are JPEG already), with Mosaic's own ``dataframe_to_mds`` (one MDS folder per
+Spark partition, written on the executors, then one merged ``index.json``).
+StreamingDataset gives every rank the same number of samples per epoch and, when the count
+does not divide by ``world_size``, repeats samples (``streaming.base.partition.orig``).
+Instead, the driver appends ``(-rows) mod world_size`` padding rows (copies of real rows
+with ``valid = 0``), so Streaming repeats nothing; the training loop masks them out of the
+loss, every metric and the row checksum. Every real row is read exactly once per epoch,
+checked on the ranks against the count and checksum computed here.
 
-StreamingDataset gives every rank the same number of samples per epoch and, when the sample
-count does not divide by ``world_size``, repeats samples to get there
-(``streaming.base.partition.orig``). That repetition is avoided here: the driver appends
-``(-rows) mod world_size`` padding rows (copies of real rows with ``valid = 0``), so the
-written count divides evenly and Streaming repeats nothing; the training loop masks
-``valid = 0`` rows out of the loss, of every metric and of the row checksum. Every real row
-is then read exactly once per epoch, checked on the ranks against the count and checksum
-computed here.
-
-**Rank side.** :class:`StreamingReader`: ``StreamingDataset`` and ``StreamingDataLoader``
-over the MDS shards; Streaming splits (and, for training, shuffles) the whole split across
-the ranks every epoch, and each rank gets the same number of rows, padding included. It
-needs the same number of consecutive ranks on every host (:meth:`StreamingLoader.check_layout`).
+**Rank side.** :class:`StreamingReader`: ``StreamingDataset`` and ``StreamingDataLoader``;
+Streaming splits (and, for training, shuffles) the whole split across the ranks every
+epoch. It needs the same number of consecutive ranks on every host
+(:meth:`StreamingLoader.check_layout`). A checkpoint inside an epoch resumes through
+Streaming's own ``sample_in_epoch``; the cache is written per world size (its padding and
+partitions), so at another world size that epoch starts again (``train/resume.py``).
 
 The stack: ``mosaicml-streaming``, pre-installed on Databricks Runtime ML 15.2 and later
 (0.12.0 on 17.3 LTS), without its ``spark`` extra, which pins ``pyspark<4``.
@@ -49,6 +47,7 @@ from flowers_job.loaders.base import (
     local_dir,
     row_stats,
 )
+from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
 from flowers_job.processes import at_driver_death
 
 if TYPE_CHECKING:
@@ -85,21 +84,14 @@ def import_streaming() -> types.ModuleType:
     subpackages until something uses them; the module.
 
     ``streaming/__init__.py`` imports ``streaming.text``, ``.vision`` and ``.multimodal``,
-    whose C4 and Pile datasets import transformers' tokenizer registry (with DBR 17.3 LTS
-    ML's transformers, ``torch._dynamo`` too). Measured 2026-11-24, 2-core CI machine, a new
-    process importing what the loader uses: 8.2 CPU-s and 729 MB peak RSS with the 17.3 pins
-    against 3.5 s and 523 MB this way (3.7 s / 825 MB against 2.0 s / 644 MB with
-    requirements/lock.txt). In the ranks, where torchvision 0.22 imports ``torch._dynamo``
-    anyway, the DBR suite's Streaming loader and end-to-end tests took 180 CPU-s against 211.
-    Spark's Python workers that run ``dataframe_to_mds`` unpickle Mosaic's own function and
-    still import all of ``streaming``.
-
-    Each unused subpackage is a placeholder in ``sys.modules`` until a public attribute of it
-    is read; then the real one is imported and takes its place, so code that uses
-    ``streaming.text.StreamingC4`` still gets it. Nothing changes if ``streaming`` is
-    imported already. (The standard library's ``importlib.util.LazyLoader`` loads on any
-    attribute access, dunders included; tried here, the example datasets then loaded in the
-    middle of torch's own import, which failed with a circular import.)
+    whose C4 and Pile datasets import transformers' tokenizer registry (and, with DBR 17.3
+    LTS ML's transformers, ``torch._dynamo``): 8.2 CPU-s and 729 MB peak RSS with the 17.3
+    pins against 3.5 s and 523 MB this way (2026-11-24, 2-core CI machine; CHANGELOG 0.2.0).
+    Each unused subpackage is a placeholder in ``sys.modules`` until a public attribute of
+    it is read; then the real one is imported and takes its place. Nothing changes if
+    ``streaming`` is imported already. (``importlib.util.LazyLoader`` loads on any attribute
+    access, dunders included: the example datasets then loaded in the middle of torch's own
+    import, which failed with a circular import.)
 
     Raises:
         ImportError: mosaicml-streaming is not installed, or does not import.
@@ -221,6 +213,7 @@ class StreamingLoader(Loader):
             transform,
             shuffle=shuffle,
             seed=seed,
+            rank=rank,
             num_nodes=num_nodes,
             num_workers=cfg.data.loader_workers,
             prefetch_factor=cfg.loaders.streaming.prefetch_batches,
@@ -369,7 +362,7 @@ def remove_streaming_state(cache_dir: Path) -> list[str]:
     return removed
 
 
-class StreamingReader:
+class StreamingReader(CursorReader):
     """Mosaic Streaming: ``StreamingDataset`` + ``StreamingDataLoader`` over the MDS shards.
 
     Built once per split and process (building it is a collective: every rank builds the
@@ -388,15 +381,18 @@ class StreamingReader:
         shuffle: bool,
         seed: int,
         num_nodes: int,
+        rank: int = 0,
         num_workers: int = 0,
         prefetch_factor: int = 2,
         pin_memory: bool = False,
     ) -> None:
+        import torch
+
         import_streaming()
         from streaming import StreamingDataLoader
 
         self.plan, self.steps_per_epoch, self.seed = plan, plan.steps_per_epoch, seed
-        self.num_nodes = num_nodes
+        self.num_nodes, self.rank = num_nodes, rank
         self.dataset = _decoding_dataset(
             local=str(_local_path(plan.cache_dir_url)),
             transform=transform,
@@ -414,22 +410,29 @@ class StreamingReader:
             pin_memory=pin_memory,
             persistent_workers=False,
             drop_last=False,
+            # worker seeds from its own generator: a draw from the loader's stream shifts it
+            generator=torch.Generator().manual_seed(seed),
         )
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
+    def epoch(self, epoch: int, start: EpochStart | None = None) -> Iterator[Batch]:
+        """The epoch's batches (:meth:`ShardReader.epoch`); from a mid-epoch ``start``,
+        without the samples all ranks consumed (steps x batch x ranks), unread."""
+        first = start.step if start is not None else 0
+        world_size = len(self.plan.rows_per_shard)
         self.dataset.load_state_dict(
             {
                 "epoch": epoch - 1,
-                "sample_in_epoch": 0,
+                "sample_in_epoch": first * self.plan.per_device_batch_size * world_size,
                 "num_canonical_nodes": self.num_nodes,
                 "shuffle_seed": self.seed,
                 "initial_physical_nodes": self.num_nodes,
             }
         )
-        steps = 0
-        for batch in self.loader:
-            steps += 1
-            if steps > self.steps_per_epoch:
+        self._cursor = cursor = EpochCursor(epoch_seed(self.seed, epoch, self.rank))
+        if start is not None:  # Streaming skipped the samples; the stream continues
+            cursor.restore(start)
+        for batch in cursor.wrap(lambda: self.loader):
+            if cursor.step > self.steps_per_epoch:
                 raise ShardError(
                     f"Streaming yielded more than the planned {self.steps_per_epoch} batches"
                 )
@@ -439,9 +442,10 @@ class StreamingReader:
                 "row_id": batch["row_id"].long(),
                 "valid": batch["valid"].bool(),
             }
-        if steps != self.steps_per_epoch:
+        if cursor.step != self.steps_per_epoch:
             raise ShardError(
-                f"Streaming yielded {steps} batches, the plan expects {self.steps_per_epoch}"
+                f"Streaming yielded {cursor.step - first} batches from step {first}, the plan "
+                f"expects {self.steps_per_epoch}"
             )
 
     def close(self) -> None:

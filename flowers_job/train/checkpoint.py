@@ -1,9 +1,12 @@
-"""Checkpoints: one dict per epoch, written atomically by rank 0, loaded safely by all.
+"""Checkpoints: one dict per epoch (``last.pt``) and one inside the next epoch
+(``step.pt``), written atomically by rank 0, loaded safely by all.
 
-A checkpoint holds the model, optimizer and scheduler state, the epoch just
+A checkpoint holds the model, optimizer, scheduler and GradScaler state, the epoch just
 completed, the early-stopping state and the best weights so far, the per-epoch
-history and the configuration (the torchvision reference layout); the MLflow run id
-lives next to it in ``mlflow_run.json`` (:func:`write_run_id`).
+history, the world size and the configuration (the torchvision reference layout); one
+inside an epoch adds the step and every rank's running sums, loader position and random
+state (:mod:`flowers_job.train.midepoch`). The MLflow run id lives next to them in
+``mlflow_run.json`` (:func:`write_run_id`).
 It is written to a temporary file in the same directory, flushed to disk and renamed
 over ``last.pt``, so a crash mid-write never leaves a torn ``last.pt``. Loading uses
 ``torch.load(weights_only=True)``: a checkpoint can hold tensors and plain data only,
@@ -26,13 +29,21 @@ from flowers_job import faults
 __all__ = [
     "CHECKPOINT_NAME",
     "RUN_FILE_NAME",
+    "STEP_CHECKPOINT_NAME",
     "load_checkpoint",
+    "read_resume_key",
     "read_run_id",
+    "remove_checkpoint",
     "save_checkpoint",
     "write_run_id",
 ]
 
 CHECKPOINT_NAME = "last.pt"
+"""The checkpoint of the last completed epoch."""
+STEP_CHECKPOINT_NAME = "step.pt"
+"""A checkpoint inside the epoch after ``last.pt``'s (``train.checkpoint_every_*``): the
+model after ``step`` steps, each rank's running sums, loader position and random state.
+Removed once that epoch's own ``last.pt`` is written."""
 RUN_FILE_NAME = "mlflow_run.json"
 """Next to the checkpoint: the MLflow run id, written as soon as the run exists, so that a
 run killed before its first checkpoint still resumes into the same MLflow run."""
@@ -41,26 +52,28 @@ log = logging.getLogger(__name__)
 
 
 def _remove_partial_writes(directory: Path) -> None:
-    for stale in directory.glob(f".{CHECKPOINT_NAME}.*.tmp"):
-        log.warning("removing %s: a checkpoint write that was interrupted", stale)
-        stale.unlink(missing_ok=True)
+    for name in (CHECKPOINT_NAME, STEP_CHECKPOINT_NAME):
+        for stale in directory.glob(f".{name}.*.tmp"):
+            log.warning("removing %s: a checkpoint write that was interrupted", stale)
+            stale.unlink(missing_ok=True)
 
 
-def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
-    """Atomically write ``state`` to ``directory/last.pt``.
+def save_checkpoint(state: dict[str, Any], directory: Path, name: str = CHECKPOINT_NAME) -> Path:
+    """Atomically write ``state`` to ``directory/<name>`` (``last.pt`` or ``step.pt``).
 
     Raises:
         OSError: the directory cannot be created or written.
     """
     directory.mkdir(parents=True, exist_ok=True)
     _remove_partial_writes(directory)  # only rank 0 of one job writes here
-    target = directory / CHECKPOINT_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{CHECKPOINT_NAME}.", suffix=".tmp", dir=directory)
+    target = directory / name
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
-            faults.inject("pause_checkpoint", 0, int(state.get("epoch", 0)))
+            if name == CHECKPOINT_NAME:
+                faults.inject("pause_checkpoint", 0, int(state.get("epoch", 0)))
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
@@ -69,15 +82,20 @@ def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
     return target
 
 
+def remove_checkpoint(directory: Path, name: str) -> None:
+    """Remove ``directory/<name>`` if it exists (rank 0, once a later checkpoint replaces it)."""
+    (directory / name).unlink(missing_ok=True)
+
+
 def load_checkpoint(
-    directory: Path, map_location: torch.device | str = "cpu"
+    directory: Path, map_location: torch.device | str = "cpu", name: str = CHECKPOINT_NAME
 ) -> dict[str, Any] | None:
-    """Load ``directory/last.pt`` with ``weights_only=True``; None if there is none.
+    """Load ``directory/<name>`` with ``weights_only=True``; None if there is none.
 
     Raises:
         RuntimeError: the file is corrupt or holds anything but tensors and plain data.
     """
-    path = directory / CHECKPOINT_NAME
+    path = directory / name
     if directory.is_dir():
         _remove_partial_writes(directory)
     if not path.exists():
@@ -91,16 +109,26 @@ def load_checkpoint(
     return state
 
 
-def write_run_id(directory: Path, run_id: str) -> None:
-    """Record the MLflow ``run_id`` of this training in ``directory/mlflow_run.json`` (atomic).
+def write_run_id(directory: Path, run_id: str, resume_key: str | None = None) -> None:
+    """Record the MLflow ``run_id`` of this training, and the ``train.resume_key`` it runs
+    under, in ``directory/mlflow_run.json`` (atomic).
 
     Raises:
         OSError: the directory cannot be written.
     """
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{RUN_FILE_NAME}.tmp"
-    tmp.write_text(json.dumps({"mlflow_run_id": run_id}))
+    tmp.write_text(json.dumps({"mlflow_run_id": run_id, "resume_key": resume_key}))
     os.replace(tmp, directory / RUN_FILE_NAME)
+
+
+def read_resume_key(directory: Path) -> str | None:
+    """The ``train.resume_key`` recorded by :func:`write_run_id`, or None."""
+    try:
+        key = json.loads((directory / RUN_FILE_NAME).read_text()).get("resume_key")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if key is None else str(key)
 
 
 def read_run_id(directory: Path) -> str | None:

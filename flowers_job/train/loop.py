@@ -11,10 +11,12 @@ batches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +26,16 @@ from tqdm import tqdm
 from flowers_job import faults
 from flowers_job.config import JobConfig
 from flowers_job.distributed import DistContext, broadcast_object, gather_ranks
-from flowers_job.train.checkpoint import save_checkpoint
+from flowers_job.restarts import FIRST_STEP_FILE, write_json
+from flowers_job.train.checkpoint import (
+    CHECKPOINT_NAME,
+    STEP_CHECKPOINT_NAME,
+    remove_checkpoint,
+    save_checkpoint,
+)
 from flowers_job.train.early_stopping import Decision
 from flowers_job.train.evaluate import evaluate, evaluate_test
+from flowers_job.train.midepoch import EpochPosition, gather_positions, restore_rng
 from flowers_job.train.rank0 import finish, start_tracking
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers
@@ -63,19 +72,23 @@ def train_one_epoch(
     normalize: DeviceNormalize,
     amp_dtype: torch.dtype | None,
     scaler: torch.amp.GradScaler,
+    sums: Sums | None = None,
+    after_step: Callable[[Sums], None] | None = None,
 ) -> PassSums:
     """One pass over this rank's training batches.
 
     ``batches`` yields dicts with ``image`` uint8 ``[B, 3, S, S]`` (normalised here, on the
     device, by ``normalize``), ``label_index`` int64 ``[B]``, ``row_id`` int64 ``[B]`` and
-    ``valid`` bool ``[B]`` (False: padding, masked out).
+    ``valid`` bool ``[B]`` (False: padding, masked out). ``sums``: the running sums to add
+    to (a resumed epoch's, :class:`~flowers_job.train.midepoch.EpochPosition`); new ones
+    by default. ``after_step(sums)`` runs after each step (the mid-epoch checkpoint).
 
     Returns:
         This rank's :meth:`Sums.values <flowers_job.train.sums.Sums.values>`: sums over the
         valid rows (loss summed over images), and every row read, padding included.
     """
     model.train()
-    sums = Sums(normalize.device)
+    sums = sums if sums is not None else Sums(normalize.device)
     for batch in batches:
         y, logits, loss, valid = forward(model, batch, criterion, normalize, amp_dtype)
         optimizer.zero_grad(set_to_none=True)
@@ -84,20 +97,32 @@ def train_one_epoch(
         scaler.update()
         scheduler.step()
         sums.add(y, logits, loss, valid, batch["row_id"])
+        if after_step is not None:
+            after_step(sums)
     return sums.values()
 
 
-def _progress(state: TrainState, epoch: int) -> Iterable[dict[str, torch.Tensor]]:
-    """This epoch's training batches; on rank 0 with a progress line every 15 s."""
+def _progress(
+    state: TrainState, epoch: int, start: EpochPosition | None
+) -> Iterable[dict[str, torch.Tensor]]:
+    """This epoch's training batches (from ``start``, when resumed inside it); on rank 0
+    with a progress line every 15 s."""
     assert state.train_reader is not None
     steps = state.plans.train.steps_per_epoch
-    batches = faults.mid_epoch(state.train_reader.epoch(epoch), state.ctx.rank, epoch, steps // 2)
+    first = start.step if start is not None else 0
+    batches = faults.mid_epoch(  # at the epoch's middle, counted from where it (re)starts
+        state.train_reader.epoch(epoch, start.start() if start is not None else None),
+        state.ctx.rank,
+        epoch,
+        steps // 2 - first,
+    )
     if not state.ctx.is_main:
         return batches
     return tqdm(
         batches,
         file=_LineStream(sys.stderr),
         total=steps,
+        initial=first,
         desc=f"epoch {epoch}",
         unit="step",
         mininterval=15.0,
@@ -120,17 +145,24 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
     """
     ctx, plans, val_reader = state.ctx, state.plans, state.val_reader
     assert val_reader is not None
-    torch.manual_seed(state.cfg.train.seed + 1000 * ctx.rank + epoch)  # augmentation stream
-    t0 = time.perf_counter()
+    start, state.position = state.position, None
+    if start is not None and start.epoch == epoch:
+        restore_rng(start.rng, ctx.device)  # dropout continues where it was
+    else:
+        start = None
+        torch.manual_seed(state.cfg.train.seed + 1000 * ctx.rank + epoch)  # dropout
+    t0 = time.perf_counter() - (start.train_seconds if start is not None else 0.0)
     train_sums = train_one_epoch(
         state.ddp,
-        _progress(state, epoch),
+        _progress(state, epoch, start),
         state.optimizer,
         state.scheduler,
         state.criterion,
         state.normalize,
         state.amp_dtype,
         state.scaler,
+        Sums(ctx.device, start.sums if start is not None else None),
+        _mid_epoch_checkpoints(state, epoch, start.step if start is not None else 0, t0),
     )
     t1 = time.perf_counter()
     val_sums = evaluate(
@@ -156,6 +188,73 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         "epoch_seconds": t2 - t0,
         "train_images_per_second": train.rows / (t1 - t0),
         "images_per_second": (train.rows + val.rows) / (t2 - t0),
+        "world_size": float(ctx.world_size),
+        "global_batch_size": float(state.cfg.global_batch_size),
+    }
+
+
+def _mid_epoch_checkpoints(
+    state: TrainState, epoch: int, first_step: int, t0: float
+) -> Callable[[Sums], None]:
+    """The hook :func:`train_one_epoch` calls after each step: when the clock says so (the
+    same on every rank), every rank's position is gathered and rank 0 writes ``step.pt``."""
+    step = first_step
+    clock, reader = state.clock, state.train_reader
+    assert clock is not None and reader is not None
+
+    def after_step(sums: Sums) -> None:
+        nonlocal step
+        step += 1
+        if step == first_step + 1 and state.ctx.is_main:
+            _first_step(state)
+        if not clock.due(step):
+            return
+        t1 = time.perf_counter()
+        positions = gather_positions(state.ctx, sums.values(), reader)
+        if state.ctx.is_main:
+            extra = {
+                "step": step,
+                "positions": positions,
+                "train_seconds": time.perf_counter() - t0,
+                "plan": _plan_identity(state),
+            }
+            _checkpoint(state, epoch, STEP_CHECKPOINT_NAME, extra)
+            log.info(
+                "checkpoint inside epoch %d after step %d (%.2f s)",
+                epoch,
+                step,
+                time.perf_counter() - t1,
+            )
+        clock.reset()
+
+    return after_step
+
+
+def _first_step(state: TrainState) -> None:
+    """Rank 0, after its first step in this process: when it began training again after a
+    restart or resume, and from which checkpoint (``first_step.json``, read by the driver:
+    :mod:`flowers_job.restarts`)."""
+    if state.report_dir is None or state.first_step_seen:
+        return
+    state.first_step_seen = True
+    record = {
+        "attempt": state.attempt,
+        "first_step_at": time.time(),
+        "resumed_from": state.resumed_from,
+    }
+    with contextlib.suppress(OSError):  # a report, not the run: never fail it
+        write_json(state.report_dir / FIRST_STEP_FILE, record)
+
+
+def _plan_identity(state: TrainState) -> dict[str, Any]:
+    """What a mid-epoch checkpoint can only continue with: the same train plan."""
+    plan = state.plans.train
+    return {
+        "loader": plan.loader,
+        "dataset_size": plan.dataset_size,
+        "checksum": plan.checksum,
+        "rows_per_shard": list(plan.rows_per_shard),
+        "steps_per_epoch": plan.steps_per_epoch,
     }
 
 
@@ -172,22 +271,34 @@ def _decide(state: TrainState, epoch: int, metrics: dict[str, float]) -> Decisio
     return result
 
 
-def _checkpoint(state: TrainState, epoch: int) -> None:
-    """Rank 0: everything a resume needs, atomically (:func:`save_checkpoint`)."""
+def _checkpoint(
+    state: TrainState,
+    epoch: int,
+    name: str = CHECKPOINT_NAME,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Rank 0: everything a resume needs, atomically (:func:`save_checkpoint`): after
+    ``epoch`` (``last.pt``), or inside it with the ranks' positions in ``extra``
+    (``step.pt``)."""
     save_checkpoint(
         {
             "model": state.model.state_dict(),
             "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(),
+            "scaler": state.scaler.state_dict(),
             "epoch": epoch,
+            "world_size": state.ctx.world_size,
+            "saved_at": time.time(),
             "early_stopping": state.stopper.state_dict(),
             "best_model": state.best_state,
             "history": state.history,
             "stop_reason": state.stop_reason,
             "label_names": state.label_names,
             "config": state.cfg.model_dump(mode="json"),
+            **(extra or {}),
         },
         state.cfg.paths.checkpoint_dir,
+        name,
     )
 
 
@@ -202,10 +313,13 @@ def end_epoch(state: TrainState, epoch: int, metrics: dict[str, float]) -> None:
     if decision.stop:
         state.stop_reason = decision.reason
     state.history.append({"epoch": epoch, **metrics})
+    assert state.clock is not None
+    state.clock.reset()
     if not state.ctx.is_main:
         return
     assert state.tracker is not None
     _checkpoint(state, epoch)
+    remove_checkpoint(state.cfg.paths.checkpoint_dir, STEP_CHECKPOINT_NAME)
     state.tracker.log_epoch(metrics, epoch)
     log.info(
         "epoch %d/%d | train loss %.4f acc %.4f | val loss %.4f acc %.4f | %.1f s | %.1f img/s%s",
@@ -254,6 +368,8 @@ def fit(
     example_images: list[bytes],
     lineage: dict[str, Any],
     ranks: list[dict[str, Any]] | None = None,
+    attempt: int = 0,
+    report_dir: Path | None = None,
 ) -> tuple[dict[str, Any] | None, Callable[[], dict[str, Any]] | None]:
     """Train, validate, early-stop and checkpoint; restore the best weights and score the
     test split once; (rank 0) log to MLflow.
@@ -270,6 +386,7 @@ def fit(
     """
     t_start = time.perf_counter()
     state = build_state(cfg, ctx, plans, label_names)
+    state.attempt, state.report_dir = attempt, report_dir
     resume(state)
     start_tracking(state)
     ranks = ranks if ranks is not None else gather_ranks(ctx)

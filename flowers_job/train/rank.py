@@ -8,6 +8,8 @@ returns a small summary dict, identical on every rank (rank 0's, broadcast: STAC
 - a rank whose Python code raises writes ``rank-<r>.json`` (exception and traceback) into the
   job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);
 - a rank that dies of a fatal signal leaves ``rank-<r>.fatal`` (:mod:`faulthandler`);
+- a rank that dies without either (SIGKILL, the OOM killer) is named by its sentinel
+  (:mod:`flowers_job.sentinel`, started first thing): ``rank-<r>.killed``;
 - SIGTERM (torchrun stopping the others) unwinds as :class:`Terminated`, so the rank reports
   and rank 0 marks its MLflow run FAILED with the cause; once a rank is reporting a failure,
   a SIGTERM no longer cuts the report short (it is logged and the report goes on: torchrun
@@ -44,8 +46,10 @@ from flowers_job.distributed import (
     shutdown_distributed,
 )
 from flowers_job.failures import FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
+from flowers_job.faults import ATTEMPT_ENV, join_fault_cgroup
 from flowers_job.loaders.base import ShardPlan
 from flowers_job.processes import watch_driver
+from flowers_job.sentinel import sentinel_done, start_sentinel
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
 
@@ -102,11 +106,13 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             registered = register()
             _write_json(Path(job["failure_dir"]) / MODEL_FILE, registered)
             result = {**result, **registered}
+        sentinel_done()
         return result
     except BaseException as exc:
         _FAILING.set()  # from here on a SIGTERM waits for the report (_terminated)
         explained = _explain_timeout(exc, job)
         _report_failure(Path(job["failure_dir"]), explained or exc)
+        sentinel_done()  # the report says how this rank ended
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
             from flowers_job.tracking import end_failed_run
 
@@ -117,12 +123,15 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepare_process(job: dict[str, Any]) -> None:
-    """Logging with the rank, the fatal-signal report, the allocator, the driver watchdog and
-    the SIGTERM handler: before anything can fail."""
+    """Logging with the rank, the fatal-signal report, the sentinel, the allocator, the driver
+    watchdog and the SIGTERM handler: before anything can fail."""
     logging.basicConfig(
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
     _enable_fatal_report(Path(job["failure_dir"]))
+    os.environ[ATTEMPT_ENV] = str(job.get("attempt", 0))  # for attempt-bound faults
+    join_fault_cgroup(env_rank())  # tests only: the oom fault's memory cgroup
+    start_sentinel(Path(job["failure_dir"]), env_rank(), job.get("config"))
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
@@ -153,6 +162,8 @@ def _train(
             [bytes(b) for b in job.get("example_images", [])],
             dict(job.get("lineage") or {}),
             ranks,
+            attempt=int(job.get("attempt", 0)),
+            report_dir=Path(job["failure_dir"]),
         )
         result = broadcast_object(result, ctx)  # the last collective
     finally:

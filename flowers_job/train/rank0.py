@@ -90,7 +90,8 @@ def start_tracking(state: TrainState) -> None:
     # first checkpoint resumes into the same MLflow run.
     run_id = read_run_id(cfg.paths.checkpoint_dir) if cfg.train.resume else None
     tracker = state.tracker = RunTracker(cfg, run_id)
-    write_run_id(cfg.paths.checkpoint_dir, tracker.run_id)
+    write_run_id(cfg.paths.checkpoint_dir, tracker.run_id, cfg.train.resume_key)
+    tracker.record_recovery(state.attempt)
     for done in state.history:  # epochs checkpointed before a kill, not yet logged
         tracker.log_epoch({k: v for k, v in done.items() if k != "epoch"}, int(done["epoch"]))
     tracker.log_params(_run_params(state))

@@ -1,28 +1,88 @@
-"""``train.resume``: continue from the last complete checkpoint, read by rank 0 alone.
+"""``train.resume``: continue from the last checkpoint, read by rank 0 alone.
 
 Ranks never read the checkpoint separately (on a cluster they could see different files, or
-none): rank 0 loads it and broadcasts it, so a checkpoint rank 0 cannot load fails every
-rank together.
+none): rank 0 chooses it, loads it and broadcasts it, so a checkpoint rank 0 cannot load
+fails every rank together.
+
+Which checkpoint: the one inside the epoch after the last completed one (``step.pt``) when
+it can continue exactly (the same world size, train plan and a loader that can reach its
+position: :meth:`~flowers_job.loaders.base.Loader.mid_epoch_problem`); otherwise the
+last completed epoch's (``last.pt``), and that epoch starts again from its beginning, named
+in the log. A resume at another world size (``distributed.num_processes``) rescales the
+learning rate by ``train.lr_scaling`` and reads every row once per epoch with the loader's
+plan for the new world size.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from flowers_job.config import JobConfig
 from flowers_job.distributed import DistContext, broadcast_object
-from flowers_job.train.checkpoint import load_checkpoint
-from flowers_job.train.state import TrainState
+from flowers_job.loaders import loader_class
+from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME, load_checkpoint
+from flowers_job.train.midepoch import EpochPosition
+from flowers_job.train.state import Plans, TrainState, make_scheduler
 
-__all__ = ["check_resumable", "load_on_rank0", "resume"]
+__all__ = ["check_resumable", "choose_checkpoint", "load_on_rank0", "resume"]
 
 log = logging.getLogger("flowers_job.train")
 
 
-def load_on_rank0(cfg: JobConfig, ctx: DistContext) -> dict[str, Any] | None:
-    """The checkpoint to resume from, read by rank 0 and broadcast to every rank (None: no
-    checkpoint). A collective.
+def _why_not_continued(
+    step: dict[str, Any], cfg: JobConfig, ctx: DistContext, plans: Plans
+) -> str | None:
+    """Why the mid-epoch checkpoint ``step`` cannot continue in this run; None if it can."""
+    world_size = int(step.get("world_size", 0))
+    if world_size != ctx.world_size:
+        return f"it was taken at world_size {world_size}, this run has {ctx.world_size}"
+    plan, saved = plans.train, step.get("plan", {})
+    now = {
+        "loader": plan.loader,
+        "dataset_size": plan.dataset_size,
+        "checksum": plan.checksum,
+        "rows_per_shard": list(plan.rows_per_shard),
+        "steps_per_epoch": plan.steps_per_epoch,
+    }
+    changed = sorted(k for k, v in now.items() if saved.get(k) != v)
+    if changed:
+        return f"the train split's plan changed since ({', '.join(changed)})"
+    return loader_class(plan.loader).mid_epoch_problem(cfg)
+
+
+def choose_checkpoint(cfg: JobConfig, ctx: DistContext, plans: Plans) -> dict[str, Any] | None:
+    """Rank 0: the checkpoint to continue from (module doc), or None without one.
+
+    Raises:
+        RuntimeError: a checkpoint file is corrupt or not a flowers_job checkpoint.
+    """
+    directory = cfg.paths.checkpoint_dir
+    last = load_checkpoint(directory)
+    step = load_checkpoint(directory, name=STEP_CHECKPOINT_NAME)
+    done = int(last["epoch"]) if last is not None else 0
+    if step is None or int(step["epoch"]) != done + 1:
+        return last  # no checkpoint inside an epoch, or one whose epoch has ended
+    why = _why_not_continued(step, cfg, ctx, plans)
+    if why is None:
+        return step
+    log.warning(
+        "the checkpoint inside epoch %d (after step %d of %d) is not continued: %s; epoch %d "
+        "starts again from its beginning (%s)",
+        int(step["epoch"]),
+        int(step["step"]),
+        int(step.get("plan", {}).get("steps_per_epoch", 0)),
+        why,
+        done + 1,
+        f"the checkpoint of epoch {done}" if last is not None else "no epoch had ended",
+    )
+    return last
+
+
+def load_on_rank0(cfg: JobConfig, ctx: DistContext, plans: Plans) -> dict[str, Any] | None:
+    """The checkpoint to resume from (:func:`choose_checkpoint`), read by rank 0 and
+    broadcast to every rank (None: no checkpoint). A collective.
 
     Raises:
         RuntimeError: rank 0 could not load the checkpoint (its message), on every rank.
@@ -30,7 +90,7 @@ def load_on_rank0(cfg: JobConfig, ctx: DistContext) -> dict[str, Any] | None:
     payload: tuple[str, Any] = ("none", None)
     if ctx.is_main:
         try:
-            payload = ("ok", load_checkpoint(cfg.paths.checkpoint_dir))
+            payload = ("ok", choose_checkpoint(cfg, ctx, plans))
         except Exception as exc:
             payload = ("error", f"rank 0: {exc}")
     kind, value = broadcast_object(payload, ctx)
@@ -61,23 +121,74 @@ def check_resumable(state: dict[str, Any], cfg: JobConfig, label_names: list[str
         )
 
 
+def _rescale(state: TrainState, saved_world_size: int) -> None:
+    """A resume at another world size: the learning rate of this world size
+    (``state.lr``, by ``train.lr_scaling``) replaces the checkpoint's, and the warm-up
+    schedule continues at the same point, counted in epochs."""
+    cfg, ctx = state.cfg, state.ctx
+    old_lr = cfg.train.learning_rate(saved_world_size)
+    for group in state.optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = state.lr
+    steps = state.plans.train.steps_per_epoch
+    state.scheduler = make_scheduler(cfg, state.optimizer, state.lr, steps)
+    warmup_steps = round(cfg.train.warmup_epochs * steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+        for _ in range(min((state.start_epoch - 1) * steps, warmup_steps)):
+            state.scheduler.step()
+    log.warning(
+        "resumed at world_size %d (the checkpoint's: %d): learning rate %.4g -> %.4g (%s "
+        "scaling of %.4g), global_batch_size %d -> %d, %d steps per epoch; every row is read "
+        "once per epoch with the plan for %d ranks",
+        ctx.world_size,
+        saved_world_size,
+        old_lr,
+        state.lr,
+        cfg.train.lr_scaling,
+        cfg.train.base_learning_rate,
+        cfg.train.per_device_batch_size * saved_world_size,
+        cfg.global_batch_size,
+        steps,
+        ctx.world_size,
+    )
+
+
 def resume(state: TrainState) -> None:
-    """With ``train.resume``: restore the model, optimizer, schedule, early stopping and
-    history from the checkpoint (:func:`load_on_rank0`); nothing without a checkpoint.
+    """With ``train.resume``: restore the model, optimizer, schedule, GradScaler, early
+    stopping and history from the checkpoint (:func:`load_on_rank0`), and, from one inside
+    an epoch, this rank's position in it; nothing without a checkpoint.
 
     Raises:
         RuntimeError, ValueError: as :func:`load_on_rank0` and :func:`check_resumable`.
     """
     cfg = state.cfg
-    saved = load_on_rank0(cfg, state.ctx) if cfg.train.resume else None
+    saved = load_on_rank0(cfg, state.ctx, state.plans) if cfg.train.resume else None
     if saved is None:
         return
     check_resumable(saved, cfg, state.label_names)
     state.model.load_state_dict(saved["model"])
     state.optimizer.load_state_dict(saved["optimizer"])
     state.scheduler.load_state_dict(saved["scheduler"])
+    if saved.get("scaler"):
+        state.scaler.load_state_dict(saved["scaler"])
     state.stopper.load_state_dict(saved["early_stopping"])
     state.history, state.best_state = list(saved["history"]), saved["best_model"]
     state.stop_reason = saved["stop_reason"]
-    state.start_epoch = int(saved["epoch"]) + 1
-    log.info("resumed from %s at epoch %d", cfg.paths.checkpoint_dir, state.start_epoch)
+    state.resumed_from = {
+        "epoch": int(saved["epoch"]),
+        "step": int(saved.get("step", 0)),
+        "saved_at": saved.get("saved_at"),
+    }
+    if "step" in saved:  # inside an epoch, at this world size (choose_checkpoint)
+        state.position = EpochPosition.from_checkpoint(saved, state.ctx.rank)
+        state.start_epoch = state.position.epoch
+        where = f"inside epoch {state.start_epoch} after step {state.position.step}"
+    else:
+        state.start_epoch = int(saved["epoch"]) + 1
+        where = f"at the start of epoch {state.start_epoch}"
+    saved_world_size = int(
+        saved.get("world_size") or saved["config"]["distributed"]["num_processes"]
+    )
+    if saved_world_size != state.ctx.world_size:
+        _rescale(state, saved_world_size)
+    log.info("resumed from %s %s", cfg.paths.checkpoint_dir, where)

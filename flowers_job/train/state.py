@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,12 +19,21 @@ from flowers_job.loaders import loader_class
 from flowers_job.loaders.base import ShardPlan, ShardReader
 from flowers_job.models import Classifier, build_model, preprocessing_for
 from flowers_job.train.early_stopping import EarlyStopping
+from flowers_job.train.midepoch import CheckpointClock, EpochPosition
 from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer
 
 if TYPE_CHECKING:
     from flowers_job.tracking import RunTracker
 
-__all__ = ["FrozenFeatures", "Plans", "TrainState", "build_state", "open_reader", "open_readers"]
+__all__ = [
+    "FrozenFeatures",
+    "Plans",
+    "TrainState",
+    "build_state",
+    "make_scheduler",
+    "open_reader",
+    "open_readers",
+]
 
 log = logging.getLogger("flowers_job.train")
 
@@ -85,6 +95,16 @@ class TrainState:
     best_state: dict[str, torch.Tensor] | None = None
     stop_reason: str | None = None
     start_epoch: int = 1
+    position: EpochPosition | None = None
+    """Where ``start_epoch`` continues, when resumed from a checkpoint inside it."""
+    clock: CheckpointClock | None = None
+    attempt: int = 0
+    """0, or the automatic restart this process belongs to (:mod:`flowers_job.restarts`)."""
+    resumed_from: dict[str, Any] | None = None
+    """The checkpoint this run continues: ``{"epoch", "step", "saved_at"}``."""
+    report_dir: Path | None = None
+    """The job's report dir: rank 0 writes ``first_step.json`` there after its first step."""
+    first_step_seen: bool = False
 
 
 def _model(cfg: JobConfig, ctx: DistContext, num_classes: int) -> tuple[Classifier, DDP]:
@@ -118,12 +138,7 @@ def build_state(
     model, ddp = _model(cfg, ctx, len(label_names))
     lr = cfg.train.learning_rate(ctx.world_size)
     optimizer = make_optimizer(cfg.train, [p for p in model.parameters() if p.requires_grad], lr)
-    warmup_steps = round(cfg.train.warmup_epochs * plans.train.steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LinearLR(
-        optimizer,
-        start_factor=cfg.train.base_learning_rate / lr if warmup_steps else 1.0,
-        total_iters=max(1, warmup_steps),
-    )
+    scheduler = make_scheduler(cfg, optimizer, lr, plans.train.steps_per_epoch)
     dtype = amp_dtype(cfg.train.amp, ctx.device)
     es = cfg.train.early_stopping
     pre = preprocessing_for(cfg.model.architecture)
@@ -144,6 +159,21 @@ def build_state(
         stopper=EarlyStopping(es.mode, es.min_delta, es.patience, es.stopping_threshold),
         lr=lr,
         val_features=FrozenFeatures() if frozen else None,
+        clock=CheckpointClock(cfg, ctx, plans.train.steps_per_epoch),
+    )
+
+
+def make_scheduler(
+    cfg: JobConfig, optimizer: torch.optim.Optimizer, lr: float, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The per-step schedule: a linear warm-up from ``train.base_learning_rate`` to ``lr``
+    over ``train.warmup_epochs`` epochs of ``steps_per_epoch`` steps (Goyal et al. 2017,
+    section 2.2), then constant."""
+    warmup_steps = round(cfg.train.warmup_epochs * steps_per_epoch)
+    return torch.optim.lr_scheduler.LinearLR(
+        optimizer,
+        start_factor=cfg.train.base_learning_rate / lr if warmup_steps else 1.0,
+        total_iters=max(1, warmup_steps),
     )
 
 

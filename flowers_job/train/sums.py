@@ -60,12 +60,14 @@ class Sums:
     read once, in :meth:`values`.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=device)
-        self.rows = torch.zeros((), dtype=torch.int64)
-        self.checksum = torch.zeros((), dtype=torch.int64)
-        self.read = torch.zeros((), dtype=torch.int64)
+    def __init__(self, device: torch.device, start: PassSums | None = None) -> None:
+        """Zero sums, or, resuming a pass from a mid-epoch checkpoint, ``start``'s."""
+        s = start or PassSums(0.0, 0, 0, 0, 0)
+        self.loss_sum = torch.tensor(s.loss_sum, dtype=torch.float64, device=device)
+        self.correct = torch.tensor(s.correct, dtype=torch.int64, device=device)
+        self.rows = torch.tensor(s.rows, dtype=torch.int64)
+        self.checksum = torch.tensor(s.checksum, dtype=torch.int64)
+        self.read = torch.tensor(s.read, dtype=torch.int64)
 
     def add(
         self,
