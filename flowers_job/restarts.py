@@ -180,19 +180,21 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
         ConfigError: fewer slots than that remain, naming the slots needed and left.
     """
     from flowers_job.config import ConfigError
-    from flowers_job.spark import live_task_slots, wait_for_slots
+    from flowers_job.spark import live_task_slots, remove_executors, wait_for_slots
 
     d = cfg.distributed
     if d.local_mode:
         return wanted
     wait_for_slots(spark, wanted, d.executor_wait_seconds)
-    slots = live_task_slots(spark)
+    slots, silent = live_task_slots(spark)
+    if slots >= wanted or (d.min_processes is not None and slots >= d.min_processes):
+        remove_executors(spark, silent)  # no barrier task may go to a silent executor
     if slots >= wanted:
         return wanted
     if d.min_processes is not None and slots >= d.min_processes:
         log.warning(
-            "the restart finds %d task slots for the %d processes asked: continuing with %d "
-            "(distributed.min_processes=%d)",
+            "the restart finds %d live task slots for the %d processes asked: continuing "
+            "with %d (distributed.min_processes=%d)",
             slots,
             wanted,
             slots,
@@ -201,8 +203,10 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
         return slots
     raise ConfigError(
         f"distributed.num_processes: the restart needs {wanted} task slots and "
-        f"{slots} remain on this cluster's live executors; set distributed.min_processes to "
-        "continue with fewer processes, or resume later with --resume"
+        f"{slots} remain on this cluster's live executors"
+        + (f" (executors {', '.join(silent)} do not answer)" if silent else "")
+        + "; set distributed.min_processes to continue with fewer processes, or resume "
+        "later with --resume"
     )
 
 

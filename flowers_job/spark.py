@@ -31,6 +31,7 @@ __all__ = [
     "get_spark",
     "live_task_slots",
     "local_gpu_conf",
+    "remove_executors",
     "task_progress",
     "task_slots",
     "wait_for_slots",
@@ -208,21 +209,22 @@ LIVENESS_PROBE_SECONDS = 3.0
 connection, seconds."""
 
 
-def live_task_slots(spark: SparkSession, probe_seconds: float = LIVENESS_PROBE_SECONDS) -> int:
-    """:func:`task_slots` without the executors that no longer answer.
+def live_task_slots(
+    spark: SparkSession, probe_seconds: float = LIVENESS_PROBE_SECONDS
+) -> tuple[int, list[str]]:
+    """:func:`task_slots` without the executors that no longer answer, and their ids.
 
     Spark keeps an executor that stopped answering (its host off the network) registered
     until its heartbeats have been missing for ``spark.network.timeout`` (120 s by default),
-    and would place a barrier task there. Each registered executor's block manager port is
-    probed with one TCP connection (``probe_seconds``); an executor that does not accept it
-    is removed (``SparkContext.killExecutors``, so no task goes there) and its
-    ``cores // spark.task.cpus`` slots are not counted. On a local master: :func:`task_slots`.
+    and would place a barrier task there. Each registered executor's RPC port is probed with
+    one TCP connection (``probe_seconds``); one that does not accept it is counted out
+    (``cores // spark.task.cpus`` slots). :func:`remove_executors` keeps tasks off them. On
+    a local master: ``(task_slots, [])``.
     """
-    import logging
     import socket
 
     if str(spark.sparkContext.master).startswith("local"):
-        return task_slots(spark)
+        return task_slots(spark), []
     jsc = spark.sparkContext._jsc.sc()
     task_cpus = int(spark.conf.get("spark.task.cpus", "1") or 1)
     dead: dict[str, int] = {}
@@ -236,23 +238,26 @@ def live_task_slots(spark: SparkSession, probe_seconds: float = LIVENESS_PROBE_S
             socket.create_connection((host, int(port)), timeout=probe_seconds).close()
         except (OSError, ValueError):
             dead[str(e.id())] = int(e.totalCores()) // task_cpus
-    total = task_slots(spark)  # the dead ones still count here
-    if not dead:
-        return total
-    logging.getLogger(__name__).warning(
-        "executors %s do not answer (their block manager refuses or ignores a connection): "
-        "removed, their %d task slots not counted",
-        ", ".join(sorted(dead)),
-        sum(dead.values()),
-    )
+    return max(0, task_slots(spark) - sum(dead.values())), sorted(dead)
+
+
+def remove_executors(spark: SparkSession, ids: list[str]) -> None:
+    """Ask Spark to remove executors ``ids`` (``SparkContext.killExecutors``): no task is
+    placed on them from now on. Spark's own shutdown then waits for them (about a minute
+    for an unreachable host, measured on the test cluster) before the driver exits."""
+    import logging
+
+    if not ids:
+        return
+    logging.getLogger(__name__).warning("executors %s do not answer: removed", ", ".join(ids))
     jvm = spark.sparkContext._jvm
     assert jvm is not None
-    ids = jvm.PythonUtils.toSeq(jvm.java.util.ArrayList(list(dead)))
     try:
-        jsc.killExecutors(ids)
+        spark.sparkContext._jsc.sc().killExecutors(
+            jvm.PythonUtils.toSeq(jvm.java.util.ArrayList(ids))
+        )
     except Exception as exc:  # a cluster manager that cannot kill executors
-        logging.getLogger(__name__).warning("could not remove executors %s: %s", list(dead), exc)
-    return max(0, total - sum(dead.values()))
+        logging.getLogger(__name__).warning("could not remove executors %s: %s", ids, exc)
 
 
 def executor_cores(spark: SparkSession) -> dict[str, int]:

@@ -380,7 +380,7 @@ def _fault_run(
     out: Path,
     name: str,
     act: Any,
-    fault: str = "hang:1:2",
+    fault: str = "hang:1:2:0",  # attempt 0 only: a restart must not hang again
     sets: tuple[str, ...] = (),
     entry: Path | None = None,
     images: Path | None = None,
@@ -456,6 +456,10 @@ class TestFaults:
     def test_killed_worker_jvm(
         self, cluster: Cluster, fault_tables: Path, train_entry: Path
     ) -> None:
+        """A worker's JVM SIGKILLed in epoch 2 (its executor follows): the ranks fail, the
+        restart finds one task slot left and, with ``distributed.min_processes=1``,
+        continues on it from the last checkpoint: learning rate and global batch rescaled,
+        every row read once per epoch at world size 1."""
         victim: list[str] = []
 
         def kill_worker(ranks: dict[int, tuple[str, int]], proc: Any) -> None:
@@ -465,18 +469,26 @@ class TestFaults:
 
         try:
             rc, log, _, out = _fault_run(
-                cluster, fault_tables, "kill-worker-jvm", kill_worker, entry=train_entry
+                cluster,
+                fault_tables,
+                "kill-worker-jvm",
+                kill_worker,
+                entry=train_entry,
+                sets=("distributed.min_processes=1",),
             )
         finally:
             if victim:
                 cluster.start_worker(victim[0])
                 cluster.wait_workers()
-        assert rc == 1, log[-3000:]
-        assert "TrainingError" in log
-        assert f"on host {victim[0]}" in log
-        # a restart needs both slots (no distributed.min_processes): refused, naming them
-        assert "not restarted: distributed.num_processes: the restart needs 2 task slots" in log
-        _resumable(out)
+        assert rc == 0, log[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        (restart,) = summary["restart_history"]
+        assert (restart["world_size_before"], restart["world_size_after"]) == (2, 1), restart
+        assert restart["kind"] in ("connection", "killed", "timeout"), restart  # transient
+        assert summary["world_size"] == 1 and summary["history"][-1]["world_size"] == 1
+        assert [r["host"] for r in summary["ranks"]] != [victim[0]]
+        assert "resumed at world_size 1 (the checkpoint's: 2)" in log
+        report(test="restart on the slot left after a worker's JVM was killed", **restart)
 
     def test_killed_driver_leaves_no_rank_behind(
         self, cluster: Cluster, fault_tables: Path, train_entry: Path
@@ -510,27 +522,23 @@ class TestFaults:
                 pull_cable,
                 entry=train_entry,
                 fault="",
-                sets=(
-                    "train.epochs=5",
-                    "train.early_stopping.enabled=false",
-                    "distributed.min_processes=1",
-                ),
+                sets=("train.epochs=40", "train.early_stopping.enabled=false"),
             )
         finally:
             if cut:
                 cluster.link(cut[0], up=True)
-        # The collective timed out; the restart found the cut host's executor silent
-        # (its block manager unreachable) and continued on the other host's slot.
-        assert rc == 0, log[-3000:]
-        summary = json.loads((out / "summary.json").read_text())
-        (restart,) = summary["restart_history"]
-        assert restart["kind"] == "timeout", restart
-        assert "distributed.timeout_seconds=20" in restart["cause"]
-        assert (restart["world_size_before"], restart["world_size_after"]) == (2, 1)
-        assert summary["world_size"] == 1
-        assert [h["world_size"] for h in summary["history"]][-1] == 1
-        assert {r["host"] for r in summary["ranks"]} != {cut[0]}
-        report(test="restart on the slots left after a host's link went down", **restart)
+        # The collective timed out (a failure that may be transient); the restart finds the
+        # cut host's executor silent, though Spark still counts it, and without
+        # distributed.min_processes it is refused, naming the slots.
+        assert rc == 1, log[-3000:]
+        assert "distributed.timeout_seconds=20" in log
+        assert re.search(r"rank \d failed on host fl-w\d \(10\.88\.0\.1\d\)", log)
+        assert re.search(
+            r"not restarted: distributed.num_processes: the restart needs 2 task slots and 1 "
+            r"remain on this cluster's live executors \(executors \d+ do not answer\)",
+            log,
+        )
+        _resumable(out)
 
 
 # --------------------------------------------------------------------------------------
