@@ -422,12 +422,13 @@ def _train(
     failure that may be transient (:mod:`flowers_job.restarts`), write ``summary.json`` and
     decide the champion; errors as :func:`run_training`'s after its checks."""
     use_gpu = _use_gpu(spark, cfg)
-    cfg = begin_training(cfg)
     wanted = cfg.distributed.num_processes
     restarts: list[Restart] = []
     errors: list[TrainingError] = []
     while True:
         with prepare_data(spark, cfg) as data:
+            if not restarts:  # the data is ready: only now may a new run clear the last one's
+                cfg = begin_training(cfg)
             result, error = _attempt(spark, cfg, data, use_gpu, restarts)
             if error is None:
                 assert result is not None
