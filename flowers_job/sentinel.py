@@ -81,7 +81,7 @@ _CGROUP_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup"))
 
 log = logging.getLogger(__name__)
 
-_SENTINELS: list[subprocess.Popen[bytes]] = []  # this process's sentinel (at most one)
+_started: list[subprocess.Popen[bytes]] = []  # this process's sentinel (at most one)
 
 
 def start_sentinel(
@@ -129,7 +129,7 @@ def start_sentinel(
         return None
     finally:
         os.close(pidfd)
-    _SENTINELS.append(proc)
+    _started.append(proc)
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], READY_SECONDS)
     if not ready or proc.stdout.readline() != _READY:
@@ -141,8 +141,8 @@ def start_sentinel(
 def sentinel_done() -> None:
     """Tell this process's sentinel that the rank ends as it should (returned, or reported
     its failure), and reap it (at most 2 s). Nothing without a sentinel."""
-    while _SENTINELS:
-        proc = _SENTINELS.pop()
+    while _started:
+        proc = _started.pop()
         try:
             assert proc.stdin is not None
             proc.stdin.write(_DONE + b"\n")

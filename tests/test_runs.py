@@ -129,6 +129,14 @@ def killed_driver(checkpoint_dir: Path) -> int:
         return proc.pid
 
 
+def _enable_loggers() -> None:
+    """The job's loggers, on: creating a sqlite store runs MLflow's alembic migrations, whose
+    ``logging.config.fileConfig`` (mlflow 3.0.1, the DBR environment) disables every logger
+    that exists by then (``disable_existing_loggers``), this module's among them."""
+    for name in ("flowers_job", "flowers_job.runs", "flowers_job.tracking"):
+        logging.getLogger(name).disabled = False
+
+
 def test_a_killed_drivers_run_is_listed_abandoned_then_ended_failed_on_resume(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -143,6 +151,7 @@ def test_a_killed_drivers_run_is_listed_abandoned_then_ended_failed_on_resume(
     assert (listed["state"], listed["status"]) == (ABANDONED, "RUNNING")
     assert (listed["run_id"], listed["current"], listed["epochs"]) == (run_id, True, [1, 2])
 
+    _enable_loggers()
     with caplog.at_level(logging.WARNING, logger="flowers_job"):
         cause = end_abandoned_run(store.checkpoint_dir, store.uri)
     assert cause is not None
@@ -166,6 +175,7 @@ def test_a_run_whose_driver_is_alive_is_left_running(
     with driver_process(store.checkpoint_dir) as proc:
         (listed,) = list_runs(store.output_dir, store.uri, EXPERIMENT)
         assert listed["state"] == "RUNNING"
+        _enable_loggers()
         with caplog.at_level(logging.WARNING, logger="flowers_job"):
             assert end_abandoned_run(store.checkpoint_dir, store.uri) is None
         assert store.status(run_id) == "RUNNING"
