@@ -129,16 +129,39 @@ def killed_driver(checkpoint_dir: Path) -> int:
         return proc.pid
 
 
-def _enable_loggers() -> None:
-    """The job's loggers, on: creating a sqlite store runs MLflow's alembic migrations, whose
-    ``logging.config.fileConfig`` (mlflow 3.0.1, the DBR environment) disables every logger
-    that exists by then (``disable_existing_loggers``), this module's among them."""
+class _Records(logging.Handler):
+    """The records a logger's handler receives, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def job_warnings() -> Iterator[list[logging.LogRecord]]:
+    """The job's warnings, caught by a handler on the ``flowers_job`` logger itself (not
+    pytest's caplog, whose handler sits on the root logger): creating a sqlite store runs
+    MLflow's alembic migrations, whose ``logging.config.fileConfig`` (mlflow 3.0.1, the DBR
+    environment) replaces the root logger's handlers and disables the loggers that exist by
+    then (``disable_existing_loggers``)."""
     for name in ("flowers_job", "flowers_job.runs", "flowers_job.tracking"):
         logging.getLogger(name).disabled = False
+    logger = logging.getLogger("flowers_job")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def test_a_killed_drivers_run_is_listed_abandoned_then_ended_failed_on_resume(
-    store: Store, caplog: pytest.LogCaptureFixture
+    store: Store,
 ) -> None:
     run_id = store.run("killed", start=1_000_000, epochs=2)
     write_run_id(store.checkpoint_dir, run_id)
@@ -151,15 +174,14 @@ def test_a_killed_drivers_run_is_listed_abandoned_then_ended_failed_on_resume(
     assert (listed["state"], listed["status"]) == (ABANDONED, "RUNNING")
     assert (listed["run_id"], listed["current"], listed["epochs"]) == (run_id, True, [1, 2])
 
-    _enable_loggers()
-    with caplog.at_level(logging.WARNING, logger="flowers_job"):
+    with job_warnings() as records:
         cause = end_abandoned_run(store.checkpoint_dir, store.uri)
     assert cause is not None
     assert f"its driver (pid {pid} on host {socket.gethostname()}, started " in cause
     assert cause.startswith("interrupted:") and cause.endswith("continued by --resume")
     assert store.status(run_id) == "FAILED"
     assert store.client.get_run(run_id).data.tags[FAILURE_TAG] == cause
-    assert any(run_id in r.message and r.levelno == logging.WARNING for r in caplog.records)
+    assert any(run_id in r.getMessage() and r.levelno == logging.WARNING for r in records)
 
     (listed,) = list_runs(store.output_dir, store.uri, EXPERIMENT)
     assert (listed["state"], listed["failure"]) == ("FAILED", cause)
@@ -168,19 +190,18 @@ def test_a_killed_drivers_run_is_listed_abandoned_then_ended_failed_on_resume(
 
 
 def test_a_run_whose_driver_is_alive_is_left_running(
-    store: Store, caplog: pytest.LogCaptureFixture
+    store: Store,
 ) -> None:
     run_id = store.run("live", start=1_000_000, epochs=1)
     write_run_id(store.checkpoint_dir, run_id)
     with driver_process(store.checkpoint_dir) as proc:
         (listed,) = list_runs(store.output_dir, store.uri, EXPERIMENT)
         assert listed["state"] == "RUNNING"
-        _enable_loggers()
-        with caplog.at_level(logging.WARNING, logger="flowers_job"):
+        with job_warnings() as records:
             assert end_abandoned_run(store.checkpoint_dir, store.uri) is None
         assert store.status(run_id) == "RUNNING"
         assert FAILURE_TAG not in store.client.get_run(run_id).data.tags
-        assert any(f"pid {proc.pid}" in r.message for r in caplog.records)
+        assert any(f"pid {proc.pid}" in r.getMessage() for r in records)
 
 
 def test_a_finished_run_is_left_alone(store: Store) -> None:
