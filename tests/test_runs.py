@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import shutil
 import signal
 import socket
@@ -129,17 +130,6 @@ def killed_driver(checkpoint_dir: Path) -> int:
         return proc.pid
 
 
-class _Records(logging.Handler):
-    """The records a logger's handler receives, in order."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @contextmanager
 def job_warnings() -> Iterator[list[logging.LogRecord]]:
     """The job's warnings, caught by a handler on the ``flowers_job`` logger itself (not
@@ -150,11 +140,12 @@ def job_warnings() -> Iterator[list[logging.LogRecord]]:
     for name in ("flowers_job", "flowers_job.runs", "flowers_job.tracking"):
         logging.getLogger(name).disabled = False
     logger = logging.getLogger("flowers_job")
-    handler, level = _Records(), logger.level
+    handler, level = logging.handlers.BufferingHandler(capacity=1_000), logger.level
+    handler.setLevel(logging.WARNING)
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
     try:
-        yield handler.records
+        yield handler.buffer
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
