@@ -280,6 +280,42 @@ def executor_cores(spark: SparkSession) -> dict[str, int]:
     return cores
 
 
+def run_probe(spark: SparkSession, rdd: Any, what: str, timeout_seconds: float) -> list[Any]:
+    """``rdd.collect()`` of a short check run on the executors before any work (a barrier
+    stage), bounded: cancelled after ``timeout_seconds``.
+
+    Returns:
+        The collected rows.
+
+    Raises:
+        RuntimeError: not done within ``timeout_seconds`` (naming ``what``); or the stage's
+            own error.
+    """
+    sc = spark.sparkContext
+    group = f"flowers-{what.replace(' ', '-')}-{uuid.uuid4().hex}"
+    results: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sc.setJobGroup(group, f"flowers_job: {what}", True)
+            results.extend(rdd.collect())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=what.replace(" ", "-"), daemon=True)
+    thread.start()
+    thread.join(timeout_seconds)
+    if thread.is_alive():
+        sc.cancelJobGroup(group)
+        raise RuntimeError(
+            f"the {what} (a barrier stage) did not end within {timeout_seconds:.0f} s"
+        )
+    if failure:
+        raise failure[0]
+    return results
+
+
 PROGRESS_POLL_SECONDS = 0.5
 """How often :func:`task_progress` reads Spark's StatusTracker, seconds."""
 PROGRESS_JOIN_SECONDS = 5.0

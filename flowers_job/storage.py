@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, JobConfig
-from flowers_job.spark import task_slots
+from flowers_job.spark import run_probe, task_slots
 
 __all__ = ["PROBE_TIMEOUT_SECONDS", "check_shared_storage", "is_local_master", "shared_dirs"]
 
@@ -110,28 +109,7 @@ def check_shared_storage(
             .barrier()
             .mapPartitions(_read_tokens(token, [str(p) for p in dirs.values()]))
         )
-        results: list[Any] = []
-        failure: list[BaseException] = []
-        group = f"flowers-shared-probe-{token}"
-
-        def run() -> None:
-            try:
-                sc.setJobGroup(group, "flowers_job: shared storage probe", True)
-                results.extend(rdd.collect())
-            except BaseException as exc:
-                failure.append(exc)
-
-        thread = threading.Thread(target=run, name="shared-storage-probe", daemon=True)
-        thread.start()
-        thread.join(timeout_seconds)
-        if thread.is_alive():
-            sc.cancelJobGroup(group)
-            raise RuntimeError(
-                f"the shared-storage probe (one task per task slot) did not end within "
-                f"{timeout_seconds:.0f} s"
-            )
-        if failure:
-            raise failure[0]
+        results = run_probe(spark, rdd, "shared-storage probe", timeout_seconds)
     finally:
         for f in written:
             with contextlib.suppress(OSError):
