@@ -44,6 +44,7 @@ from flowers_job.restarts import (
 )
 from flowers_job.runs import record_driver
 from flowers_job.spark import driver_gpus, executor_cores, task_slots, wait_for_slots
+from flowers_job.spark_connect import refuse_spark_connect
 from flowers_job.storage import check_shared_storage, is_local_master
 from flowers_job.tracking import TrackingError
 from flowers_job.tracking import preflight as tracking_preflight
@@ -106,9 +107,8 @@ def check_tracking(cfg: JobConfig) -> None:
 
 
 def check_on_cluster(spark: SparkSession, cfg: JobConfig) -> None:
-    """The checks against the Spark session, before any data is touched:
-    :func:`check_cluster`, then the storage every host must share
-    (:func:`~flowers_job.storage.check_shared_storage`).
+    """The checks against the Spark session, before any data is touched: :func:`check_cluster`,
+    then the storage every host must share (:func:`~flowers_job.storage.check_shared_storage`).
 
     Raises:
         ConfigError: naming the setting that does not fit this cluster or its storage.
@@ -153,8 +153,8 @@ def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
 
     Raises:
         ConfigError: ``data.loader`` cannot run on this stack, a package is missing
-            (:func:`preflight`), or ``distributed`` does not fit this cluster
-            (:func:`check_cluster`), before any work.
+            (:func:`preflight`), the session is Spark Connect or ``distributed`` does not fit
+            this cluster (:func:`check_cluster`), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
         TrackingError: the MLflow store is unusable (before any worker starts), or the
             champion decision (:func:`~flowers_job.promotion.promote`) failed after the
@@ -219,7 +219,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
     ``distributed.executor_wait_seconds``).
 
     Raises:
-        ConfigError: naming the setting, when
+        ConfigError: a Spark Connect session (:mod:`flowers_job.spark_connect`), or when
             - barrier mode (``local_mode=false``) asks for more processes than the cluster's
               task slots (:func:`~flowers_job.spark.task_slots`: GPU slots when tasks ask
               for GPUs);
@@ -230,6 +230,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
               processes, or a session whose driver has fewer ``gpu`` resources than
               processes (TorchDistributor would refuse only after the data is prepared).
     """
+    refuse_spark_connect(spark)
     d = cfg.distributed
     problems = []
     if not d.local_mode:
