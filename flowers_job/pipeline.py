@@ -154,8 +154,8 @@ def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
 
     Raises:
         ConfigError: ``data.loader`` cannot run on this stack, a package is missing
-            (:func:`preflight`), or ``distributed`` does not fit this cluster
-            (:func:`check_cluster`), before any work.
+            (:func:`preflight`), the session is Spark Connect or ``distributed`` does not fit
+            this cluster (:func:`check_cluster`), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
         TrackingError: the MLflow store is unusable (before any worker starts), or the
             champion decision (:func:`~flowers_job.promotion.promote`) failed after the

@@ -27,6 +27,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.loaders import loader_class
 from flowers_job.spark import driver_gpus, run_probe, task_slots, wait_for_slots
+from flowers_job.spark_connect import refuse_spark_connect
 from flowers_job.storage import PROBE_TIMEOUT_SECONDS, is_local_master
 
 __all__ = [
@@ -184,7 +185,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
     ``distributed.executor_wait_seconds``).
 
     Raises:
-        ConfigError: naming the setting, when
+        ConfigError: a Spark Connect session (:mod:`flowers_job.spark_connect`), or when
             - barrier mode (``local_mode=false``) asks for more processes than the cluster's
               task slots (:func:`~flowers_job.spark.task_slots`: GPU slots when tasks ask
               for GPUs);
@@ -197,6 +198,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
             - barrier mode on a cluster with a loader that needs equal ranks per host
               (Streaming) where Spark places them unequally (:func:`check_placement`).
     """
+    refuse_spark_connect(spark)
     d = cfg.distributed
     problems = []
     local_master = is_local_master(spark)

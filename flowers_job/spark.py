@@ -23,6 +23,7 @@ from pyspark.sql import SparkSession
 
 from flowers_job.allocator import apply_to_environ
 from flowers_job.allocator import spark_conf as allocator_spark_conf
+from flowers_job.spark_connect import is_connect_session
 
 __all__ = [
     "cuda_device_count",
@@ -106,7 +107,8 @@ def get_spark(
     for key, value in {**_LOCAL_DEFAULTS, **allocator_spark_conf(), **gpus, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
+    if not is_connect_session(spark):  # SPARK_REMOTE: the job's entry points refuse it
+        spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
     return spark
 
 
