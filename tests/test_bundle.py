@@ -12,8 +12,8 @@ Every third-party module that flowers_job imports (lazy imports too: an AST walk
 from a requirement of the wheel or of an extra. The wheel's requirements are checked against
 the versions Databricks Runtime 17.3 LTS ML and 18 ML ship (../shared/runtimes/
 dbr-17.3-lts-ml.txt with ``RUNTIME_MORE``; ``RUNTIME_18_CHANGES``): offline from pyproject.toml, then
-(marked ``network``) by building the wheel and letting pip resolve what the bundle installs,
-against those versions and against this environment, which must not change.
+(marked ``network``) by building the wheel and resolving what the bundle installs against
+those versions (uv's resolver) and into this environment (pip's), which must not change.
 
 The repo's files are found next to this file, or under ``FLOWERS_REPO_ROOT`` when the tests
 run from a copy (``make test-dbr``). ``FLOWERS_WHEEL`` names an already built wheel to check
@@ -43,6 +43,8 @@ import yaml
 from jsonschema import Draft202012Validator, ValidationError, validators
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from .conftest import clean_env, uv_bin, uv_failure
 
 ROOT = Path(os.environ.get("FLOWERS_REPO_ROOT") or Path(__file__).resolve().parents[1])
 BUNDLE = ROOT / "databricks.yml"
@@ -602,36 +604,64 @@ def _dry_run(tmp_path: Path, *args: str) -> list[tuple[str, str]]:
     ]
 
 
+def _compile(tmp_path: Path, constraints: Path, *requirements: str) -> dict[str, str]:
+    """``{name: version}`` of everything an install of ``requirements`` from scratch would
+    bring for this interpreter, constrained by ``constraints`` (``"url"`` for a requirement
+    given as a file), with uv's resolver (``uv pip compile``), which reads the wheels'
+    metadata from the index without downloading them: pip's ``install --dry-run
+    --ignore-installed`` took 121-149 s for one runtime in CI (2026-11-25/26)."""
+    wanted = tmp_path / "requirements.in"
+    wanted.write_text("".join(f"{line}\n" for line in requirements), encoding="utf-8")
+    args = ["pip", "compile", "--no-config", "--python", sys.executable, "--no-header"]
+    args += ["--no-annotate", "--constraint", str(constraints), str(wanted)]
+    proc = subprocess.run(
+        [uv_bin(), *args],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+        env=clean_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, f"uv pip compile failed: {uv_failure(proc.stderr)}"
+    got: dict[str, str] = {}
+    for raw in proc.stdout.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            got[canonicalize_name(req.name)] = (
+                next(iter(req.specifier)).version if req.specifier else "url"
+            )
+    return got
+
+
 @pytest.mark.network
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("version", RUNTIMES)
 def test_bundle_libraries_resolve_at_the_runtime_versions(
     bundle: dict[str, Any], wheel: Path, tmp_path: Path, version: str
 ) -> None:
-    """From scratch, constrained to the runtime's versions (17.3 LTS, 18): pip finds a
-    solution (or the wheel asks for a version the runtime does not have) and installs the
+    """From scratch, constrained to the runtime's versions (17.3 LTS, 18): the resolver finds
+    a solution (or the wheel asks for a version the runtime does not have) and installs the
     runtime's versions: nothing is upgraded or downgraded.
 
-    The resolution ignores what is installed (``--ignore-installed``), so it runs once, in
-    ``make test-dbr``, against the built wheel."""
+    The resolution ignores what is installed, so it runs once, in ``make test-dbr``, against
+    the built wheel."""
     if os.environ.get("FLOWERS_EXPECT_WHEEL") != "1":
         pytest.skip(
             "runs once, in `make test-dbr` against the built wheel: the resolution does not "
-            "depend on the environment (--ignore-installed)"
+            "depend on the environment (it starts from scratch)"
         )
     runtime = _runtime_versions(version)
     constraints = tmp_path / f"dbr-{version}-ml.txt"
     constraints.write_text("".join(f"{n}=={v}\n" for n, v in runtime.items()), encoding="utf-8")
-    installs = _dry_run(
+    got = _compile(
         tmp_path,
-        "--ignore-installed",
-        "--constraint",
-        str(constraints),
-        f"{wheel}[streaming]",
+        constraints,
+        f"flowers-job[streaming] @ {wheel.as_uri()}",
         *(str(pin) for pin in _bundle_pins(bundle)),
     )
-    got = dict(installs)
-    assert "flowers-job" in got, installs
+    assert "flowers-job" in got, got
     assert "petastorm" not in got
     assert "pyspark" not in got, "the wheel pulls pyspark (mosaicml-streaming's spark extra?)"
     other = {n: (v, runtime[n]) for n, v in got.items() if n in runtime and v != runtime[n]}
