@@ -7,6 +7,9 @@
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
 #                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
 #                           [streaming] extra, with data.loader=streaming
+#               test-dbr18  after it, on the same side: the Databricks Runtime 18 ML smoke
+#                           job (DBR18_TESTS) in .venv-dbr18 (requirements/dbr-18-ml.txt),
+#                           the same way
 #               Where this is root with util-linux's unshare (CI is), the two suites run
 #               side by side, the DBR suite in its own mount namespace (its own /dev/shm
 #               and temp dir, for the Streaming state checks of test_faults.py); each
@@ -29,6 +32,10 @@ VENV     ?= .venv
 BIN      := $(VENV)/bin
 DBR_VENV ?= .venv-dbr
 DBR_BIN  := $(abspath $(DBR_VENV))/bin
+# The runtime-like environment the DBR targets build and test in: its lock file, and the name
+# of its parts in the times log and of its JUnit XML (test-dbr18 sets all three).
+DBR_LOCK ?= requirements/dbr-17.3-ml.txt
+DBR_NAME ?= dbr
 PHOTOS   ?= ../shared/data/flower_photos
 OUT      ?= output/flowers
 ARGS     ?=
@@ -40,9 +47,18 @@ UV       := $(BIN)/uv
 # What each environment is built from: its lock file (and, for .venv, pyproject.toml, for
 # the editable project), hashed.
 LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -c1-12)
-DBR_ID   := $(shell cat requirements/dbr-17.3-ml.txt | sha256sum | cut -c1-12)
+DBR_ID   := $(shell cat $(DBR_LOCK) | sha256sum | cut -c1-12)
 # Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way).
 WHEEL_DIR ?= dist
+# 0: wheel-dbr installs the wheel already in WHEEL_DIR instead of building it again (`make
+# test` builds it once, for both runtimes).
+BUILD_WHEEL ?= 1
+# The Databricks Runtime 18 ML smoke job (test-dbr18): the CLI's whole job on 60 real photos
+# with Mosaic Streaming, then a resume, MLflow, the registry and the champion alias
+# (docs/testing.md has what CI can afford and why this one).
+DBR18_TESTS ?= test_job_e2e.py::test_cli_run_local_mode_then_resume
+# 0: `make test` leaves the 18 smoke job out (`make test-dbr18` still runs it).
+SMOKE_DBR18 ?= 1
 # Test files that `make test` runs in the DBR suite only, which evens out the two suites'
 # times when they run side by side (docs/testing.md): the clean install of the built wheel
 # (a fresh uv environment of its own, whichever suite starts it), and the checks of
@@ -81,8 +97,8 @@ DBR_DESELECT ?= test_ingest.py::test_changed_clean_input_is_reingested_consisten
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
 LOCAL_LOADERS ?= petastorm
 
-.PHONY: setup setup-dbr run test test-local test-dbr dbr-suite wheel-dbr lint typecheck clean \
-	cluster-env cluster-up cluster-down
+.PHONY: setup setup-dbr setup-dbr18 run test test-local test-dbr test-dbr18 dbr-suite dbr-side \
+	wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
 # master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
@@ -126,17 +142,25 @@ $(VENV)/.installed-$(LOCAL_ID):
 
 setup: $(VENV)/.installed-$(LOCAL_ID)
 
-# The DBR 17.3 LTS ML-like environment: the lock file only, no project (test-dbr installs
-# the built wheel into it). pip stays in it: test_bundle.py asks pip what it would install.
+# The DBR 17.3 LTS ML-like environment (or 18's, DBR_LOCK): the lock file only, no project
+# (test-dbr installs the built wheel into it). pip stays in it: test_bundle.py asks pip what
+# it would install.
 $(DBR_VENV)/.installed-$(DBR_ID): | $(VENV)/.installed-$(LOCAL_ID)
 	@set -e; t0=$$(date +%s); set -x; \
 	rm -f $(DBR_VENV)/.installed*; \
 	test -x $(DBR_BIN)/python || $(PYTHON) -m venv $(DBR_VENV); \
-	$(UV) pip sync -q --python $(DBR_BIN)/python requirements/dbr-17.3-ml.txt; \
-	set +x; $(call took,install dbr)
+	$(UV) pip sync -q --python $(DBR_BIN)/python $(DBR_LOCK); \
+	set +x; $(call took,install $(DBR_NAME))
 	touch $@
 
 setup-dbr: $(DBR_VENV)/.installed-$(DBR_ID)
+
+# What test-dbr18 passes to test-dbr: 18's lock file, environment, name and tests.
+DBR18 := DBR_LOCK=requirements/dbr-18-ml.txt DBR_VENV=.venv-dbr18 DBR_NAME=dbr18 \
+	DBR_TESTS="$(DBR18_TESTS)" DBR_DESELECT=
+
+setup-dbr18:
+	@$(MAKE) --no-print-directory setup-dbr $(DBR18)
 
 run: setup
 	$(BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) $(ARGS)
@@ -157,13 +181,21 @@ ISOLATE := $(shell [ "$$(id -u)" = 0 ] && unshare --mount --propagation private 
 test: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O test-local dbr-suite LOCAL_IGNORE="$(DBR_ONLY)" \
+	@$(MAKE) --no-print-directory -j2 -O test-local dbr-side LOCAL_IGNORE="$(DBR_ONLY)" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
 	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY)" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
-	@$(MAKE) --no-print-directory dbr-suite
+	@$(MAKE) --no-print-directory dbr-side
 endif
+
+# The DBR side of `make test`: the 17.3 suite, then the 18 smoke job (SMOKE_DBR18) with the
+# wheel that wheel-dbr built; what it costs CI: docs/testing.md. Both run whatever the
+# other's result; the side fails if either does.
+dbr-side:
+	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
+	if [ "$(SMOKE_DBR18)" = 1 ]; then \
+		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; exit $$rc
 
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
@@ -172,20 +204,27 @@ test-local: setup
 		$(addprefix --deselect tests/,$(LOCAL_DESELECT)) || rc=$$?; \
 	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
 
-# Build the wheel (as the bundle's artifact does) and install it into .venv-dbr with its
-# [streaming] extra, from the lock file's packages only (--no-index): the wheel's
-# requirements must be met by the 17.3 versions without fetching or changing anything.
+# Build the wheel (as the bundle's artifact does; BUILD_WHEEL=0 takes the one in WHEEL_DIR)
+# and install it into .venv-dbr with its [streaming] extra, from the lock file's packages
+# only (--no-index): the wheel's requirements must be met by the runtime's versions without
+# fetching or changing anything.
 wheel-dbr: setup-dbr
 	@set -e; t0=$$(date +%s); set -x; \
-	rm -rf $(WHEEL_DIR) build; \
-	$(DBR_BIN)/python -m build --wheel --outdir $(WHEEL_DIR) . >/dev/null; \
+	if [ "$(BUILD_WHEEL)" != 0 ] || ! ls $(WHEEL_DIR)/flowers_job-*.whl >/dev/null 2>&1; then \
+		rm -rf $(WHEEL_DIR) build; \
+		$(DBR_BIN)/python -m build --wheel --outdir $(WHEEL_DIR) . >/dev/null; \
+	fi; \
 	$(DBR_BIN)/pip uninstall -q -y flowers-job; \
 	$(DBR_BIN)/pip install -q --no-index "$$(ls $(WHEEL_DIR)/flowers_job-*.whl)[streaming]"; \
 	$(DBR_BIN)/pip check; \
-	set +x; $(call took,build and install wheel dbr)
+	set +x; $(call took,build and install wheel $(DBR_NAME))
 
 test-dbr: wheel-dbr
 	@$(MAKE) --no-print-directory dbr-suite
+
+# The Databricks Runtime 18 ML smoke job: test-dbr in .venv-dbr18 with DBR18_TESTS.
+test-dbr18:
+	@$(MAKE) --no-print-directory test-dbr $(DBR18)
 
 # The DBR suite against the wheel that wheel-dbr installed. The tests run from a copy of
 # tests/ in a temp dir, so that neither pytest nor the processes it starts
@@ -209,9 +248,9 @@ dbr-suite:
 	FLOWERS_PHOTOS=$(abspath $(PHOTOS)) FLOWERS_REPO_ROOT=$(CURDIR) \
 	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" FLOWERS_UV=$(abspath $(UV)) \
 	$$wrap $(DBR_BIN)/python -m pytest -p no:cacheprovider --durations=0 \
-		--junitxml=$(REPORTS)/junit-dbr.xml $(addprefix tests/,$(DBR_TESTS)) \
+		--junitxml=$(REPORTS)/junit-$(DBR_NAME).xml $(addprefix tests/,$(DBR_TESTS)) \
 		$(addprefix --deselect tests/,$(DBR_DESELECT)) || rc=$$?; \
-	set +x; $(call took,tests dbr); $(call pytest_status); exit $$rc
+	set +x; $(call took,tests $(DBR_NAME)); $(call pytest_status); exit $$rc
 
 clean:
 	rm -rf output reports .pytest_cache .mypy_cache .ruff_cache dist build

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import LABELS, index_url, sample_photos
+from .conftest import LABELS, clean_env, sample_photos, uv_bin, uv_failure
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -71,41 +70,12 @@ SHOWN = (
 """Packages whose resolved versions the failure messages name."""
 
 
-def _uv() -> str:
-    """``FLOWERS_UV`` (the DBR suite's: its environment, like the runtime, has no uv), else
-    the uv of this environment (requirements/lock.txt has it)."""
-    given = os.environ.get("FLOWERS_UV")
-    if given:
-        return given
-    uv = pytest.importorskip("uv", reason="uv is not installed (requirements/lock.txt has it)")
-    return str(uv.find_uv_bin())
-
-
 def _run(
     args: list[str], timeout: float, cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=False
     )
-
-
-def _uv_failure(stderr: str) -> str:
-    """uv's own error lines (``error:``, ``cause:``, ``hint:``) and any exception line of a
-    build backend first, then the tail of ``stderr``: a failed sdist build prints its
-    backend's whole output between uv's error and its hint, so the tail alone can miss the
-    cause (a full disk, a failed download, the backend's exit status)."""
-    cause = re.compile(r"^(error:|cause:|hint:|[\w.]*(Error|Exception)\b)")
-    own = [line.strip() for line in stderr.splitlines() if cause.match(line.strip())]
-    return " | ".join(own) + f"\n{stderr[-4000:]}"
-
-
-def _clean_env() -> dict[str, str]:
-    """This process's environment less what would point a child at another environment."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    if "PIP_INDEX_URL" in os.environ:  # a mirror: uv resolves against the same index
-        env["UV_DEFAULT_INDEX"] = index_url()
-    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    return env
 
 
 def _wheel(uv: str, tmp_path: Path) -> Path:
@@ -132,7 +102,7 @@ def _wheel(uv: str, tmp_path: Path) -> Path:
 def venv(pypi: None, tmp_path: Path) -> Iterator[Path]:
     """A fresh virtual environment holding the wheel with [local,streaming] and exactly
     what the resolver chose for its requirements; removed after the test."""
-    uv = _uv()
+    uv = uv_bin()
     wheel = _wheel(uv, tmp_path)
     env = tmp_path / "venv"
     try:
@@ -151,9 +121,9 @@ def venv(pypi: None, tmp_path: Path) -> Iterator[Path]:
             "--python",
             python,
         ]
-        proc = _run([*install, f"{wheel}[local,streaming]"], 600, tmp_path, _clean_env())
-        assert proc.returncode == 0, f"uv pip install failed: {_uv_failure(proc.stderr)}"
-        check = _run([uv, "pip", "check", "--python", python], 60, tmp_path, _clean_env())
+        proc = _run([*install, f"{wheel}[local,streaming]"], 600, tmp_path, clean_env())
+        assert proc.returncode == 0, f"uv pip install failed: {uv_failure(proc.stderr)}"
+        check = _run([uv, "pip", "check", "--python", python], 60, tmp_path, clean_env())
         assert check.returncode == 0, check.stdout + check.stderr
         yield env
     finally:
@@ -182,7 +152,7 @@ def _figures(env: Path, summary: dict[str, object]) -> list[str]:
         "print(json.dumps(sorted(a.path for a in client.list_artifacts(sys.argv[2], 'figures'))))"
     )
     args = [str(summary["mlflow_tracking_uri"]), str(summary["mlflow_run_id"])]
-    proc = _run([str(env / "bin" / "python"), "-c", code, *args], 120, env.parent, _clean_env())
+    proc = _run([str(env / "bin" / "python"), "-c", code, *args], 120, env.parent, clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return list(json.loads(proc.stdout))
 
@@ -201,7 +171,7 @@ def test_the_wheel_with_only_its_declared_requirements_runs_a_job(
     out = tmp_path / "out"
     sets = [arg for setting in JOB for arg in ("--set", setting)]
     cli = [str(venv / "bin" / "flowers-job"), "run", "--images", str(photos), "--output-dir"]
-    proc = _run([*cli, str(out), *sets], 600, tmp_path, _clean_env())
+    proc = _run([*cli, str(out), *sets], 600, tmp_path, clean_env())
     assert proc.returncode == 0, (
         f"flowers-job run failed with {versions}:\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}"
     )
