@@ -152,7 +152,7 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ModelRef:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from flowers_job.tracking import fail_fast
+    from flowers_job.credentials import fail_fast
 
     m = _MODEL_URI.fullmatch(model_uri)
     if m is None:
@@ -227,7 +227,7 @@ def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
     import mlflow
     from mlflow.models import Model
 
-    from flowers_job.tracking import fail_fast
+    from flowers_job.credentials import fail_fast
 
     key = (spark.sparkContext.applicationId, ref.tracking_uri, ref.version_uri)
     shipped = _SHIPPED.get(key)
