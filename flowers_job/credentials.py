@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
+    "DATABRICKS_VARIABLES",
     "ExecutorTracking",
     "credential_problems",
     "credential_variables",
@@ -76,15 +77,32 @@ def remote_store(uri: str) -> bool:
     return bool(is_http_uri(uri) or is_databricks_uri(uri))
 
 
-def _databricks_attributes() -> list[Any]:
-    """The Databricks SDK's configuration attributes that authenticate (its unified
-    authentication, which MLflow uses for ``databricks`` URIs): the host, the profile and
-    config file, the auth type, and every attribute of an auth method (token, OAuth client,
-    Azure, Google, ...)."""
-    from databricks.sdk.config import Config
-
-    chosen = {"host", "profile", "config_file", "auth_type"}
-    return [a for a in Config.attributes() if a.env and (a.auth or a.name in chosen)]
+DATABRICKS_VARIABLES: dict[str, bool] = {
+    "DATABRICKS_HOST": False,
+    "DATABRICKS_TOKEN": True,
+    "DATABRICKS_OIDC_TOKEN_ENV": False,
+    "DATABRICKS_OIDC_TOKEN_FILEPATH": False,
+    "DATABRICKS_USERNAME": False,
+    "DATABRICKS_PASSWORD": True,
+    "DATABRICKS_CLIENT_ID": False,
+    "DATABRICKS_CLIENT_SECRET": True,
+    "DATABRICKS_CONFIG_PROFILE": False,
+    "DATABRICKS_CONFIG_FILE": False,
+    "DATABRICKS_GOOGLE_SERVICE_ACCOUNT": False,
+    "GOOGLE_CREDENTIALS": True,
+    "DATABRICKS_AZURE_RESOURCE_ID": False,
+    "ARM_USE_MSI": False,
+    "ARM_CLIENT_SECRET": True,
+    "ARM_CLIENT_ID": False,
+    "ARM_TENANT_ID": False,
+    "DATABRICKS_AUTH_TYPE": False,
+    "DATABRICKS_METADATA_SERVICE_URL": True,
+}
+"""The variables Databricks' unified authentication reads, which MLflow uses for a
+``databricks`` store (through the Databricks SDK), and whether each is a secret: the SDK's
+configuration attributes of an auth method, plus the host, profile, config file and auth
+type (``databricks.sdk.config.Config.attributes()``; tests/test_executor_probe.py checks
+this against the SDK installed, which the wheel does not itself require)."""
 
 
 def credential_variables(uri: str) -> tuple[str, ...]:
@@ -115,29 +133,22 @@ def credential_variables(uri: str) -> tuple[str, ...]:
             )
         )
     if is_databricks_uri(uri):
-        return tuple(a.env for a in _databricks_attributes())
+        return tuple(DATABRICKS_VARIABLES)
     return ()
 
 
-_SDK_PREFIXES = ("DATABRICKS_", "ARM_", "GOOGLE_")
-"""The prefixes of the Databricks SDK's variables: without one set, its (seconds-long)
-import is skipped."""
-
-
-def _secret_variables(environ: Mapping[str, str]) -> list[str]:
+def _secret_variables() -> list[str]:
     from mlflow import environment_variables as mlflow_env
 
     names = [mlflow_env.MLFLOW_TRACKING_PASSWORD.name, mlflow_env.MLFLOW_TRACKING_TOKEN.name]
-    if any(name.startswith(_SDK_PREFIXES) for name in environ):
-        names += [a.env for a in _databricks_attributes() if a.sensitive]
-    return names
+    return names + [name for name, secret in DATABRICKS_VARIABLES.items() if secret]
 
 
 def redact(text: str, environ: Mapping[str, str] = os.environ) -> str:
     """``text`` with the value of every secret credential variable set in ``environ``
     (MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, DATABRICKS_TOKEN,
     DATABRICKS_CLIENT_SECRET, ...) replaced by ``***``."""
-    for name in _secret_variables(environ):
+    for name in _secret_variables():
         value = environ.get(name)
         if value:
             text = text.replace(value, "***")

@@ -23,7 +23,14 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, load_config
-from flowers_job.credentials import credential_problems, executor_report, executor_tracking
+from flowers_job.credentials import (
+    DATABRICKS_VARIABLES,
+    credential_problems,
+    credential_variables,
+    executor_report,
+    executor_tracking,
+    redact,
+)
 from flowers_job.probe import check_executors
 from flowers_job.tracking import preflight
 
@@ -138,7 +145,7 @@ def test_the_probe_refuses_executors_without_credentials(
     caplog.set_level(logging.DEBUG)
     preflight(cfg)  # exports the configured credentials, as the CLI's check does
     with pytest.raises(ConfigError) as err:
-        check_executors(spark, cfg)  # type: ignore[arg-type]
+        check_executors(spark, cfg)
     message = str(err.value)
     assert (
         f"tracking.tracking_uri: the MLflow store {auth_server} cannot be used from the executors"
@@ -154,4 +161,19 @@ def test_the_probe_refuses_executors_without_credentials(
     local = cfg.model_copy(
         update={"distributed": cfg.distributed.model_copy(update={"local_mode": True})}
     )
-    assert check_executors(spark, local) == []  # type: ignore[arg-type]
+    assert check_executors(spark, local) == []
+
+
+def test_the_databricks_variables_are_the_sdks() -> None:
+    """The Databricks variables the probe asks for (and redacts) are those the installed
+    Databricks SDK authenticates with, and its secrets are the SDK's sensitive ones."""
+    from databricks.sdk.config import Config
+
+    chosen = {"host", "profile", "config_file", "auth_type"}
+    sdk = {
+        a.env: a.sensitive for a in Config.attributes() if a.env and (a.auth or a.name in chosen)
+    }
+    assert sdk == DATABRICKS_VARIABLES
+    assert credential_variables("databricks") == tuple(DATABRICKS_VARIABLES)
+    token = "dapi-probe-0a9b8c"
+    assert redact(f"bad {token}", {"DATABRICKS_TOKEN": token}) == "bad ***"
