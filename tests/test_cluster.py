@@ -299,10 +299,12 @@ def check_registered(cluster: Cluster, summary: dict[str, Any]) -> None:
     )
     assert version.run_id == run.info.run_id
     assert summary["model_uri"].startswith("models:/")
-    assert "flowers_job.promotion" in run.data.tags  # the driver's decision, through the server
-    if summary["promotion"]["promoted"]:
-        champion = client.get_model_version_by_alias(summary["registered_model_name"], "champion")
-        assert champion.version == version.version
+    # the driver's champion decision, made and recorded through the server
+    assert "flowers_job.promotion" in run.data.tags
+    promotion = summary["promotion"]
+    champion = client.get_model_version_by_alias(summary["registered_model_name"], "champion")
+    expected = version.version if promotion["promoted"] else str(promotion["champion_version"])
+    assert champion.version == expected, promotion
     secret = MLFLOW_AUTH[1]
     assert secret not in json.dumps(summary) and secret not in json.dumps(run.data.params)
     assert secret not in json.dumps(run.data.tags)
