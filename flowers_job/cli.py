@@ -10,6 +10,10 @@ Spark starts (status 2).
 (an unknown model, version or alias, or a missing input, exits with status 1).
 ``runs`` lists the MLflow runs of an output dir with their true state; it starts no Spark
 and creates no store.
+Spark Connect (``SPARK_REMOTE``, spark-submit ``--remote``, Databricks serverless compute or
+standard access mode) is refused with status 2 by every command that uses Spark, predict
+included, before Spark starts or as soon as the session is seen
+(:mod:`flowers_job.spark_connect`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 from pathlib import Path
 
 from flowers_job.config import ConfigError, JobConfig, load_config
+from flowers_job.spark_connect import refuse_spark_connect
 
 __all__ = ["build_parser", "main"]
 
@@ -33,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flowers-job",
         description="Distributed image-classification training on Spark: "
         "photos -> Delta -> Petastorm -> TorchDistributor (DDP) -> MLflow.",
+        epilog="Needs classic Spark: Spark Connect (SPARK_REMOTE, spark-submit --remote, "
+        "Databricks serverless or standard access mode) is refused with exit status 2, "
+        "predict included.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -78,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="score photos or a Delta table with a registered model -> Delta table",
         description="Score photos (--images) or a Delta table with an image column (--table) "
         "on the executors; one output row per input row, bad inputs with a reason. "
-        "Default model: the version the last run/train in --output-dir registered.",
+        "Default model: the version the last run/train in --output-dir registered. "
+        "Needs classic Spark, as training does: on Spark Connect it exits with status 2.",
     )
     predict.add_argument(
         "--model",
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return apart[args.command](args)
     try:
         cfg = _config(args)
+        refuse_spark_connect()  # SPARK_REMOTE, spark-submit --remote...: before any import
     except ConfigError as exc:
         print(f"flowers-job: {exc}", file=sys.stderr)
         return 2
@@ -149,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         from flowers_job.spark import get_spark
 
         spark = get_spark()
+        refuse_spark_connect(spark)  # a Connect session made elsewhere (Databricks serverless)
         if args.command != "ingest":
             pipeline.check_on_cluster(spark, cfg)
         result = pipeline.execute(spark, cfg, args.command)
@@ -202,14 +213,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     """``flowers-job predict``: model and input checked before Spark starts, then scored."""
+    try:
+        if args.model is None and args.output_dir is None:
+            raise ConfigError("give --model or --output-dir (its summary.json)")
+        refuse_spark_connect()  # predict needs classic Spark too (docs/using-the-model.md)
+    except ConfigError as exc:
+        print(f"flowers-job predict: {exc}", file=sys.stderr)
+        return 2
     from flowers_job import predict
     from flowers_job.tracking import use_credentials
 
-    if args.model is None and args.output_dir is None:
-        print(
-            "flowers-job predict: give --model or --output-dir (its summary.json)", file=sys.stderr
-        )
-        return 2
     try:
         # paths.output_dir only locates the defaults (summary.json, the sqlite store); "."
         # makes the default store ./mlflow.db, MLflow's own default
@@ -242,6 +255,9 @@ def _predict(args: argparse.Namespace) -> int:
             split=args.split,
             data=cfg.data,
         )
+    except ConfigError as exc:  # a Spark Connect session (flowers_job.spark_connect)
+        print(f"flowers-job predict: {exc}", file=sys.stderr)
+        return 2
     except predict.PredictError as exc:
         print(f"flowers-job predict: {exc}", file=sys.stderr)
         return 1

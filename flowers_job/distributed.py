@@ -12,13 +12,16 @@ import os
 import pickle
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from flowers_job.placement import HostLayout
 
 __all__ = [
     "DistContext",
@@ -33,6 +36,7 @@ __all__ = [
     "init_distributed",
     "rank_address",
     "set_socket_interface",
+    "shard_environment",
     "shutdown_distributed",
 ]
 
@@ -290,29 +294,37 @@ def gather_ranks(ctx: DistContext) -> list[dict[str, Any]]:
     return ranks
 
 
-def describe_hosts(ctx: DistContext, ranks: list[dict[str, Any]] | None = None) -> int | None:
-    """Make ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` describe the ranks that share this host.
+def describe_hosts(ctx: DistContext, ranks: list[dict[str, Any]] | None = None) -> HostLayout:
+    """The :class:`HostLayout` of the job; makes ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+    describe the ranks that share this host.
 
     A collective (every rank calls it) unless ``ranks`` (:func:`gather_ranks`) is given.
-    torchrun sets them per torchrun "node", and
-    TorchDistributor's barrier mode starts one torchrun per Spark task, so two ranks on one
-    executor host both claim ``LOCAL_RANK=0, LOCAL_WORLD_SIZE=1``. Mosaic Streaming reads
-    these variables to decide which processes share its shared memory and local files; two
-    "local leaders" on one host would collide. The host names are all-gathered and the
-    variables rewritten (torch itself no longer reads them once the group is up).
-
-    Returns:
-        The number of hosts, when every host runs the same number of ranks with consecutive
-        global ranks (the layout Streaming can describe); None otherwise (variables unchanged).
+    torchrun sets those variables per torchrun "node", and TorchDistributor's barrier mode
+    starts one torchrun per Spark task, so two ranks on one executor host both claim
+    ``LOCAL_RANK=0, LOCAL_WORLD_SIZE=1``. Mosaic Streaming reads them to decide which
+    processes share its shared memory and local files; two "local leaders" on one host
+    would collide. The host names are all-gathered and the variables rewritten (torch
+    itself no longer reads them once the group is up). ``RANK`` keeps the global rank
+    (failure reports name it); :func:`shard_environment` gives a loader the shard instead.
     """
     hosts = [r["host"] for r in (ranks if ranks is not None else gather_ranks(ctx))]
-    order = list(dict.fromkeys(hosts))
-    per_host = ctx.world_size // len(order)
-    regular = per_host * len(order) == ctx.world_size and all(
-        hosts[r] == order[r // per_host] for r in range(ctx.world_size)
-    )
-    if not regular:
-        return None
-    os.environ["LOCAL_WORLD_SIZE"] = str(per_host)
-    os.environ["LOCAL_RANK"] = str(ctx.rank % per_host)
-    return len(order)
+    layout = HostLayout.of(hosts, ctx.rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(layout.local_world_size)
+    os.environ["LOCAL_RANK"] = str(layout.local_rank)
+    return layout
+
+
+@contextmanager
+def shard_environment(shard: int) -> Iterator[None]:
+    """``RANK`` set to ``shard`` (:attr:`HostLayout.shard`) inside the block, the global
+    rank again after it: for a loader that reads its rank from the environment while it is
+    built (Mosaic Streaming's ``World.detect``), so that consecutive "ranks" share a host."""
+    saved = os.environ.get("RANK")
+    os.environ["RANK"] = str(shard)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = saved

@@ -223,12 +223,19 @@ _SHIPPED: dict[tuple[str, str, str], Shipped] = {}
 
 
 def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
-    """Download ``ref``'s artifacts once per driver process and ``addFile`` the folder."""
+    """Download ``ref``'s artifacts once per driver process and ``addFile`` the folder.
+
+    Raises:
+        ConfigError: ``spark`` is a Spark Connect session (no ``addFile``; nor the RDDs and
+            the JVM's slot count and status tracker that scoring uses): before the download.
+    """
     import mlflow
     from mlflow.models import Model
 
     from flowers_job.credentials import fail_fast
+    from flowers_job.spark_connect import refuse_spark_connect
 
+    refuse_spark_connect(spark)
     key = (spark.sparkContext.applicationId, ref.tracking_uri, ref.version_uri)
     shipped = _SHIPPED.get(key)
     if shipped is not None:

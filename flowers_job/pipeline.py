@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
+from flowers_job import placement
 from flowers_job.allocator import apply_to_environ
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import IngestReport, check_images_root, ingest
@@ -32,6 +32,7 @@ from flowers_job.data.prepare import PreparedData, prepare_data
 from flowers_job.data.tables import TABLE_NAMES
 from flowers_job.failures import TrainingError, check_finished, failure, registered_model
 from flowers_job.loaders import resolve_loader
+from flowers_job.placement import check_cluster
 from flowers_job.probe import check_executors
 from flowers_job.processes import driver_identity
 from flowers_job.promotion import promote
@@ -44,8 +45,7 @@ from flowers_job.restarts import (
     restart_processes,
 )
 from flowers_job.runs import record_driver
-from flowers_job.spark import driver_gpus, executor_cores, task_slots, wait_for_slots
-from flowers_job.storage import is_local_master
+from flowers_job.spark import executor_cores
 from flowers_job.tracking import TrackingError
 from flowers_job.tracking import preflight as tracking_preflight
 
@@ -154,8 +154,8 @@ def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
 
     Raises:
         ConfigError: ``data.loader`` cannot run on this stack, a package is missing
-            (:func:`preflight`), or ``distributed`` does not fit this cluster
-            (:func:`check_cluster`), before any work.
+            (:func:`preflight`), the session is Spark Connect or ``distributed`` does not fit
+            this cluster (:func:`check_cluster`), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
         TrackingError: the MLflow store is unusable (before any worker starts), or the
             champion decision (:func:`~flowers_job.promotion.promote`) failed after the
@@ -197,102 +197,6 @@ def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
         time.perf_counter() - t0,
     )
     return report
-
-
-def _use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
-    if cfg.distributed.use_gpu is not None:
-        return cfg.distributed.use_gpu
-    if cfg.distributed.local_mode:
-        import torch
-
-        return torch.cuda.is_available()
-    return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
-
-
-def _local_store(uri: str) -> bool:
-    """An MLflow store on a local path (``sqlite:``, ``file:`` or a bare path)."""
-    return urlparse(uri).scheme in ("", "file", "sqlite")
-
-
-def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
-    """Check ``distributed`` and ``tracking`` against this Spark cluster, before any data is
-    touched (seconds: on a cluster it waits for executors to register, at most
-    ``distributed.executor_wait_seconds``).
-
-    Raises:
-        ConfigError: naming the setting, when
-            - barrier mode (``local_mode=false``) asks for more processes than the cluster's
-              task slots (:func:`~flowers_job.spark.task_slots`: GPU slots when tasks ask
-              for GPUs);
-            - barrier mode on a real cluster (not ``local[...]``) with a ``sqlite:``/``file:``
-              tracking store not declared shared (``tracking.store_is_shared``): rank 0
-              writes it from an executor, on another host than the driver;
-            - GPUs are requested in local mode with fewer CUDA devices on the driver than
-              processes, or a session whose driver has fewer ``gpu`` resources than
-              processes (TorchDistributor would refuse only after the data is prepared).
-    """
-    d = cfg.distributed
-    problems = []
-    if not d.local_mode:
-        local_master = is_local_master(spark)
-        slots = (
-            task_slots(spark)
-            if local_master
-            else wait_for_slots(spark, d.num_processes, d.executor_wait_seconds)
-        )
-        if d.num_processes > slots:
-            gpus = float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0)
-            kind = (
-                f"GPU task slots (spark.task.resource.gpu.amount={gpus:g} per task)"
-                if gpus > 0
-                else f"task slots (spark.task.cpus={spark.conf.get('spark.task.cpus', '1')})"
-            )
-            problems.append(
-                f"distributed.num_processes: {d.num_processes} processes, but this Spark cluster "
-                f"({spark.sparkContext.master}) has {slots} {kind}"
-                + (
-                    ""
-                    if local_master
-                    else " on the executors registered (distributed.executor_wait_seconds="
-                    f"{d.executor_wait_seconds:g})"
-                )
-                + "; barrier mode (distributed.local_mode=false) runs one task per process, "
-                "all at once"
-            )
-        if not local_master and _local_store(cfg.tracking_uri) and not cfg.tracking.store_is_shared:
-            problems.append(
-                f"tracking.tracking_uri: {cfg.tracking_uri} is a store on a local path, and with "
-                "distributed.local_mode=false rank 0 logs and registers from an executor on "
-                "another host: use an MLflow tracking server (http://HOST:5000, databricks), "
-                "or set tracking.store_is_shared=true if the path is on storage every host "
-                "shares (checked; sqlite over NFS or FUSE is unreliable)"
-            )
-    elif _use_gpu(spark, cfg):
-        import torch
-
-        gpus = torch.cuda.device_count()
-        spark_gpus = driver_gpus(spark)
-        if gpus == 0:
-            problems.append(
-                "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
-                "(local mode runs every process on the driver)"
-            )
-        elif d.num_processes > gpus:
-            problems.append(
-                f"distributed.num_processes: {d.num_processes} processes, but the driver has "
-                f"{gpus} CUDA devices (local mode on GPUs: one device per process; set "
-                f"distributed.num_processes={gpus})"
-            )
-        elif len(spark_gpus) < d.num_processes:
-            problems.append(
-                f"distributed.use_gpu: the Spark session's driver has {len(spark_gpus)} GPUs "
-                f"as a resource and TorchDistributor's local mode needs {d.num_processes}: "
-                "start the session with spark.driver.resource.gpu.amount and "
-                "spark.driver.resource.gpu.discoveryScript (flowers_job.spark.get_spark does "
-                "when it finds CUDA devices; flowers_job.spark.local_gpu_conf gives them)"
-            )
-    if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def _threads_per_process(cfg: JobConfig) -> int | None:
@@ -422,7 +326,7 @@ def _train(
     """Train on the Delta tables with TorchDistributor (checks done), restarting after a
     failure that may be transient (:mod:`flowers_job.restarts`), write ``summary.json`` and
     decide the champion; errors as :func:`run_training`'s after its checks."""
-    use_gpu = _use_gpu(spark, cfg)
+    use_gpu = placement.use_gpu(spark, cfg)
     wanted = cfg.distributed.num_processes
     restarts: list[Restart] = []
     errors: list[TrainingError] = []

@@ -307,6 +307,8 @@ def predict(
 
     Raises:
         UsageError, PredictError: as :func:`check_input`, or a ``table`` without the columns.
+        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.spark_connect`;
+            docs/using-the-model.md says why), before anything is read or written.
     """
     check_input(images, table)
     data = data or DataConfig()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,14 +31,15 @@ from flowers_job.credentials import (
     executor_tracking,
     redact,
 )
-from flowers_job.spark import task_slots
+from flowers_job.spark import run_probe, task_slots
 from flowers_job.storage import is_local_master, shared_dirs, storage_problems, tokens, unreadable
 
 __all__ = ["PROBE_TIMEOUT_SECONDS", "check_executors"]
 
 PROBE_TIMEOUT_SECONDS = 120.0
-"""Bound on the probe's Spark job (seconds): about a second for the storage alone on a live
-cluster, plus MLflow's import (seconds) and one call (at most two tries of
+"""Bound on a probe's Spark job before any work (seconds; this one's, and the placement's of
+:mod:`flowers_job.placement`): about a second for the storage alone on a live cluster, plus
+MLflow's import (seconds) and one call (at most two tries of
 :data:`~flowers_job.tracking.PREFLIGHT_TIMEOUT_SECONDS`) for the tracking server."""
 
 log = logging.getLogger(__name__)
@@ -65,41 +65,6 @@ def _probe_task(
         yield row
 
     return task
-
-
-def _run_barrier(
-    spark: SparkSession,
-    task: Callable[[Any], Iterator[dict[str, Any]]],
-    timeout_seconds: float,
-    name: str,
-) -> list[dict[str, Any]]:
-    """``task`` as a barrier stage of one task per task slot; its rows, within
-    ``timeout_seconds`` (the job is cancelled after that, and RuntimeError raised)."""
-    sc = spark.sparkContext
-    n = max(1, task_slots(spark))
-    rdd = sc.parallelize(range(n), n).barrier().mapPartitions(task)
-    results: list[dict[str, Any]] = []
-    failure: list[BaseException] = []
-    group = f"{name}-{id(task)}"
-
-    def run() -> None:
-        try:
-            sc.setJobGroup(group, f"flowers_job: {name}", True)
-            results.extend(rdd.collect())
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join(timeout_seconds)
-    if thread.is_alive():
-        sc.cancelJobGroup(group)
-        raise RuntimeError(
-            f"the {name} (one task per task slot) did not end within {timeout_seconds:.0f} s"
-        )
-    if failure:
-        raise failure[0]
-    return results
 
 
 def check_executors(
@@ -140,7 +105,9 @@ def check_executors(
         return []
     with tokens(dirs) as token:
         task = _probe_task(token, [str(p) for p in dirs.values()], tracking)
-        results = _run_barrier(spark, task, timeout_seconds, "executor probe")
+        n = max(1, task_slots(spark))
+        rdd = spark.sparkContext.parallelize(range(n), n).barrier().mapPartitions(task)
+        results = run_probe(spark, rdd, "executor probe", timeout_seconds)
     problems = storage_problems(dirs, results)
     if tracking is not None:
         problems += credential_problems(tracking, [r for r in results if "tracking" in r])

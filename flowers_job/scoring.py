@@ -178,6 +178,7 @@ def score_images(
     Raises:
         UsageError, PredictError: as :func:`resolve_model`.
         ValueError: ``df`` has no binary ``image`` column, or already has an output column.
+        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.spark_connect`).
     """
     import mlflow
 

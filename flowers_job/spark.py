@@ -23,6 +23,7 @@ from pyspark.sql import SparkSession
 
 from flowers_job.allocator import apply_to_environ
 from flowers_job.allocator import spark_conf as allocator_spark_conf
+from flowers_job.spark_connect import is_connect_session
 
 __all__ = [
     "cuda_device_count",
@@ -106,7 +107,8 @@ def get_spark(
     for key, value in {**_LOCAL_DEFAULTS, **allocator_spark_conf(), **gpus, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
+    if not is_connect_session(spark):  # SPARK_REMOTE: the job's entry points refuse it
+        spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
     return spark
 
 
@@ -278,6 +280,42 @@ def executor_cores(spark: SparkSession) -> dict[str, int]:
     except Exception:
         return {}
     return cores
+
+
+def run_probe(spark: SparkSession, rdd: Any, what: str, timeout_seconds: float) -> list[Any]:
+    """``rdd.collect()`` of a short check run on the executors before any work (a barrier
+    stage), bounded: cancelled after ``timeout_seconds``.
+
+    Returns:
+        The collected rows.
+
+    Raises:
+        RuntimeError: not done within ``timeout_seconds`` (naming ``what``); or the stage's
+            own error.
+    """
+    sc = spark.sparkContext
+    group = f"flowers-{what.replace(' ', '-')}-{uuid.uuid4().hex}"
+    results: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sc.setJobGroup(group, f"flowers_job: {what}", True)
+            results.extend(rdd.collect())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=what.replace(" ", "-"), daemon=True)
+    thread.start()
+    thread.join(timeout_seconds)
+    if thread.is_alive():
+        sc.cancelJobGroup(group)
+        raise RuntimeError(
+            f"the {what} (a barrier stage) did not end within {timeout_seconds:.0f} s"
+        )
+    if failure:
+        raise failure[0]
+    return results
 
 
 PROGRESS_POLL_SECONDS = 0.5

@@ -249,23 +249,28 @@ def report(**values: Any) -> None:
             f.write(json.dumps(values) + "\n")
 
 
-def check_summary(out: Path, cluster: Cluster) -> dict[str, Any]:
+def check_summary(
+    out: Path, cluster: Cluster, world_size: int = 2, epochs: int = 3
+) -> dict[str, Any]:
+    """The run's summary: ``world_size`` ranks on both worker hosts (as evenly as Spark
+    places them), each on the bridge's interface, and ``epochs`` epochs."""
     summary = json.loads((out / "summary.json").read_text())
     ranks = summary["ranks"]
-    assert len(ranks) == 2
-    assert {r["host"] for r in ranks} == {"fl-w1", "fl-w2"}, ranks  # one rank per host
+    assert len(ranks) == world_size
+    per_host = [sum(r["host"] == h for r in ranks) for h in ("fl-w1", "fl-w2")]
+    assert sorted(per_host) == [world_size // 2, world_size - world_size // 2], ranks
     assert {r["address"] for r in ranks} == {
         cluster.hosts["fl-w1"].address,
         cluster.hosts["fl-w2"].address,
     }
     assert all(r["interface"] == "eth0" for r in ranks)  # not lo, whatever the name says
-    assert len({r["pid"] for r in ranks}) == 2
+    assert len({r["pid"] for r in ranks}) == world_size
     # the allocator tuning reached the executors (spark.executorEnv.*) and the ranks
     assert all(r["allocator"]["MALLOC_MMAP_MAX_"] == "0" for r in ranks), ranks
     # The row-count/checksum invariants are checked by the ranks every epoch (a violation
     # fails the job); the summary's counts match the tables.
     assert summary["train_rows"] + summary["val_rows"] + summary["test_rows"] == 80
-    assert summary["epochs_completed"] == 3
+    assert summary["epochs_completed"] == epochs
     assert summary["local_mode"] is False
     return summary
 
@@ -280,20 +285,20 @@ def assert_no_secret(log: str) -> None:
             assert secret.encode() not in path.read_bytes(), path
 
 
-def check_registered(cluster: Cluster, summary: dict[str, Any]) -> None:
+def check_registered(
+    cluster: Cluster, summary: dict[str, Any], world_size: int = 2, epochs: int = 3
+) -> None:
     """The run, the registered model and its promotion, read back through the tracking
     server with its credentials (the conftest restores the environment after the test)."""
     os.environ.update(cluster.mlflow_credentials())
     client = mlflow.MlflowClient(tracking_uri=cluster.mlflow_url)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["world_size"] == "2"
+    assert run.data.params["world_size"] == str(world_size)
     assert run.data.tags["mlflow.user"] == MLFLOW_AUTH[0]  # rank 0 logged as that user
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == [
-        1,
-        2,
-        3,
-    ]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == list(
+        range(1, epochs + 1)
+    )
     version = client.get_model_version(
         summary["registered_model_name"], str(summary["registered_model_version"])
     )
@@ -617,26 +622,78 @@ class TestLoopbackNames:
         assert "distributed.num_processes: 3 processes, but this Spark cluster" in log
         assert "has 2 GPU task slots (spark.task.resource.gpu.amount=1 per task)" in log
 
-    def test_job_with_loopback_host_names(
+    def test_four_ranks_on_two_hosts_with_streaming(
         self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
     ) -> None:
-        """``flowers-job train`` with Mosaic Streaming on a copy of the tables the Petastorm
-        job ingested (the ingest on a cluster is that job's to test)."""
-        out = fresh(loopback_cluster.shared / "streaming")
-        shutil.copytree(fault_tables / "tables", out / "tables")
-        rc, log = submit(
-            loopback_cluster,
-            # GPU slots place one rank per executor; the ranks train on CPU (gloo).
-            train_args(loopback_cluster, out, "data.loader=streaming", "distributed.use_gpu=false"),
-            BASE / "streaming.log",
-            conf={**TRAIN_CONF, **GPU_CONF},
-            script=train_entry,
+        """``flowers-job train`` with Mosaic Streaming, 4 ranks on the 2 hosts' 4 task slots,
+        on a copy of the tables the Petastorm job ingested (the ingest on a cluster is that
+        job's to test). Spark alternates the barrier tasks over the executors (ranks 0, 2 on
+        one host, 1, 3 on the other); each host's ranks read consecutive shards."""
+        rc, log, out = loopback_train(loopback_cluster, fault_tables, train_entry, "streaming", 4)
+        assert rc == 0, log[-4000:]
+        summary = check_summary(out, loopback_cluster, world_size=4)
+        assert summary["loader"] == "streaming"
+        hosts = [r["host"] for r in summary["ranks"]]
+        assert hosts[0] == hosts[2] != hosts[1] == hosts[3], hosts  # not consecutive
+        assert f"shards by host: {hosts[0]}: ranks 0, 2; {hosts[1]}: ranks 1, 3" in log
+        # Threads follow the executor's 2 cores, shared by its 2 ranks (Spark starts Python
+        # workers with OMP_NUM_THREADS=spark.task.cpus=1).
+        assert [r["threads"] for r in summary["ranks"]] == [1, 1, 1, 1]
+        check_registered(loopback_cluster, summary, world_size=4)
+        report(
+            test="train streaming 4 ranks loopback names", train_seconds=summary["train_seconds"]
+        )
+
+    def test_four_ranks_on_two_hosts_with_petastorm(
+        self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
+    ) -> None:
+        rc, log, out = loopback_train(
+            loopback_cluster, fault_tables, train_entry, "petastorm", 4, "train.epochs=1"
         )
         assert rc == 0, log[-4000:]
-        summary = check_summary(out, loopback_cluster)
-        assert summary["loader"] == "streaming"
-        # Threads follow the executor's 2 cores (Spark starts Python workers with
-        # OMP_NUM_THREADS=spark.task.cpus=1).
-        assert [r["threads"] for r in summary["ranks"]] == [2, 2]
-        check_registered(loopback_cluster, summary)
-        report(test="train streaming loopback names", train_seconds=summary["train_seconds"])
+        summary = check_summary(out, loopback_cluster, world_size=4, epochs=1)
+        assert summary["loader"] == "petastorm"
+        check_registered(loopback_cluster, summary, world_size=4, epochs=1)
+
+    def test_three_ranks_on_two_hosts(
+        self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
+    ) -> None:
+        """2 ranks on one host, 1 on the other: Streaming is refused before any work, naming
+        the setting and the layout; Petastorm trains on them."""
+        rc, log, out = loopback_train(loopback_cluster, fault_tables, train_entry, "streaming", 3)
+        assert rc == 2, log[-4000:]
+        assert "data.loader=streaming: Mosaic Streaming needs the same number of ranks" in log
+        assert re.search(r"placed unequally \(fl-w\d: ranks 0, 2; fl-w\d: rank 1\)", log), log[
+            -3000:
+        ]
+        assert sorted(p.name for p in out.iterdir()) == ["tables"]  # no cache, no checkpoint
+        rc, log, out = loopback_train(
+            loopback_cluster, fault_tables, train_entry, "petastorm", 3, "train.epochs=1"
+        )
+        assert rc == 0, log[-4000:]
+        summary = check_summary(out, loopback_cluster, world_size=3, epochs=1)
+        check_registered(loopback_cluster, summary, world_size=3, epochs=1)
+
+
+def loopback_train(
+    cluster: Cluster, tables: Path, entry: Path, loader: str, ranks: int, *sets: str
+) -> tuple[int, str, Path]:
+    """``flowers-job train`` with ``loader`` and ``ranks`` processes on one CPU task slot
+    each, on a copy of the tables in ``tables``."""
+    out = fresh(cluster.shared / f"{loader}-{ranks}")
+    shutil.copytree(tables / "tables", out / "tables")
+    rc, log = submit(
+        cluster,
+        train_args(
+            cluster,
+            out,
+            f"data.loader={loader}",
+            f"distributed.num_processes={ranks}",
+            "distributed.use_gpu=false",
+            *sets,
+        ),
+        BASE / f"{loader}-{ranks}.log",
+        conf=TRAIN_CONF,
+        script=entry,
+    )
+    return rc, log, out

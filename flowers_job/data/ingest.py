@@ -83,6 +83,7 @@ from flowers_job.data.tables import (
     latest_commit,
     tables_mismatch,
 )
+from flowers_job.spark_connect import refuse_spark_connect
 
 __all__ = ["INGEST_FORMAT_VERSION", "IngestError", "IngestReport", "check_images_root", "ingest"]
 
@@ -201,7 +202,10 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
             decodable image, or more than ``data.max_bad_fraction`` of the entries
             quarantined after the change (the message counts them per reason and names
             examples). Raised before any table is written.
+        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.spark_connect`),
+            before anything is read or written.
     """
+    refuse_spark_connect(spark)
     start = time.perf_counter()
     root = Path(str(cfg.data.images))
     real_root, labels, others = check_images_root(cfg)

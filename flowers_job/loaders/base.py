@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from flowers_job.config import JobConfig
     from flowers_job.data.images import DecodeTransform
     from flowers_job.loaders.position import EpochStart
+    from flowers_job.placement import HostLayout
 
 __all__ = [
     "CHECKSUM_MODULUS",
@@ -271,14 +272,16 @@ class Loader(ABC):
 
     # ---------------------------------------------------------------- rank side
 
+    places_ranks: ClassVar[bool] = False
+    """:meth:`check_layout` can refuse a layout: the driver asks Spark where barrier mode
+    places the ranks before any work (:func:`flowers_job.placement.check_placement`)."""
+
     @classmethod
-    def check_layout(cls, num_nodes: int | None) -> None:
+    def check_layout(cls, layout: HostLayout) -> None:
         """Refuse a layout of ranks on hosts this loader cannot read with.
 
         Args:
-            num_nodes: hosts with the same number of consecutive ranks each, or None when
-                the ranks are laid out irregularly
-                (:func:`flowers_job.distributed.describe_hosts`).
+            layout: the ranks' hosts (:func:`flowers_job.distributed.describe_hosts`).
 
         Raises:
             RuntimeError: naming the loader and what it needs.
@@ -311,7 +314,9 @@ class Loader(ABC):
         Args:
             plan: the split's plan, from the driver.
             transform: decodes (and for training augments) one stored image.
-            rank, world_size: this process's place; num_nodes: hosts the ranks run on.
+            rank: the shard this process reads (:attr:`~flowers_job.distributed.HostLayout.shard`:
+                its global rank where the ranks are consecutive on each host);
+            world_size: number of ranks (shards); num_nodes: hosts the ranks run on.
             shuffle: a new order every epoch (training) or the stored order.
             seed: the order of epoch ``e`` is a function of ``(seed, e)``.
             cfg: the job's configuration (the loader reads its own section and

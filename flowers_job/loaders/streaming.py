@@ -12,10 +12,11 @@ checked on the ranks against the count and checksum computed here.
 
 **Rank side.** :class:`StreamingReader`: ``StreamingDataset`` and ``StreamingDataLoader``;
 Streaming splits (and, for training, shuffles) the whole split across the ranks every
-epoch. It needs the same number of consecutive ranks on every host
-(:meth:`StreamingLoader.check_layout`). A checkpoint inside an epoch resumes through
-Streaming's own ``sample_in_epoch``; the cache is written per world size (its padding and
-partitions), so at another world size that epoch starts again (``train/resume.py``).
+epoch. It needs the same number of ranks on every host
+(:meth:`StreamingLoader.check_layout`), and reads with the shard of
+:class:`~flowers_job.placement.HostLayout` as its rank. A checkpoint inside an epoch resumes
+through Streaming's own ``sample_in_epoch``; the cache is written per world size (its padding
+and partitions), so at another world size that epoch starts again (``train/resume.py``).
 
 The stack: ``mosaicml-streaming``, pre-installed on Databricks Runtime ML 15.2 and later
 (0.12.0 on 17.3 LTS), without its ``spark`` extra, which pins ``pyspark<4``.
@@ -24,8 +25,6 @@ The stack: ``mosaicml-streaming``, pre-installed on Databricks Runtime ML 15.2 a
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -48,6 +47,7 @@ from flowers_job.loaders.base import (
     row_stats,
 )
 from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
+from flowers_job.loaders.streaming_import import import_streaming
 from flowers_job.processes import at_driver_death
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
     from flowers_job.config import JobConfig
     from flowers_job.data.images import DecodeTransform
+    from flowers_job.placement import HostLayout
 
 __all__ = [
     "MDS_COLUMNS",
@@ -74,57 +75,6 @@ SHARD_SIZE_LIMIT_BYTES = 1 << 26
 """Largest MDS shard file (bytes), Mosaic's default (64 MiB)."""
 SHM_DIR = Path("/dev/shm")
 """Where POSIX shared memory appears as files (Linux)."""
-UNUSED_SUBPACKAGES = ("text", "vision", "multimodal")
-"""Subpackages of ``streaming`` that its ``__init__`` imports and this job never uses: the
-example datasets (C4, ImageNet, WebVid, ...), which import transformers' tokenizers."""
-
-
-def import_streaming() -> types.ModuleType:
-    """Import ``streaming`` (mosaicml-streaming) without running its example-dataset
-    subpackages until something uses them; the module.
-
-    ``streaming/__init__.py`` imports ``streaming.text``, ``.vision`` and ``.multimodal``,
-    whose C4 and Pile datasets import transformers' tokenizer registry (and, with DBR 17.3
-    LTS ML's transformers, ``torch._dynamo``): 8.2 CPU-s and 729 MB peak RSS with the 17.3
-    pins against 3.5 s and 523 MB this way (2026-11-24, 2-core CI machine; CHANGELOG 0.2.0).
-    Each unused subpackage is a placeholder in ``sys.modules`` until a public attribute of
-    it is read; then the real one is imported and takes its place. Nothing changes if
-    ``streaming`` is imported already. (``importlib.util.LazyLoader`` loads on any attribute
-    access, dunders included: the example datasets then loaded in the middle of torch's own
-    import, which failed with a circular import.)
-
-    Raises:
-        ImportError: mosaicml-streaming is not installed, or does not import.
-    """
-    if "streaming" not in sys.modules:
-        spec = importlib.util.find_spec("streaming")
-        if spec is None:
-            raise ImportError("No module named 'streaming'", name="streaming")
-        root = Path(next(iter(spec.submodule_search_locations or ["."])))
-        for name in UNUSED_SUBPACKAGES:
-            sys.modules.setdefault(f"streaming.{name}", _placeholder(name, root / name))
-    return importlib.import_module("streaming")
-
-
-def _placeholder(name: str, folder: Path) -> types.ModuleType:
-    """A module standing in for ``streaming.<name>`` (whose files are in ``folder``) until a
-    public attribute is read; its ``__path__`` lets ``import streaming.<name>.<module>``
-    work meanwhile."""
-    full = f"streaming.{name}"
-    module = types.ModuleType(full, f"placeholder for {full}: imported on first use")
-    module.__path__ = [str(folder)]
-
-    def __getattr__(attr: str) -> Any:  # noqa: N807 (a module's __getattr__, PEP 562)
-        if attr.startswith("__"):  # introspection (hasattr(m, "__file__")) imports nothing
-            raise AttributeError(f"module {full!r} has no attribute {attr!r}")
-        if sys.modules.get(full) is module:
-            del sys.modules[full]
-        real = importlib.import_module(full)
-        setattr(sys.modules["streaming"], name, real)
-        return getattr(real, attr)
-
-    module.__getattr__ = __getattr__  # type: ignore[method-assign]
-    return module
 
 
 @dataclass(frozen=True)
@@ -181,13 +131,18 @@ class StreamingLoader(Loader):
     def sweep(cls, cache_dir: Path) -> list[str]:
         return remove_streaming_state(cache_dir)
 
+    places_ranks = True
+
     @classmethod
-    def check_layout(cls, num_nodes: int | None) -> None:
-        if num_nodes is None:
+    def check_layout(cls, layout: HostLayout) -> None:
+        """Mosaic Streaming needs the same number of ranks on every host (its nodes are
+        equal); in which order Spark placed them does not matter (:class:`HostLayout`)."""
+        if not layout.equal:
             raise RuntimeError(
                 "data.loader=streaming: Mosaic Streaming needs the same number of ranks on "
-                "every host, with consecutive ranks; this run's layout is irregular (use "
-                "data.loader=petastorm, or one task slot per GPU on equal hosts)"
+                f"every host, and this run's ranks are placed unequally ({layout.describe()}): "
+                "use data.loader=petastorm, or a distributed.num_processes that fills every "
+                "host's task slots equally (executors of equal size, one slot per GPU)"
             )
 
     @classmethod
@@ -205,8 +160,9 @@ class StreamingLoader(Loader):
         pin_memory: bool = False,
     ) -> StreamingReader:
         """``StreamingDataset`` reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
-        ``LOCAL_WORLD_SIZE`` from the environment
-        (:func:`flowers_job.distributed.describe_hosts` sets them), not ``rank``."""
+        ``LOCAL_WORLD_SIZE`` from the environment when it is built
+        (:func:`flowers_job.distributed.describe_hosts` sets the last two; ``RANK`` is set
+        to the shard ``rank`` while it is built)."""
         logging.getLogger("streaming").setLevel(logging.WARNING)  # per-dataset INFO lines
         return StreamingReader(
             plan,
@@ -388,19 +344,22 @@ class StreamingReader(CursorReader):
     ) -> None:
         import torch
 
+        from flowers_job.distributed import shard_environment
+
         import_streaming()
         from streaming import StreamingDataLoader
 
         self.plan, self.steps_per_epoch, self.seed = plan, plan.steps_per_epoch, seed
         self.num_nodes, self.rank = num_nodes, rank
-        self.dataset = _decoding_dataset(
-            local=str(_local_path(plan.cache_dir_url)),
-            transform=transform,
-            batch_size=plan.per_device_batch_size,
-            shuffle=shuffle,
-            shuffle_seed=seed,
-            num_canonical_nodes=num_nodes,
-        )
+        with shard_environment(rank):  # Streaming's node: RANK // LOCAL_WORLD_SIZE
+            self.dataset = _decoding_dataset(
+                local=str(_local_path(plan.cache_dir_url)),
+                transform=transform,
+                batch_size=plan.per_device_batch_size,
+                shuffle=shuffle,
+                shuffle_seed=seed,
+                num_canonical_nodes=num_nodes,
+            )
         at_driver_death(self._release)  # os._exit skips atexit: no shared memory left
         self.loader = StreamingDataLoader(
             self.dataset,

@@ -184,7 +184,7 @@ def evaluate_test(state: TrainState) -> TestReport | None:
         )
     finally:
         reader.close()
-    check_shard("test", plan, ctx.rank, scores.sums)
+    check_shard("test", plan, state.shard, scores.sums)
     (totals,) = reduce_sums([scores.sums], ctx)
     check_totals("test", plan, totals)
     gathered = all_gather_object(

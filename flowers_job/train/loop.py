@@ -38,7 +38,7 @@ from flowers_job.train.evaluate import evaluate, evaluate_test
 from flowers_job.train.midepoch import EpochPosition, gather_positions, restore_rng
 from flowers_job.train.rank0 import finish, start_tracking
 from flowers_job.train.resume import resume
-from flowers_job.train.state import Plans, TrainState, build_state, open_readers
+from flowers_job.train.state import Plans, TrainState, build_state, open_readers, place_ranks
 from flowers_job.train.step import DeviceNormalize, forward
 from flowers_job.train.sums import PassSums, Sums, check_shard, check_totals, reduce_sums
 
@@ -174,8 +174,8 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         state.val_features,
     )
     t2 = time.perf_counter()
-    check_shard("train", plans.train, ctx.rank, train_sums)
-    check_shard("val", plans.val, ctx.rank, val_sums)
+    check_shard("train", plans.train, state.shard, train_sums)
+    check_shard("val", plans.val, state.shard, val_sums)
     train, val = reduce_sums([train_sums, val_sums], ctx)
     check_totals("train", plans.train, train)
     check_totals("val", plans.val, val)
@@ -210,7 +210,7 @@ def _mid_epoch_checkpoints(
         if not clock.due(step):
             return
         t1 = time.perf_counter()
-        positions = gather_positions(state.ctx, sums.values(), reader)
+        positions = gather_positions(state.ctx, state.shard, sums.values(), reader)
         if state.ctx.is_main:
             extra = {
                 "step": step,
@@ -387,9 +387,10 @@ def fit(
     t_start = time.perf_counter()
     state = build_state(cfg, ctx, plans, label_names)
     state.attempt, state.report_dir = attempt, report_dir
+    ranks = ranks if ranks is not None else gather_ranks(ctx)
+    place_ranks(state, ranks)
     resume(state)
     start_tracking(state)
-    ranks = ranks if ranks is not None else gather_ranks(ctx)
     open_readers(state, ranks)
     _epochs(state)
     restored = restore_best(state)

@@ -86,9 +86,10 @@ class EpochPosition:
         return EpochStart(self.step, self.loader)
 
     @classmethod
-    def from_checkpoint(cls, saved: dict[str, Any], rank: int) -> EpochPosition:
-        """Rank ``rank``'s position in a ``step.pt`` checkpoint (:func:`gather_positions`)."""
-        mine = saved["positions"][rank]
+    def from_checkpoint(cls, saved: dict[str, Any], shard: int) -> EpochPosition:
+        """The position of the rank that reads ``shard`` in a ``step.pt`` checkpoint
+        (:func:`gather_positions`)."""
+        mine = saved["positions"][shard]
         return cls(
             epoch=int(saved["epoch"]),
             step=int(saved["step"]),
@@ -99,15 +100,20 @@ class EpochPosition:
         )
 
 
-def gather_positions(ctx: DistContext, sums: PassSums, reader: ShardReader) -> list[dict[str, Any]]:
-    """Every rank's sums, reader position and random state, in rank order, on every rank
-    (a collective: all ranks call it at the same step)."""
+def gather_positions(
+    ctx: DistContext, shard: int, sums: PassSums, reader: ShardReader
+) -> list[dict[str, Any]]:
+    """Every rank's sums, reader position and random state, in the order of the shards they
+    read (:class:`~flowers_job.placement.HostLayout`: a rank placed on another host after a
+    restart continues the shard, not the rank), on every rank (a collective: all ranks call
+    it at the same step)."""
     mine = {
+        "shard": shard,
         "sums": asdict(sums),
         "loader": reader.position(),
         "rng": rng_state(ctx.device),
     }
-    return all_gather_object(mine, ctx)
+    return sorted(all_gather_object(mine, ctx), key=lambda p: int(p["shard"]))
 
 
 class CheckpointClock:

@@ -70,15 +70,15 @@ def _open(job: dict[str, Any], ctx: DistContext) -> ShardReader:
     tf = DecodeTransform(
         bool(job["shuffle"]), cfg.data.image_size, cfg.data.stored_short_side
     ).warm_up()  # every reader starts its first epoch with the transform built
-    num_nodes = describe_hosts(ctx)
+    layout = describe_hosts(ctx)
     loader = loader_class(plan.loader)
-    loader.check_layout(num_nodes)
+    loader.check_layout(layout)
     return loader.open(
         plan,
         tf,
-        rank=ctx.rank,
+        rank=layout.shard,
         world_size=ctx.world_size,
-        num_nodes=num_nodes or 1,
+        num_nodes=layout.num_nodes,
         shuffle=bool(job["shuffle"]),
         seed=int(job["seed"]),
         cfg=cfg,

@@ -180,7 +180,7 @@ def resume(state: TrainState) -> None:
         "saved_at": saved.get("saved_at"),
     }
     if "step" in saved:  # inside an epoch, at this world size (choose_checkpoint)
-        state.position = EpochPosition.from_checkpoint(saved, state.ctx.rank)
+        state.position = EpochPosition.from_checkpoint(saved, state.shard)
         state.start_epoch = state.position.epoch
         where = f"inside epoch {state.start_epoch} after step {state.position.step}"
     else:

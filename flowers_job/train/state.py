@@ -18,6 +18,7 @@ from flowers_job.distributed import DistContext, describe_hosts
 from flowers_job.loaders import loader_class
 from flowers_job.loaders.base import ShardPlan, ShardReader
 from flowers_job.models import Classifier, build_model, preprocessing_for
+from flowers_job.placement import HostLayout
 from flowers_job.train.early_stopping import EarlyStopping
 from flowers_job.train.midepoch import CheckpointClock, EpochPosition
 from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer
@@ -87,6 +88,9 @@ class TrainState:
     stopper: EarlyStopping
     lr: float
     num_nodes: int = 1
+    shard: int = 0
+    """The shard this rank reads (:class:`~flowers_job.placement.HostLayout`)."""
+    layout: HostLayout | None = None
     train_reader: ShardReader | None = None
     val_reader: ShardReader | None = None
     val_features: FrozenFeatures | None = None
@@ -184,7 +188,7 @@ def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> ShardReader:
     return loader_class(plan.loader).open(
         plan,
         DecodeTransform(train, cfg.data.image_size, cfg.data.stored_short_side),
-        rank=ctx.rank,
+        rank=state.shard,
         world_size=ctx.world_size,
         num_nodes=state.num_nodes,
         shuffle=train,
@@ -194,27 +198,33 @@ def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> ShardReader:
     )
 
 
+def place_ranks(state: TrainState, ranks: list[dict[str, Any]]) -> None:
+    """Group the ranks by host (:func:`~flowers_job.distributed.describe_hosts`): this
+    rank's shard, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; before resuming, which continues the
+    shard's position."""
+    state.layout = describe_hosts(state.ctx, ranks)
+    state.shard, state.num_nodes = state.layout.shard, state.layout.num_nodes
+
+
 def open_readers(state: TrainState, ranks: list[dict[str, Any]]) -> None:
-    """Open this rank's train and validation readers, after making
-    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` describe the hosts (a collective) and letting the
-    loader refuse a layout it cannot read with.
+    """Open this rank's train and validation readers (of its shard, :func:`place_ranks`),
+    after letting the loader refuse a layout of ranks on hosts it cannot read with.
 
     Raises:
         RuntimeError: the loader cannot read with this layout of ranks on hosts
             (:meth:`~flowers_job.loaders.base.Loader.check_layout`).
     """
-    ctx = state.ctx
-    num_nodes = describe_hosts(ctx, ranks)
-    if ctx.is_main:
+    assert state.layout is not None, "place_ranks first"
+    if state.ctx.is_main:
         log.info(
             "ranks: %s",
             ", ".join(
                 f"{r['rank']}@{r['host']}({r['address']}, {r['interface']}, pid {r['pid']}, "
                 f"{r.get('threads')} threads, {r.get('allocator', {}).get('allocator')})"
                 for r in ranks
-            ),
+            )
+            + f"; shards by host: {state.layout.describe()}",
         )
-    loader_class(state.plans.train.loader).check_layout(num_nodes)
-    state.num_nodes = num_nodes or 1
+    loader_class(state.plans.train.loader).check_layout(state.layout)
     state.train_reader = open_reader(state, state.plans.train, train=True)
     state.val_reader = open_reader(state, state.plans.val, train=False)
