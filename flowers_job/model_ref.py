@@ -152,7 +152,7 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ModelRef:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from flowers_job.tracking import fail_fast
+    from flowers_job.credentials import fail_fast
 
     m = _MODEL_URI.fullmatch(model_uri)
     if m is None:
@@ -232,8 +232,8 @@ def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
     import mlflow
     from mlflow.models import Model
 
+    from flowers_job.credentials import fail_fast
     from flowers_job.spark_connect import refuse_spark_connect
-    from flowers_job.tracking import fail_fast
 
     refuse_spark_connect(spark)
     key = (spark.sparkContext.applicationId, ref.tracking_uri, ref.version_uri)

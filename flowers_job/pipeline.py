@@ -6,7 +6,7 @@ is :func:`flowers_job.train.rank.train_worker` with plain data (:func:`training_
 Every check runs once, and the ones that leave nothing behind come first: :func:`preflight`
 (the loader on this stack, the images root, the packages the end of the run needs; no
 Spark), :func:`check_cluster` (task slots, GPUs, the tracking store's reach), then
-:func:`check_tracking` (it creates the MLflow experiment) and the shared-storage probe.
+:func:`check_tracking` (it creates the MLflow experiment) and the executor probe.
 :func:`run_job` and :func:`run_training` run them all, then the work. The CLI runs
 :func:`preflight` and :func:`check_tracking` before it starts Spark (an unusable store
 fails in seconds, with no JVM), then :func:`check_on_cluster` and :func:`execute`.
@@ -33,6 +33,7 @@ from flowers_job.data.tables import TABLE_NAMES
 from flowers_job.failures import TrainingError, check_finished, failure, registered_model
 from flowers_job.loaders import resolve_loader
 from flowers_job.placement import check_cluster
+from flowers_job.probe import check_executors
 from flowers_job.processes import driver_identity
 from flowers_job.promotion import promote
 from flowers_job.restarts import (
@@ -45,7 +46,6 @@ from flowers_job.restarts import (
 )
 from flowers_job.runs import record_driver
 from flowers_job.spark import executor_cores
-from flowers_job.storage import check_shared_storage
 from flowers_job.tracking import TrackingError
 from flowers_job.tracking import preflight as tracking_preflight
 
@@ -108,14 +108,14 @@ def check_tracking(cfg: JobConfig) -> None:
 
 def check_on_cluster(spark: SparkSession, cfg: JobConfig) -> None:
     """The checks against the Spark session, before any data is touched:
-    :func:`check_cluster`, then the storage every host must share
-    (:func:`~flowers_job.storage.check_shared_storage`).
+    :func:`check_cluster`, then the shared storage and the tracking server's credentials
+    on every executor (:func:`~flowers_job.probe.check_executors`).
 
     Raises:
-        ConfigError: naming the setting that does not fit this cluster or its storage.
+        ConfigError: naming the setting that does not fit this cluster or its executors.
     """
     check_cluster(spark, cfg)
-    check_shared_storage(spark, cfg)
+    check_executors(spark, cfg)
 
 
 def _check_all(spark: SparkSession, cfg: JobConfig, command: Command) -> JobConfig:
@@ -124,7 +124,7 @@ def _check_all(spark: SparkSession, cfg: JobConfig, command: Command) -> JobConf
     cfg = preflight(cfg, command)
     check_cluster(spark, cfg)
     check_tracking(cfg)
-    check_shared_storage(spark, cfg)
+    check_executors(spark, cfg)
     return cfg
 
 

@@ -26,9 +26,10 @@ from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.loaders import loader_class
+from flowers_job.probe import PROBE_TIMEOUT_SECONDS
 from flowers_job.spark import driver_gpus, run_probe, task_slots, wait_for_slots
 from flowers_job.spark_connect import refuse_spark_connect
-from flowers_job.storage import PROBE_TIMEOUT_SECONDS, is_local_master
+from flowers_job.storage import is_local_master
 
 __all__ = [
     "HostLayout",

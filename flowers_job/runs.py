@@ -295,7 +295,8 @@ def list_runs(output_dir: Path, tracking_uri: str, experiment_name: str) -> list
     """
     import mlflow
 
-    from flowers_job.tracking import PREFLIGHT_TIMEOUT_SECONDS, TrackingError, fail_fast
+    from flowers_job.credentials import fail_fast
+    from flowers_job.tracking import PREFLIGHT_TIMEOUT_SECONDS, TrackingError
     from flowers_job.train.checkpoint import read_run_id
 
     if _store_missing(tracking_uri):

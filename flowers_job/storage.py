@@ -4,28 +4,26 @@ On a cluster, executors write the Delta tables and the loader cache, rank 0 (on 
 executor) writes checkpoints and the failure reports that the driver reads, and the
 driver reads them all back. A directory that is local to each host (a node's own disk,
 a mount only the driver has) breaks this in ways that surface late and obscurely. The
-probe: the driver writes a token into each directory, and one task per task slot (a
-barrier stage, so every executor runs one at the same time) reads it back.
+probe: the driver writes a token into each directory (:func:`tokens`), and one task per
+task slot reads it back (:func:`unreadable`), in the executor probe's barrier stage
+(:func:`flowers_job.probe.check_executors`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pyspark.sql import SparkSession
 
-from flowers_job.config import ConfigError, JobConfig
-from flowers_job.spark import run_probe, task_slots
+from flowers_job.config import JobConfig
 
-__all__ = ["PROBE_TIMEOUT_SECONDS", "check_shared_storage", "is_local_master", "shared_dirs"]
-
-PROBE_TIMEOUT_SECONDS = 120.0
-"""Bound on the probe's Spark job (seconds); it takes about a second on a live cluster."""
+__all__ = ["is_local_master", "shared_dirs", "storage_problems", "tokens", "unreadable"]
 
 _TOKEN_PREFIX = ".flowers-shared-probe-"
 
@@ -56,44 +54,23 @@ def shared_dirs(cfg: JobConfig) -> dict[str, Path]:
     return {setting: path.resolve() for setting, path in dirs.items()}
 
 
-def _read_tokens(token: str, paths: list[str]) -> Any:
-    def task(_: Any) -> Any:
-        from pyspark import BarrierTaskContext
-
-        ctx = BarrierTaskContext.get()
-        address = ctx.getTaskInfos()[ctx.partitionId()].address.rsplit(":", 1)[0]
-        missing = []
-        for p in paths:
-            try:
-                ok = (Path(p) / f"{_TOKEN_PREFIX}{token}").read_text() == token
-            except OSError:
-                ok = False
-            if not ok:
-                missing.append(p)
-        yield {"host": socket.gethostname(), "address": address, "missing": missing}
-
-    return task
+def unreadable(token: str, paths: list[str]) -> list[str]:
+    """Run on an executor: those of ``paths`` where the driver's token file cannot be read."""
+    missing = []
+    for p in paths:
+        try:
+            ok = (Path(p) / f"{_TOKEN_PREFIX}{token}").read_text() == token
+        except OSError:
+            ok = False
+        if not ok:
+            missing.append(p)
+    return missing
 
 
-def check_shared_storage(
-    spark: SparkSession, cfg: JobConfig, timeout_seconds: float = PROBE_TIMEOUT_SECONDS
-) -> list[dict[str, Any]]:
-    """Check that every executor sees what the driver writes in :func:`shared_dirs`.
-
-    A no-op on a local master. Otherwise the directories are created, a token file is
-    written in each, and a barrier stage of one task per task slot reads them back.
-
-    Returns:
-        One ``{"host", "address", "missing"}`` per task (empty on a local master).
-
-    Raises:
-        ConfigError: an executor cannot read a token; names the setting, the directory and
-            the executor's host and address.
-        RuntimeError: the probe's Spark job did not end within ``timeout_seconds``.
-    """
-    if is_local_master(spark):
-        return []
-    dirs = shared_dirs(cfg)
+@contextmanager
+def tokens(dirs: dict[str, Path]) -> Iterator[str]:
+    """Create ``dirs`` and write a fresh token file into each; yields the token, and
+    removes the files on exit."""
     token = uuid.uuid4().hex
     written = []
     try:
@@ -102,21 +79,28 @@ def check_shared_storage(
             f = path / f"{_TOKEN_PREFIX}{token}"
             f.write_text(token)
             written.append(f)
-        sc = spark.sparkContext
-        n = max(1, task_slots(spark))
-        rdd = (
-            sc.parallelize(range(n), n)
-            .barrier()
-            .mapPartitions(_read_tokens(token, [str(p) for p in dirs.values()]))
-        )
-        results = run_probe(spark, rdd, "shared-storage probe", timeout_seconds)
+        yield token
     finally:
         for f in written:
             with contextlib.suppress(OSError):
                 os.unlink(f)
+
+
+def storage_problems(dirs: dict[str, Path], reports: list[dict[str, Any]]) -> list[str]:
+    """The directories some executor cannot read, by setting, and how to fix it.
+
+    Args:
+        dirs: :func:`shared_dirs`.
+        reports: ``{"host", "address", "missing"}`` per probe task, ``missing`` being
+            :func:`unreadable`'s list.
+
+    Returns:
+        One line per directory, naming the setting, the directory and the executor hosts
+        and addresses that cannot read it, then the fix; empty when every executor can.
+    """
     problems = []
     for setting, path in dirs.items():
-        blind = [r for r in results if str(path) in r["missing"]]
+        blind = [r for r in reports if str(path) in r["missing"]]
         if blind:
             where = ", ".join(sorted({f"{r['host']} ({r['address']})" for r in blind}))
             problems.append(
@@ -124,11 +108,9 @@ def check_shared_storage(
                 "cannot read a file the driver wrote there"
             )
     if problems:
-        raise ConfigError(
-            "invalid configuration:\n  "
-            + "\n  ".join(problems)
-            + "\n  On a cluster, the output dir, the loader cache and the checkpoints must be "
+        problems.append(
+            "On a cluster, the output dir, the loader cache and the checkpoints must be "
             "on storage that the driver and every executor see at the same path (NFS, a FUSE "
             "mount of object storage, /dbfs or /Volumes on Databricks)"
         )
-    return results
+    return problems

@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from mlflow import environment_variables as mlflow_env
 from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
+from flowers_job.credentials import fail_fast
 from flowers_job.report import TestReport
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "RunTracker",
     "TrackingError",
     "end_failed_run",
-    "fail_fast",
     "flatten",
     "mark_run_failed",
     "preflight",
@@ -101,32 +99,6 @@ def use_credentials(cfg: JobConfig) -> None:
     for var, value in values.items():
         if value:
             var.set(value)
-
-
-@contextmanager
-def fail_fast(timeout_seconds: int) -> Iterator[None]:
-    """MLflow's HTTP client within the block: one retry without back-off, ``timeout_seconds``
-    per request. Its defaults (7 retries with exponential back-off, 120 s per request,
-    ``mlflow.environment_variables``) take minutes to give up on an unreachable server. The
-    environment is restored on exit: the training run keeps MLflow's patient defaults."""
-    settings: dict[Any, object] = {
-        mlflow_env.MLFLOW_HTTP_REQUEST_MAX_RETRIES: 1,
-        mlflow_env.MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR: 0,
-        mlflow_env.MLFLOW_HTTP_REQUEST_BACKOFF_JITTER: 0.0,
-        mlflow_env.MLFLOW_HTTP_REQUEST_TIMEOUT: timeout_seconds,
-        mlflow_env.MLFLOW_DATABRICKS_ENDPOINT_HTTP_RETRY_TIMEOUT: timeout_seconds,
-    }
-    saved = {var: var.get_raw() for var in settings}
-    try:
-        for var, value in settings.items():
-            var.set(value)
-        yield
-    finally:
-        for var, raw in saved.items():
-            if raw is None:
-                var.unset()
-            else:
-                var.set(raw)
 
 
 def _probe_database(uri: str) -> None:

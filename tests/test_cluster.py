@@ -2,7 +2,9 @@
 
 One network namespace per host: a master, 2 workers (their own JVMs, IPs, host names,
 temp dir and /dev/shm) and the driver, which runs spark-submit in client mode and a real
-MLflow tracking server. The project runs there as the built wheel (``.venv-cluster``).
+MLflow tracking server with basic auth: its credentials reach the ranks only through the
+executors' environment (``spark.executorEnv.*`` in the submit conf), as the README tells
+users. The project runs there as the built wheel (``.venv-cluster``).
 Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
 
 Two clusters, one after the other (the hosts' names and addresses are fixed): host names
@@ -62,6 +64,10 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     # one (fake) GPU per worker.
     "loopback names": {"loopback_names": True, "worker_cores": 2, "worker_gpus": 1},
 }
+MLFLOW_AUTH = ("flowers-admin", "pw-cluster-3b8e1f6a0d")
+"""The MLflow server's user and password (basic auth) on every cluster: Cluster.submit
+gives them to the driver's environment and the executors' (``spark.executorEnv.*``). The
+password is found in no log, summary or MLflow param."""
 TRAIN_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
 """spark-submit settings of the fault runs that train (``train``) on tables already
 ingested: Delta rebuilds a table's state in 2 partitions, as local mode does
@@ -125,7 +131,7 @@ class Clusters:
         if self.cluster is not None and (self.name != name or not healthy(self.cluster)):
             self.close()
         if self.cluster is None:
-            cluster = Cluster(base=BASE, **CLUSTERS[name])
+            cluster = Cluster(base=BASE, mlflow_auth=MLFLOW_AUTH, **CLUSTERS[name])
             cluster.up()  # on failure, it takes down what it made
             self.name, self.cluster = name, cluster
         return self.cluster
@@ -269,14 +275,27 @@ def check_summary(
     return summary
 
 
+def assert_no_secret(log: str) -> None:
+    """The MLflow server's password is in no spark-submit log (driver and ranks) and no
+    executor or daemon log of any host."""
+    secret = MLFLOW_AUTH[1]
+    assert secret not in log
+    for path in [*(BASE / "work").rglob("std*"), *(BASE / "logs").rglob("*")]:
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
 def check_registered(
     cluster: Cluster, summary: dict[str, Any], world_size: int = 2, epochs: int = 3
 ) -> None:
-    """The run and the registered model, read back through the tracking server."""
+    """The run, the registered model and its promotion, read back through the tracking
+    server with its credentials (the conftest restores the environment after the test)."""
+    os.environ.update(cluster.mlflow_credentials())
     client = mlflow.MlflowClient(tracking_uri=cluster.mlflow_url)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["world_size"] == str(world_size)
+    assert run.data.tags["mlflow.user"] == MLFLOW_AUTH[0]  # rank 0 logged as that user
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == list(
         range(1, epochs + 1)
     )
@@ -285,6 +304,15 @@ def check_registered(
     )
     assert version.run_id == run.info.run_id
     assert summary["model_uri"].startswith("models:/")
+    # the driver's champion decision, made and recorded through the server
+    assert "flowers_job.promotion" in run.data.tags
+    promotion = summary["promotion"]
+    champion = client.get_model_version_by_alias(summary["registered_model_name"], "champion")
+    expected = version.version if promotion["promoted"] else str(promotion["champion_version"])
+    assert champion.version == expected, promotion
+    secret = MLFLOW_AUTH[1]
+    assert secret not in json.dumps(summary) and secret not in json.dumps(run.data.params)
+    assert secret not in json.dumps(run.data.tags)
 
 
 # --------------------------------------------------------------------------------------
@@ -324,6 +352,7 @@ class TestCluster:
         summary = check_summary(out, cluster)
         assert summary["loader"] == "petastorm"
         check_registered(cluster, summary)
+        assert_no_secret(log)
         report(test="job petastorm own-address names", job_seconds=summary["job_seconds"])
 
     def test_a_local_tracking_store_is_refused_before_any_work(
@@ -334,6 +363,32 @@ class TestCluster:
         assert rc == 2, log[-3000:]
         assert "tracking.tracking_uri: sqlite:///" in log
         assert "tracking.store_is_shared=true" in log
+        assert not (out / "tables").exists()  # nothing ingested
+
+    def test_executors_without_tracking_credentials_are_refused_before_any_work(
+        self, cluster: Cluster, photos: Path
+    ) -> None:
+        """The driver has the MLflow server's credentials, the executors have not (no
+        ``spark.executorEnv.*``): the executor probe stops the job before any work."""
+        out = fresh(cluster.shared / "no-credentials")
+        rc, log = submit(
+            cluster,
+            job_args(cluster, photos, out),
+            BASE / "no-credentials.log",
+            executor_credentials=False,
+        )
+        assert rc == 2, log[-3000:]
+        hosts = ", ".join(f"{h} ({cluster.hosts[h].address})" for h in cluster.worker_names())
+        assert (
+            f"tracking.tracking_uri: the MLflow store {cluster.mlflow_url} cannot be used from "
+            "the executors"
+        ) in log
+        assert (
+            "MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD set on the driver but missing "
+            f"on executor host {hosts}"
+        ) in log
+        assert "--conf spark.executorEnv.MLFLOW_TRACKING_USERNAME=..." in log
+        assert_no_secret(log)
         assert not (out / "tables").exists()  # nothing ingested
 
 

@@ -13,7 +13,8 @@ Hosts (defaults; addresses on the bridge ``flbr0``, 10.88.0.0/24):
 host        address      runs
 =========== ============ ===================================================
 (this ns)   10.88.0.1    nothing: the bridge's own address, to reach the UIs
-fl-driver   10.88.0.2    spark-submit (client mode), the MLflow server :5000
+fl-driver   10.88.0.2    spark-submit (client mode), the MLflow server :5000 (basic auth
+                         with ``mlflow_auth``)
 fl-master   10.88.0.3    ``org.apache.spark.deploy.master.Master`` :7077, UI :8080
 fl-w1..wN   10.88.0.11.. ``org.apache.spark.deploy.worker.Worker``, N cores each
 =========== ============ ===================================================
@@ -66,6 +67,47 @@ compiler only, the serial collector, no bytecode verification of the jars' class
 JVMs share a small machine for minutes; C2's compilations and G1's threads cost more CPU
 than they return there (tests/conftest.py, SHORT_LIVED_JVM, has the same options, for the
 drivers the tests start, and the measurement)."""
+
+
+def mlflow_server(
+    python: Path, host: str, port: int, store: Path, auth: tuple[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of an MLflow tracking server on ``host:port``: a
+    sqlite store and proxied artifacts under ``store``; with ``auth`` (user, password),
+    MLflow's basic-auth app (``--app-name basic-auth``, full mlflow with Flask-WTF), whose
+    admin is that user (its config file written under ``store``). Every request then needs
+    the user's credentials (MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD); ``/health``
+    does not.
+    """
+    import secrets
+
+    store.mkdir(parents=True, exist_ok=True)
+    argv = [str(python), "-m", "mlflow", "server", "--host", host, "--port", str(port),
+            "--workers", "1", "--backend-store-uri", f"sqlite:///{store}/mlflow.db",
+            "--artifacts-destination", str(store / "artifacts")]  # fmt: skip
+    # Tracking and the model registry only: without this, MLflow 3 also starts its job
+    # runners (huey consumers for GenAI scorers, trace roll-ups), a handful of Python
+    # processes the job never uses.
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    if auth is not None:
+        (store / "basic_auth.db").unlink(missing_ok=True)  # this user, whatever was there
+        config = store / "basic_auth.ini"
+        config.write_text(
+            "[mlflow]\n"
+            "default_permission = READ\n"
+            f"database_uri = sqlite:///{store}/basic_auth.db\n"
+            f"admin_username = {auth[0]}\n"
+            f"admin_password = {auth[1]}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            # a checked password is trusted for 10 minutes: one PBKDF2 check per user, not
+            # one per request
+            "auth_cache_ttl_seconds = 600\n"
+        )
+        config.chmod(0o600)
+        argv[4:4] = ["--app-name", "basic-auth"]
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(config)
+        env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = secrets.token_hex(16)  # CSRF, required
+    return argv, env
 
 
 class ClusterError(RuntimeError):
@@ -174,6 +216,9 @@ class Cluster:
         private_dirs: ``{worker index (1-based): [dirs]}`` given an empty private mount on
             that worker (storage the driver's writes never reach).
         worker_gpus: fake GPUs per worker (a discovery script; none when 0).
+        mlflow_auth: (user, password) of the MLflow server's basic auth (None: no auth).
+            :meth:`submit` gives them to the driver's environment and, unless told not
+            to, to the executors' (``spark.executorEnv.*``).
         python: the hosts' Python (default ``.venv-cluster``).
     """
 
@@ -184,6 +229,7 @@ class Cluster:
     loopback_names: bool = False
     private_dirs: dict[int, list[Path]] = field(default_factory=dict)
     worker_gpus: int = 0
+    mlflow_auth: tuple[str, str] | None = None
     python: Path = field(default_factory=cluster_python)
     hosts: dict[str, Host] = field(default_factory=dict)
 
@@ -327,20 +373,11 @@ class Cluster:
             for name in self.worker_names():
                 self.start_worker(name)
             if mlflow:
-                store = self.base / "mlflow"
-                store.mkdir(exist_ok=True)
-                self.start(
-                    "fl-driver",
-                    [str(self.python), "-m", "mlflow", "server", "--host",
-                     self.hosts["fl-driver"].address, "--port", "5000", "--workers", "1",
-                     "--backend-store-uri", f"sqlite:///{store}/mlflow.db",
-                     "--artifacts-destination", str(store / "artifacts")],
-                    # Tracking and the model registry only: without this, MLflow 3 also starts
-                    # its job runners (huey consumers for GenAI scorers, trace roll-ups), a
-                    # handful of Python processes the job never uses.
-                    env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                    log=logs / "mlflow.out",
+                argv, env = mlflow_server(
+                    self.python, self.hosts["fl-driver"].address, 5000, self.base / "mlflow",
+                    self.mlflow_auth,
                 )  # fmt: skip
+                self.start("fl-driver", argv, env=env, log=logs / "mlflow.out")
             self._save()
             self._wait(mlflow, timeout)
         except BaseException:
@@ -419,12 +456,21 @@ class Cluster:
         env: dict[str, str] | None = None,
         log: Path | None = None,
         script: Path | None = None,
+        executor_credentials: bool = True,
     ) -> subprocess.Popen[bytes]:
         """spark-submit (client mode) on the driver host, as docs/cluster.md tells users.
+
+        With :attr:`mlflow_auth`, the driver gets the MLflow server's credentials in its
+        environment, and the executors in theirs through ``spark.executorEnv.*`` (unless
+        ``executor_credentials`` is False): the job never copies the driver's.
 
         Returns:
             The spark-submit process; its output goes to ``log``.
         """
+        credentials = self.mlflow_credentials()
+        env = {**credentials, **(env or {})}
+        if executor_credentials:
+            conf = {**{f"spark.executorEnv.{k}": v for k, v in credentials.items()}, **(conf or {})}
         argv = [
             str(self.spark_home / "bin" / "spark-submit"),
             "--master", self.master_url,
@@ -436,6 +482,14 @@ class Cluster:
             argv += ["--conf", f"{key}={value}"]
         argv += [str(script or REPO / "jobs" / "train_flowers.py"), *job_args]
         return self.start("fl-driver", argv, env=env, log=log)
+
+    def mlflow_credentials(self) -> dict[str, str]:
+        """The MLflow server's credentials as MLflow's client reads them (none without
+        :attr:`mlflow_auth`)."""
+        if self.mlflow_auth is None:
+            return {}
+        user, password = self.mlflow_auth
+        return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
 
     def pids(self, host: str) -> list[int]:
         """Every process now running in ``host``'s network namespace."""
