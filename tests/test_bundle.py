@@ -609,7 +609,7 @@ def _compile(tmp_path: Path, constraints: Path, *requirements: str) -> dict[str,
     bring for this interpreter, constrained by ``constraints`` (``"url"`` for a requirement
     given as a file), with uv's resolver (``uv pip compile``), which reads the wheels'
     metadata from the index without downloading them: pip's ``install --dry-run
-    --ignore-installed`` took 121-149 s for one runtime in CI (2026-11-25/26)."""
+    --ignore-installed`` took 121-149 s for one runtime in CI (2026-11-26)."""
     wanted = tmp_path / "requirements.in"
     wanted.write_text("".join(f"{line}\n" for line in requirements), encoding="utf-8")
     args = ["pip", "compile", "--no-config", "--python", sys.executable, "--no-header"]
