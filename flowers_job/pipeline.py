@@ -29,6 +29,7 @@ from flowers_job.allocator import apply_to_environ
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.data.ingest import IngestReport, check_images_root, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
+from flowers_job.data.table_ref import table_ref
 from flowers_job.data.tables import TABLE_NAMES
 from flowers_job.failures import TrainingError, check_finished, failure, registered_model
 from flowers_job.loaders import resolve_loader
@@ -368,7 +369,7 @@ def _summary(
     quarantined = (
         ingest_report.quarantined_rows
         if ingest_report is not None
-        else spark.read.format("delta").load(str(cfg.paths.table("quarantine"))).count()
+        else table_ref(cfg, "quarantine").read(spark).count()
     )
     summary = {
         **{k: v for k, v in result.items() if k != "history"},
@@ -385,7 +386,7 @@ def _summary(
         "label_names": data.label_names,
         "local_mode": cfg.distributed.local_mode,
         "mlflow_tracking_uri": cfg.tracking_uri,
-        "tables": {name: str(cfg.paths.table(name)) for name in TABLE_NAMES},
+        "tables": {name: table_ref(cfg, name).describe() for name in TABLE_NAMES},
         "loader_cache": data.loader_cache,
         "restarts": len(restarts),
         "restart_history": [r.to_dict() for r in restarts],

@@ -52,6 +52,7 @@ from flowers_job.data.files import (
     listing_key,
 )
 from flowers_job.data.listing import label_folders
+from flowers_job.data.table_ref import TableRef
 from flowers_job.data.tables import read_table_metadata, write_table
 from flowers_job.model_ref import (
     ModelRef,
@@ -98,7 +99,7 @@ class PredictReport:
     """What ``predict`` scored and wrote.
 
     Attributes:
-        output_table: path of the output Delta table.
+        output_table: path or catalog name of the output Delta table.
         input: the images root or the input table.
         input_rows: entries listed under the images root, or rows of the input table.
         output_rows: rows of the output table (equal to ``input_rows``: nothing is dropped).
@@ -132,18 +133,19 @@ class PredictReport:
         return asdict(self)
 
 
-def check_input(images: Path | None, table: Path | None) -> None:
+def check_input(images: Path | None, table: Path | TableRef | None) -> None:
     """Fail before Spark starts when the input is missing.
 
     Raises:
         UsageError: neither or both of ``images`` and ``table``.
-        PredictError: ``images`` is not a directory, or ``table`` has no Delta log.
+        PredictError: ``images`` is not a directory, or ``table`` (a path; a catalog table
+            is checked once Spark is up) has no Delta log.
     """
     if (images is None) == (table is None):
         raise UsageError("give exactly one of --images DIR and --table PATH")
     if images is not None and not images.is_dir():
         raise PredictError(f"--images {images}: not a directory")
-    if table is not None and not (table / "_delta_log").is_dir():
+    if isinstance(table, Path) and not (table / "_delta_log").is_dir():
         raise PredictError(f"--table {table}: not a Delta table (no {table / '_delta_log'})")
 
 
@@ -212,19 +214,19 @@ def _image_rows(
 
 
 def _table_rows(
-    spark: SparkSession, table: Path, split: str | None = None
+    spark: SparkSession, table: TableRef, split: str | None = None
 ) -> tuple[DataFrame, int, dict[str, object]]:
     """The input Delta table's ``row_id, [path], [label], image`` (its rows of ``split``
     when given: a partition of the ``images`` table) and its fingerprint. ``path`` is the
     table's ``source_path`` (the ``images`` table's since ingest format 5) or ``path``.
 
     Raises:
-        PredictError: no ``row_id`` or binary ``image`` column, or ``split`` given for a
-            table without a ``split`` column.
+        PredictError: no such catalog table, no ``row_id`` or binary ``image`` column, or
+            ``split`` given for a table without a ``split`` column.
     """
-    from delta.tables import DeltaTable
-
-    delta = DeltaTable.forPath(spark, str(table))
+    if not table.exists(spark):
+        raise PredictError(f"--table {table}: no such table")
+    delta = table.delta(spark)
     last = delta.history(1).select("version").first()
     detail = delta.detail().select("id").first()
     df = delta.toDF()
@@ -248,7 +250,11 @@ def _table_rows(
     rows = int(df.count())
     meta = {
         "input": "table",
-        "path": os.path.realpath(table),
+        **(
+            {"name": table.describe()}
+            if table.in_catalog
+            else {"path": os.path.realpath(str(table.path))}
+        ),
         "table_id": detail["id"] if detail else None,
         "version": int(last["version"]) if last else None,
         **({"split": split} if split is not None else {}),
@@ -256,15 +262,9 @@ def _table_rows(
     return df.select(*columns), rows, meta
 
 
-def _counts(spark: SparkSession, path: Path) -> tuple[int, dict[str, int], dict[str, int]]:
+def _counts(spark: SparkSession, table: TableRef) -> tuple[int, dict[str, int], dict[str, int]]:
     """Rows, rows per predicted label, rows per reason of the output table (a few rows)."""
-    stats = (
-        spark.read.format("delta")
-        .load(str(path))
-        .groupBy("predicted_label", "reason_code")
-        .count()
-        .collect()
-    )
+    stats = table.read(spark).groupBy("predicted_label", "reason_code").count().collect()
     labels: dict[str, int] = {}
     reasons: dict[str, int] = {}
     for r in stats:
@@ -278,10 +278,10 @@ def _counts(spark: SparkSession, path: Path) -> tuple[int, dict[str, int], dict[
 def predict(
     spark: SparkSession,
     model: ModelRef,
-    output_table: Path,
+    output_table: Path | TableRef,
     *,
     images: Path | None = None,
-    table: Path | None = None,
+    table: Path | TableRef | None = None,
     split: str | None = None,
     data: DataConfig | None = None,
 ) -> PredictReport:
@@ -290,12 +290,14 @@ def predict(
     Args:
         spark: the session.
         model: the resolved model (:func:`resolve_model`).
-        output_table: the output Delta table's path (overwritten when the input or the model
-            version changed; left alone otherwise).
+        output_table: the output Delta table: a path, or a catalog table
+            (:class:`~flowers_job.data.table_ref.TableRef`, written with ``saveAsTable``);
+            overwritten when the input or the model version changed, left alone otherwise.
         images: a folder of photos: ``<images>/<label>/<file>`` (the label is kept) or files
             directly in it (no label); listed and decoded exactly as ingest does.
         table: a Delta table with ``row_id`` and binary ``image`` (``path`` and ``label`` are
-            kept when present), e.g. ``<output-dir>/tables/images``.
+            kept when present), e.g. ``<output-dir>/tables/images``: a path or a catalog
+            table.
         split: with ``table``, score only its rows of this split (``train``, ``val``,
             ``test``: a partition of the ``images`` table).
         data: ``jpeg_quality`` and ``extensions`` of the decode (default: the config's
@@ -311,6 +313,10 @@ def predict(
             docs/using-the-model.md says why), before anything is read or written.
     """
     check_input(images, table)
+    if isinstance(output_table, Path):
+        output_table = TableRef(path=output_table)
+    if isinstance(table, Path):
+        table = TableRef(path=table)
     data = data or DataConfig()
     shipped = ship_model(spark, model)
     listing: DataFrame | None = None
@@ -349,12 +355,10 @@ def predict(
     finally:
         if listing is not None:
             listing.unpersist()
-    from delta.tables import DeltaTable
-
-    last = DeltaTable.forPath(spark, str(output_table)).history(1).select("version").first()
+    last = output_table.delta(spark).history(1).select("version").first()
     output_rows, label_counts, reason_counts = _counts(spark, output_table)
     return PredictReport(
-        output_table=str(output_table),
+        output_table=output_table.describe(),
         input=str(images if images is not None else table),
         input_rows=input_rows,
         output_rows=output_rows,

@@ -34,6 +34,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
+from flowers_job.data.table_ref import TableRef
 from flowers_job.tracking import TAG_TEST_SPLIT
 
 __all__ = ["CHAMPION", "Promotion", "champion_accuracy_on", "promote"]
@@ -77,7 +78,7 @@ class Promotion:
 def champion_accuracy_on(
     spark: SparkSession,
     model_uri: str,
-    test_table: str,
+    test_table: TableRef,
     version: int,
     tracking_uri: str,
     split: str | None = None,
@@ -93,7 +94,7 @@ def champion_accuracy_on(
     """
     from flowers_job.predict import score_images
 
-    df = spark.read.format("delta").option("versionAsOf", version).load(test_table)
+    df = test_table.read(spark, version)
     if split is not None:
         df = df.where(F.col("split") == split)
     scored = score_images(
@@ -155,7 +156,7 @@ def promote(spark: SparkSession, cfg: JobConfig, summary: dict[str, Any]) -> Pro
             theirs = champion_accuracy_on(
                 spark,
                 f"models:/{name}/{champion.version}",
-                test["path"],
+                TableRef.from_lineage(test),
                 int(test["version"]),
                 cfg.tracking_uri,
                 test.get("split"),

@@ -288,9 +288,9 @@ class RunTracker:
             plt.close(fig)
 
     def log_lineage(self, lineage: dict[str, Any]) -> None:
-        """Each split read as an MLflow dataset input (the ``images`` table's path and Delta
-        version in its source and its ``delta_version`` tag, the split in its ``split``
-        tag; context = the split), and the run tags ``flowers_job.ingest_fingerprint``,
+        """Each split read as an MLflow dataset input (the ``images`` table's path or catalog
+        name and Delta version in its source and its ``delta_version`` tag, the split in its
+        ``split`` tag; context = the split), and the run tags ``flowers_job.ingest_fingerprint``,
         ``flowers_job.test_split_digest``, ``flowers_job.images_table``,
         ``flowers_job.images_version`` (which retention keeps readable:
         :mod:`flowers_job.data.retention`) and ``flowers_job.version``.
@@ -305,8 +305,14 @@ class RunTracker:
         from flowers_job.data.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 
         for name, table in sorted(lineage.get("splits", {}).items()):
-            source = DeltaDatasetSource(path=table["path"], delta_table_version=table["version"])
-            where = f"{table['path']}@{table['version']}:{table.get('split', name)}"
+            # a path table by its path, a catalog table by its name (MLflow's two forms)
+            source = DeltaDatasetSource(
+                path=table.get("path"),
+                delta_table_name=table.get("name"),
+                delta_table_version=table["version"],
+            )
+            named = table.get("name") or table["path"]
+            where = f"{named}@{table['version']}:{table.get('split', name)}"
             digest = hashlib.sha256(where.encode()).hexdigest()[:16]
             # MetaDataset: a dataset known by its source and digest, without loading it here
             # (rank 0 has no Spark session); mypy sees Dataset.profile as abstract.
@@ -322,7 +328,7 @@ class RunTracker:
             {
                 TAG_FINGERPRINT: lineage.get("ingest_fingerprint", ""),
                 TAG_TEST_SPLIT: lineage.get("test_split_digest", ""),
-                TAG_IMAGES_TABLE: str(images.get("path", "")),
+                TAG_IMAGES_TABLE: str(images.get("name") or images.get("path", "")),
                 TAG_IMAGES_VERSION: str(images.get("version", "")),
                 TAG_VERSION: __version__,
             }

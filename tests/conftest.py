@@ -149,14 +149,21 @@ def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:
 
 
 @pytest.fixture(scope="session")
-def spark() -> Iterator[object]:
-    """Local Spark with 2 task slots (barrier mode needs one per training process)."""
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Local Spark with 2 task slots (barrier mode needs one per training process). Its
+    session catalog (``spark_catalog``, in memory) keeps managed tables under a temp
+    ``spark.sql.warehouse.dir``, not ``./spark-warehouse``."""
     from flowers_job.spark import get_spark
 
     short = os.environ.get("SPARK_SUBMIT_OPTS")
     os.environ["SPARK_SUBMIT_OPTS"] = SESSION_JVM
+    warehouse = tmp_path_factory.mktemp("warehouse")
     try:
-        session = get_spark("flowers_job_tests", master="local[2]")
+        session = get_spark(
+            "flowers_job_tests",
+            master="local[2]",
+            conf={"spark.sql.warehouse.dir": str(warehouse)},
+        )
     finally:  # the CLI runs' drivers, the test cluster's JVMs: short-lived
         if short is None:
             os.environ.pop("SPARK_SUBMIT_OPTS", None)

@@ -153,6 +153,7 @@ def test_splits_are_partitions_of_the_one_images_table(spark: SparkSession, inge
     partition pruning, and the report's counts are the partitions' rows."""
     from delta.tables import DeltaTable
 
+    from flowers_job.data.table_ref import table_ref
     from flowers_job.data.tables import split_frame
 
     cfg, report = ingested
@@ -162,14 +163,14 @@ def test_splits_are_partitions_of_the_one_images_table(spark: SparkSession, inge
     version = _version(spark, report.tables["images"])
     rows = {s: _rows(spark, report.tables["images"], "relative_path", "split") for s in SPLITS}
     for split in SPLITS:
-        df = split_frame(spark, cfg.paths.table("images"), version, split)
+        df = split_frame(spark, table_ref(cfg, "images"), version, split)
         assert "PartitionFilters: [isnotnull(split" in df._jdf.queryExecution().toString()
         assert sorted((r["relative_path"], split) for r in df.collect()) == [
             r for r in rows[split] if r[1] == split
         ]
     assert (report.train_rows, report.val_rows, report.test_rows) == tuple(
         df.count()
-        for df in (split_frame(spark, cfg.paths.table("images"), version, s) for s in SPLITS)
+        for df in (split_frame(spark, table_ref(cfg, "images"), version, s) for s in SPLITS)
     )
 
 

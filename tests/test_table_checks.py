@@ -14,6 +14,7 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig, load_config
 from flowers_job.data.ingest import ingest
 from flowers_job.data.prepare import example_images, prepare_data
+from flowers_job.data.table_ref import table_ref
 from flowers_job.data.tables import (
     PARTITION_COLUMNS,
     TABLE_NAMES,
@@ -54,7 +55,7 @@ def _rewrite(spark: SparkSession, cfg: JobConfig, name: str, df: DataFrame) -> N
     """Overwrite a table with ``df`` (its partitioning kept), keeping its flowers_job commit
     metadata (so that only the damage done here is wrong)."""
     path = cfg.paths.table(name)
-    meta = read_table_metadata(spark, path)
+    meta = read_table_metadata(spark, table_ref(cfg, name))
     (
         df.localCheckpoint()
         .write.format("delta")
@@ -84,7 +85,7 @@ def test_intact_tables_pass_and_the_checked_versions_are_the_ones_read(
         for name in TABLE_NAMES
     }
     assert checked.versions == {name: int(row["version"]) for name, row in latest.items()}
-    assert checked.meta == read_table_metadata(spark, tables.paths.table("images"))
+    assert checked.meta == read_table_metadata(spark, table_ref(tables, "images"))
     assert sum(checked.split_rows.values()) == 20 and all(checked.split_rows.values())
     version = checked.versions["images"]
     examples = example_images(spark, tables, version)

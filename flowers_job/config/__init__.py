@@ -34,6 +34,7 @@ from flowers_job.config.model import (
     TrackingConfig,
     TrainConfig,
 )
+from flowers_job.config.tables import TablesConfig
 
 __all__ = [
     "CacheConfig",
@@ -48,6 +49,7 @@ __all__ = [
     "PathsConfig",
     "PetastormConfig",
     "StreamingConfig",
+    "TablesConfig",
     "TrackingConfig",
     "TrainConfig",
     "load_config",

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from flowers_job.config.deprecated import migrate_deprecated
+from flowers_job.config.tables import TablesConfig
 
 __all__ = [
     "CacheConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "PathsConfig",
     "PetastormConfig",
     "StreamingConfig",
+    "TablesConfig",
     "TrackingConfig",
     "TrainConfig",
 ]
@@ -385,7 +387,8 @@ class PathsConfig(_Section):
         return self.output_dir / "tables"
 
     def table(self, name: str) -> Path:
-        """Path of the Delta table ``name`` ('images' or 'quarantine')."""
+        """Path of the Delta table ``name`` ('images' or 'quarantine') when the tables are
+        path tables (:func:`flowers_job.data.table_ref.table_ref` decides)."""
         return self.tables_dir / name
 
     @property
@@ -418,7 +421,8 @@ class CacheConfig(_Section):
 
 
 class JobConfig(_Section):
-    """The whole job: data, loaders, model, train, distributed, tracking, paths, cache."""
+    """The whole job: data, loaders, model, train, distributed, tracking, paths, tables,
+    cache."""
 
     data: DataConfig = DataConfig()
     loaders: LoadersConfig = LoadersConfig()
@@ -427,6 +431,7 @@ class JobConfig(_Section):
     distributed: DistributedConfig = DistributedConfig()
     tracking: TrackingConfig = TrackingConfig()
     paths: PathsConfig
+    tables: TablesConfig = TablesConfig()
     cache: CacheConfig = CacheConfig()
 
     @model_validator(mode="before")

@@ -315,16 +315,17 @@ def evict(root: Path, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
     return removed
 
 
-def cached_versions(cfg: JobConfig, table: Path) -> set[int]:
-    """The Delta versions of the table at ``table`` that complete entries of the loader
-    cache were built from (what retention keeps readable)."""
+def cached_versions(cfg: JobConfig, table: str) -> set[int]:
+    """The Delta versions of ``table`` (its path or catalog name, as the cache entries record
+    it: :meth:`~flowers_job.data.table_ref.TableRef.describe`) that complete entries of the
+    loader cache were built from (what retention keeps readable)."""
     root = local_dir(cfg.paths.cache_parent_url)
     if root is None:
         return set()
     versions = set()
     for entry in (root / ENTRIES).glob("*"):
         info = _entry_info(entry)
-        if info is not None and info.get("fields", {}).get("table") == str(table):
+        if info is not None and info.get("fields", {}).get("table") == table:
             versions.add(int(info["fields"]["version"]))
     return versions
 

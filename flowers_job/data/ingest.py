@@ -18,6 +18,10 @@ problems (no label folder, a label without images, too many bad files, counted o
 whole table after the change) stop ingest before anything is written. Neither the listing
 nor any image passes through the driver: it collects only counts per label and reason.
 
+The tables are path tables under ``<output_dir>/tables`` by default, or managed tables in a
+catalog, by name, with ``tables.schema`` (:mod:`flowers_job.data.table_ref`): the same
+writes, commits, metadata and checks either way.
+
 **Incremental.** A re-run compares the listing with what the tables hold (``relative_path``,
 ``num_bytes``, ``mtime_ns``) in one outer join that reads no image bytes, written to a
 staging folder that the decode, the set-level checks and both MERGEs read instead of the
@@ -78,6 +82,7 @@ from flowers_job.data.ingest_write import (
     write_incremental,
 )
 from flowers_job.data.listing import label_folders
+from flowers_job.data.table_ref import TableRef, ensure_schema, table_ref
 from flowers_job.data.tables import (
     TABLE_NAMES,
     latest_commit,
@@ -107,7 +112,7 @@ class IngestReport:
             the tables after this ingest; ``images_rows + quarantined_rows == files``.
         quarantine_reasons: quarantined entries per ``reason_code``.
         label_names: sorted labels; a label's index is its position here.
-        tables: table name -> path.
+        tables: table name -> path, or catalog name (``main.flowers.images``).
         fingerprint: hash of the listing (path, kind, size, modification time of every
             entry) and the ingest settings.
         written: False when the tables were already up to date and nothing was written.
@@ -210,8 +215,9 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     root = Path(str(cfg.data.images))
     real_root, labels, others = check_images_root(cfg)
     settings = _settings(cfg)
-    tables = {name: cfg.paths.table(name) for name in TABLE_NAMES}
+    tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
     sweep_staging(cfg)
+    ensure_schema(spark, cfg)
 
     t0 = time.perf_counter()
     listing = list_files(spark, real_root, labels, labels + others).persist(StorageLevel.DISK_ONLY)
@@ -282,7 +288,7 @@ def _full_rebuild_reason(
 def _report(
     spark: SparkSession,
     cfg: JobConfig,
-    tables: dict[str, Path],
+    tables: dict[str, TableRef],
     n_files: int,
     fingerprint: str,
     labels: list[str],
@@ -291,9 +297,9 @@ def _report(
 ) -> IngestReport:
     """The row counts of the tables as they are now (Delta's file statistics and the split
     partitions: no image is read)."""
-    images = spark.read.format("delta").load(str(tables["images"]))
+    images = tables["images"].read(spark)
     per_split = {r["split"]: int(r["count"]) for r in images.groupBy("split").count().collect()}
-    q = spark.read.format("delta").load(str(tables["quarantine"]))
+    q = tables["quarantine"].read(spark)
     reasons = {
         r["reason_code"]: int(r["count"]) for r in q.groupBy("reason_code").count().collect()
     }
@@ -306,7 +312,7 @@ def _report(
         quarantined_rows=sum(reasons.values()),
         quarantine_reasons=reasons,
         label_names=labels,
-        tables={name: str(p) for name, p in tables.items()},
+        tables={name: t.describe() for name, t in tables.items()},
         fingerprint=fingerprint,
         written=changes.mode != "unchanged",
         mode=changes.mode,

@@ -9,7 +9,6 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -19,6 +18,7 @@ from flowers_job import faults
 from flowers_job.config import JobConfig
 from flowers_job.data.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.data.listing import LISTING_REASONS
+from flowers_job.data.table_ref import TableRef
 from flowers_job.data.tables import (
     PARTITION_COLUMNS,
     TABLE_PROPERTIES,
@@ -42,7 +42,8 @@ FILES_PER_PARTITION = 512
 """Decode tasks get about this many files each (~12 MB of stored JPEGs at 256 px)."""
 STAGING_MAX_AGE_SECONDS = 6 * 3600.0
 """An incremental ingest's staging folder (``tables/_staging-<run>``) this old belongs to a
-run that was stopped: no ingest of this job's scale decodes its changes for 6 hours."""
+run that was stopped: no ingest of this job's scale decodes its changes for 6 hours. (Under
+``<output_dir>/tables`` with catalog tables too: plain Parquet files, no table.)"""
 OLD_SPLIT_TABLES = ("train", "val", "test")
 """The split tables of layout 3 and earlier (full copies of ``images``), removed after the
 first rebuild in layout 4."""
@@ -164,7 +165,7 @@ def write_full(
     cfg: JobConfig,
     listing: DataFrame,
     labels: list[str],
-    tables: dict[str, Path],
+    tables: dict[str, TableRef],
     meta: dict[str, object],
     n_files: int,
     why: str,
@@ -225,7 +226,7 @@ def write_incremental(
     cfg: JobConfig,
     listing: DataFrame,
     labels: list[str],
-    tables: dict[str, Path],
+    tables: dict[str, TableRef],
     meta: dict[str, object],
     n_files: int,
 ) -> Changes:
@@ -308,7 +309,7 @@ DIFF_COLUMNS = ("label", "num_bytes", "mtime_ns", "reason_code", "reason")
 ``_status``: the listing's for entries to decode, the tables' for the others."""
 
 
-def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, Path]) -> DataFrame:
+def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, TableRef]) -> DataFrame:
     """The listing against what both tables hold, in one full outer join on
     ``relative_path`` that reads only the tables' small columns (no image bytes).
 
@@ -321,8 +322,8 @@ def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, Path]) -> D
       columns): to decode;
     - ``gone``: a stored row whose file is no longer listed (the stored columns): to delete.
     """
-    images = spark.read.format("delta").load(str(tables["images"]))
-    quarantine = spark.read.format("delta").load(str(tables["quarantine"]))
+    images = tables["images"].read(spark)
+    quarantine = tables["quarantine"].read(spark)
     none = F.lit(None).cast("string")
     stored = images.select(
         "relative_path", "label", "num_bytes", "mtime_ns",
@@ -384,17 +385,18 @@ def sweep_staging(cfg: JobConfig) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _rows_or_zero(spark: SparkSession, path: Path) -> int:
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, str(path)):
+def _rows_or_zero(spark: SparkSession, table: TableRef) -> int:
+    if not table.exists(spark):
         return 0
-    return int(spark.read.format("delta").load(str(path)).count())
+    return int(table.read(spark).count())
 
 
 def _remove_old_split_tables(cfg: JobConfig) -> None:
     """Remove the split tables of layout 3 (full copies of ``images``) once layout 4's
-    tables are written: nothing reads them any more."""
+    tables are written: nothing reads them any more. (Path tables only: catalog tables
+    came after layout 4.)"""
+    if cfg.tables.in_catalog:
+        return
     for name in OLD_SPLIT_TABLES:
         path = cfg.paths.table(name)
         if (path / "_delta_log").is_dir():

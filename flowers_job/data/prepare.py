@@ -24,6 +24,7 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig
 from flowers_job.data.cache import cache_bytes_needed, loader_cache
 from flowers_job.data.files import digest, hash_sums
+from flowers_job.data.table_ref import table_ref
 from flowers_job.data.tables import SPLITS, CheckedTables, checked_tables, split_frame
 from flowers_job.errors import DataError
 from flowers_job.loaders import loader_class
@@ -59,8 +60,9 @@ class PreparedData:
     example_images: list[bytes]
     """A few stored val images: the registered model's input example."""
     lineage: dict[str, object]
-    """What the run was trained and scored on (:func:`lineage`): each table's path and the
-    Delta version read, each split's, the ingest fingerprint and the test split's digest."""
+    """What the run was trained and scored on (:func:`lineage`): each table's path or
+    catalog name and the Delta version read, each split's, the ingest fingerprint and the
+    test split's digest."""
     loader_cache: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Split -> how its loader cache was got (:class:`~flowers_job.data.cache.CacheUse`):
     ``entry``, ``reused``, ``bytes_written``, ``seconds``, ``waited_seconds``."""
@@ -79,19 +81,23 @@ def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict
     the checked tables (:func:`~flowers_job.data.tables.checked_tables`).
 
     Returns:
-        ``{"tables": {name: {"path", "version"}}, "splits": {split: {"path", "version",
-        "split"}}, "ingest_fingerprint": str, "test_split_digest": str}``; a split is the
-        ``images`` table's rows with that ``split`` at that version.
+        ``{"tables": {name: {"path" | "name", "version"}}, "splits": {split: {"path" |
+        "name", "version", "split"}}, "ingest_fingerprint": str, "test_split_digest":
+        str}``; a path table is named by ``path``, a catalog table by ``name``
+        (``main.flowers.images``: :meth:`~flowers_job.data.table_ref.TableRef.lineage`);
+        a split is the ``images`` table's rows with that ``split`` at that version.
     """
-    images = str(cfg.paths.table("images"))
+    images = table_ref(cfg, "images")
     version = checked.versions["images"]
-    test = split_frame(spark, cfg.paths.table("images"), version, "test")
+    test = split_frame(spark, images, version, "test")
     return {
         "tables": {
-            name: {"path": str(cfg.paths.table(name)), "version": v}
+            name: {**table_ref(cfg, name).lineage(), "version": v}
             for name, v in checked.versions.items()
         },
-        "splits": {split: {"path": images, "version": version, "split": split} for split in SPLITS},
+        "splits": {
+            split: {**images.lineage(), "version": version, "split": split} for split in SPLITS
+        },
         "ingest_fingerprint": str(checked.meta.get("fingerprint", "")),
         "test_split_digest": split_digest(test, checked.label_names),
     }
@@ -102,7 +108,7 @@ def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2
     smallest ``row_id`` first): the registered model's input example. Bytes of re-encoded
     JPEGs, a few kB each. The smallest ids are found on the ``row_id`` column alone, then
     only their images are read."""
-    val = split_frame(spark, cfg.paths.table("images"), version, "val")
+    val = split_frame(spark, table_ref(cfg, "images"), version, "val")
     ids = [int(r["row_id"]) for r in val.select("row_id").orderBy("row_id").limit(n).collect()]
     rows = val.where(F.col("row_id").isin(ids)).orderBy("row_id").select("image").collect()
     return [bytes(r["image"]) for r in rows]
@@ -111,7 +117,7 @@ def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2
 def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> DataFrame:
     """The loader's columns of ``split`` at Delta ``version`` of ``images``."""
     return (
-        split_frame(spark, cfg.paths.table("images"), version, split)
+        split_frame(spark, table_ref(cfg, "images"), version, split)
         .select(*LOADER_COLUMNS)
         .withColumn("label_index", F.col("label_index").cast("long"))
     )
@@ -140,10 +146,8 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     loader = loader_class(cfg.data.loader)(cfg)
     checked = checked_tables(spark, cfg)
     version = checked.versions["images"]
-    images = cfg.paths.table("images")
-    from delta.tables import DeltaTable
-
-    detail = DeltaTable.forPath(spark, str(images)).detail().select("id", "sizeInBytes").first()
+    images = table_ref(cfg, "images")
+    detail = images.delta(spark).detail().select("id", "sizeInBytes").first()
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())
     with loader_cache(cfg, loader) as cache:
@@ -151,7 +155,7 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
         uses = {}
         for split in SPLITS:
             fields = {
-                "table": str(images),
+                "table": images.describe(),
                 "table_id": detail["id"] if detail is not None else None,
                 "version": version,
                 "split": split,

@@ -41,6 +41,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig
+from flowers_job.data.table_ref import TableRef, table_ref
 from flowers_job.data.tables import TABLE_NAMES
 
 __all__ = ["TAG_IMAGES_TABLE", "TAG_IMAGES_VERSION", "protected_versions", "vacuum_tables"]
@@ -56,9 +57,10 @@ _LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism
 ``VacuumCommand``); Spark's default, 10,000, costs 10,000 empty tasks on any table."""
 
 
-def _registered_versions(cfg: JobConfig, table: Path) -> set[int]:
+def _registered_versions(cfg: JobConfig, table: TableRef) -> set[int]:
     """The ``images`` versions the registered model versions of
-    ``tracking.registered_model_name`` were trained on, for the table at ``table``.
+    ``tracking.registered_model_name`` were trained on, for ``table`` (its run's
+    ``flowers_job.images_table`` tag is the table's path or catalog name)
 
     Raises:
         Exception: the registry cannot be read (MLflow's errors).
@@ -78,7 +80,7 @@ def _registered_versions(cfg: JobConfig, table: Path) -> set[int]:
         if not mv.run_id:
             continue
         tags = client.get_run(mv.run_id).data.tags
-        if tags.get(TAG_IMAGES_TABLE) == str(table) and TAG_IMAGES_VERSION in tags:
+        if tags.get(TAG_IMAGES_TABLE) == table.describe() and TAG_IMAGES_VERSION in tags:
             found.add(int(tags[TAG_IMAGES_VERSION]))
     return found
 
@@ -92,17 +94,15 @@ def protected_versions(cfg: JobConfig) -> set[int]:
     """
     from flowers_job.data.cache import cached_versions
 
-    table = cfg.paths.table("images")
-    return cached_versions(cfg, table) | _registered_versions(cfg, table)
+    table = table_ref(cfg, "images")
+    return cached_versions(cfg, table.describe()) | _registered_versions(cfg, table)
 
 
-def _hours_since_commit(spark: SparkSession, path: Path, version: int) -> float | None:
-    """Hours since the commit of ``version`` of the table at ``path``; None if there is no
-    such commit (yet)."""
-    from delta.tables import DeltaTable
-
+def _hours_since_commit(spark: SparkSession, table: TableRef, version: int) -> float | None:
+    """Hours since the commit of ``version`` of ``table``; None if there is no such commit
+    (yet)."""
     rows = (
-        DeltaTable.forPath(spark, str(path))
+        table.delta(spark)
         .history()
         .where(f"version = {int(version)}")
         .select("timestamp")
@@ -113,12 +113,11 @@ def _hours_since_commit(spark: SparkSession, path: Path, version: int) -> float 
     return max(0.0, (time.time() - rows[0]["timestamp"].timestamp()) / 3600.0)
 
 
-def _table_age_hours(spark: SparkSession, path: Path) -> float | None:
-    """Hours since the Delta table at ``path`` was created (``DESCRIBE DETAIL``'s
-    ``createdAt``); None if unknown."""
-    from delta.tables import DeltaTable
-
-    row = DeltaTable.forPath(spark, str(path)).detail().select("createdAt").first()
+def _table_age_hours(spark: SparkSession, table: TableRef) -> float | None:
+    """Hours since ``table`` was created (``DESCRIBE DETAIL``'s ``createdAt``); None if
+    unknown. (A catalog table overwritten by name is replaced, ``CREATE OR REPLACE``: its
+    ``createdAt`` is kept, as a path table's is.)"""
+    row = table.delta(spark).detail().select("createdAt").first()
     if row is None or row["createdAt"] is None:
         return None
     return max(0.0, (time.time() - row["createdAt"].timestamp()) / 3600.0)
@@ -132,8 +131,6 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
         Table name -> the retention used (whole hours); None when the protected versions could
         not be read and nothing was vacuumed (logged as a warning).
     """
-    from delta.tables import DeltaTable
-
     try:
         protected = protected_versions(cfg)
     except Exception as exc:
@@ -147,7 +144,7 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
     hours = {name: int(cfg.data.retention_hours) for name in TABLE_NAMES}
     if protected:
         oldest = min(protected)
-        age = _hours_since_commit(spark, cfg.paths.table("images"), oldest)
+        age = _hours_since_commit(spark, table_ref(cfg, "images"), oldest)
         if age is not None:
             hours["images"] = max(hours["images"], math.ceil(age) + 1)
     saved = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _LISTING_PARALLELISM)}
@@ -157,14 +154,15 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
     spark.conf.set(_LISTING_PARALLELISM, str(2 * spark.sparkContext.defaultParallelism))
     try:
         for name, retain in hours.items():
-            age = _table_age_hours(spark, cfg.paths.table(name))
+            table = table_ref(cfg, name)
+            age = _table_age_hours(spark, table)
             if age is not None and age < retain:
                 # No file of a table younger than the retention can be old enough to go; a
                 # VACUUM lists every file of the table (seconds even for a small one).
                 log.info("not vacuuming %s: created %.1f h ago, retention %d h", name, age, retain)
                 continue
             t0 = time.perf_counter()
-            DeltaTable.forPath(spark, str(cfg.paths.table(name))).vacuum(retain)
+            table.delta(spark).vacuum(retain)
             log.info(
                 "vacuumed %s, keeping %d h of history%s, in %.1f s",
                 name,

@@ -23,7 +23,6 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -31,6 +30,7 @@ from pyspark.sql import types as T
 from pyspark.sql.types import StructType
 
 from flowers_job.config import JobConfig
+from flowers_job.data.table_ref import TableRef, table_ref
 from flowers_job.errors import DataError
 
 __all__ = [
@@ -109,20 +109,24 @@ MAINTENANCE_OPERATIONS = frozenset(
 _HISTORY_DEPTH = 50
 
 
-def latest_commit(spark: SparkSession, path: Path) -> tuple[int, dict[str, object] | None] | None:
-    """The latest version of the Delta table at ``path`` and the flowers_job metadata of its
+def latest_commit(
+    spark: SparkSession, table: TableRef
+) -> tuple[int, dict[str, object] | None] | None:
+    """The latest version of the Delta ``table`` and the flowers_job metadata of its
     latest commit that changed rows (``fingerprint``, ``run_id``, ``label_names``,
     ``settings``; None when that commit is not flowers_job's); None if there is no Delta
     table there. Maintenance commits after it (:data:`MAINTENANCE_OPERATIONS`: VACUUM,
     OPTIMIZE) change no row, so the latest version holds the rows that commit wrote, and it
     is the one to read (an OPTIMIZE's older files may be vacuumed). One ``history`` read
-    of the last 50 commits."""
-    from delta.tables import DeltaTable
+    of the last 50 commits.
 
-    if not DeltaTable.isDeltaTable(spark, str(path)):
+    Raises:
+        DataError: a catalog table of that name that is not a Delta table.
+    """
+    if not table.exists(spark):
         return None
     rows = (
-        DeltaTable.forPath(spark, str(path))
+        table.delta(spark)
         .history(_HISTORY_DEPTH)
         .select("version", "operation", "userMetadata")
         .collect()
@@ -139,11 +143,11 @@ def latest_commit(spark: SparkSession, path: Path) -> tuple[int, dict[str, objec
     return latest, None
 
 
-def read_table_metadata(spark: SparkSession, path: Path) -> dict[str, object] | None:
-    """The flowers_job metadata stored in the latest commit of the Delta table at ``path``
-    (:func:`latest_commit`); None if there is no Delta table there or its latest commit is
+def read_table_metadata(spark: SparkSession, table: TableRef) -> dict[str, object] | None:
+    """The flowers_job metadata stored in the latest commit of the Delta ``table``
+    (:func:`latest_commit`); None if there is no such Delta table or its latest commit is
     not flowers_job's."""
-    commit = latest_commit(spark, path)
+    commit = latest_commit(spark, table)
     return None if commit is None else commit[1]
 
 
@@ -193,10 +197,10 @@ def _commit_metadata(spark: SparkSession, meta: dict[str, object]) -> Iterator[N
                 spark.conf.set(key, old)
 
 
-def _check_commit(spark: SparkSession, path: Path, meta: dict[str, object]) -> None:
-    if (read_table_metadata(spark, path) or {}).get("run_id") != meta["run_id"]:
+def _check_commit(spark: SparkSession, table: TableRef, meta: dict[str, object]) -> None:
+    if (read_table_metadata(spark, table) or {}).get("run_id") != meta["run_id"]:
         raise DataError(
-            f"the commit to {path} does not carry this write's metadata (run_id "
+            f"the commit to {table} does not carry this write's metadata (run_id "
             f"{meta['run_id']}): another job wrote the table at the same time"
         )
 
@@ -204,41 +208,34 @@ def _check_commit(spark: SparkSession, path: Path, meta: dict[str, object]) -> N
 def write_table(
     spark: SparkSession,
     df: DataFrame,
-    path: Path,
+    table: TableRef,
     meta: dict[str, object],
     partition_by: Sequence[str] = (),
     properties: Mapping[str, str] | None = None,
 ) -> None:
-    """Overwrite the Delta table at ``path`` with ``df`` (partitioned by ``partition_by``,
-    with the table ``properties``), committing ``meta``; one commit, also when ``df`` is
-    empty.
+    """Overwrite the Delta ``table`` (path or name; created if need be) with ``df``
+    (partitioned by ``partition_by``, with the table ``properties``), committing ``meta``;
+    one commit, also when ``df`` is empty.
 
     Raises:
         DataError: the latest commit does not carry ``meta['run_id']`` (another writer
             committed at the same time).
     """
     with _commit_metadata(spark, meta):
-        (
-            df.write.format("delta")
-            .mode("overwrite")
-            .option("overwriteSchema", "true")
-            .options(**(properties or {}))
-            .partitionBy(*partition_by)
-            .save(str(path))
-        )
-    _check_commit(spark, path, meta)
+        table.overwrite(df, partition_by, properties)
+    _check_commit(spark, table, meta)
 
 
 def merge_table(
     spark: SparkSession,
     source: DataFrame,
-    path: Path,
+    table: TableRef,
     meta: dict[str, object],
     *,
     keep: Column,
     changed: Column,
 ) -> dict[str, int]:
-    """MERGE the changes in ``source`` into the Delta table at ``path``, keyed by
+    """MERGE the changes in ``source`` into the Delta ``table`` (path or name), keyed by
     ``relative_path``, in one commit that carries ``meta``.
 
     ``source`` has the table's columns plus ``_gone`` (boolean: the path must leave the
@@ -259,15 +256,13 @@ def merge_table(
     Raises:
         DataError: as :func:`write_table`.
     """
-    from delta.tables import DeltaTable
-
     gone = F.col("s._gone")
     columns: dict[str, str | Column] = {
-        f.name: f"s.`{f.name}`" for f in TABLE_SCHEMAS[path.name].fields
+        f.name: f"s.`{f.name}`" for f in TABLE_SCHEMAS[table.table].fields
     }
     with _commit_metadata(spark, meta):
         (
-            DeltaTable.forPath(spark, str(path))
+            table.delta(spark)
             .alias("t")
             .merge(source.alias("s"), "t.relative_path = s.relative_path")
             .whenMatchedDelete(condition=gone | ~keep)
@@ -275,8 +270,8 @@ def merge_table(
             .whenNotMatchedInsert(condition=keep & ~gone, values=columns)
             .execute()
         )
-    _check_commit(spark, path, meta)
-    commit = DeltaTable.forPath(spark, str(path)).history(1).select("operationMetrics").first()
+    _check_commit(spark, table, meta)
+    commit = table.delta(spark).history(1).select("operationMetrics").first()
     metrics = (commit["operationMetrics"] if commit is not None else None) or {}
     return {
         key: int(metrics.get(name, 0))
@@ -288,15 +283,10 @@ def merge_table(
     }
 
 
-def split_frame(spark: SparkSession, images: Path, version: int, split: str) -> DataFrame:
-    """The rows of ``split`` in the ``images`` Delta table at ``images`` and Delta
-    ``version``: a partition filter, so only that split's files are read."""
-    return (
-        spark.read.format("delta")
-        .option("versionAsOf", version)
-        .load(str(images))
-        .where(F.col("split") == split)
-    )
+def split_frame(spark: SparkSession, images: TableRef, version: int, split: str) -> DataFrame:
+    """The rows of ``split`` in the ``images`` Delta table at Delta ``version``: a
+    partition filter, so only that split's files are read."""
+    return images.read(spark, version).where(F.col("split") == split)
 
 
 @dataclass(frozen=True)
@@ -330,31 +320,29 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
         and the rows per split.
 
     Raises:
-        DataError: naming the table path and the problem (missing tables, tables from
+        DataError: naming the table (path or name) and the problem (missing tables, tables from
             different ingests, missing/extra/wrongly typed columns, an empty split, or labels
             that differ from the recorded ones, naming both sets).
     """
-    paths = {name: cfg.paths.table(name) for name in TABLE_NAMES}
+    paths = {name: table_ref(cfg, name) for name in TABLE_NAMES}
     commits = {name: latest_commit(spark, path) for name, path in paths.items()}
     metas = {name: None if c is None else c[1] for name, c in commits.items()}
     missing = [paths[n] for n, m in metas.items() if m is None]
     if missing:
         raise DataError(
-            f"no flowers_job Delta table at {', '.join(map(str, missing))}; run `flowers-job "
+            f"no flowers_job Delta table {', '.join(map(str, missing))}; run `flowers-job "
             "ingest` (or `run`) first"
         )
     mismatch = tables_mismatch(metas)
     if mismatch:
         raise DataError(
-            f"the tables under {cfg.paths.tables_dir} come from different ingests ({mismatch}); "
+            f"the tables {', '.join(map(str, paths.values()))} come from different ingests "
+            f"({mismatch}); "
             "an ingest was interrupted or another one wrote since: run `flowers-job ingest` "
             "again, it repairs them"
         )
     versions = {name: c[0] for name, c in commits.items() if c is not None}
-    tables = {
-        name: spark.read.format("delta").option("versionAsOf", versions[name]).load(str(path))
-        for name, path in paths.items()
-    }
+    tables = {name: path.read(spark, versions[name]) for name, path in paths.items()}
     for name, df in tables.items():
         _check_schema(name, paths[name], df.schema)
     # (split, label, label_index) with counts, one query: a split without rows is empty.
@@ -377,7 +365,7 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
     return CheckedTables(label_names, versions, dict(meta), split_rows)
 
 
-def _check_schema(name: str, path: Path, schema: StructType) -> None:
+def _check_schema(name: str, path: TableRef, schema: StructType) -> None:
     """Raise ``DataError`` naming the missing, extra and wrongly typed columns of a table."""
     expected = {f.name: f.dataType for f in TABLE_SCHEMAS[name].fields}
     actual = {f.name: f.dataType for f in schema.fields}
@@ -400,7 +388,7 @@ def _check_schema(name: str, path: Path, schema: StructType) -> None:
         )
 
 
-def _check_labels(pairs: set[tuple[str, int]], label_names: list[str], where: Path) -> None:
+def _check_labels(pairs: set[tuple[str, int]], label_names: list[str], where: TableRef) -> None:
     """Raise ``DataError`` if the (label, label_index) pairs of the images table differ from
     ``label_names`` (a label's index is its position), naming both label sets."""
     found = sorted({str(label) for label, _ in pairs})
