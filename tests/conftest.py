@@ -255,3 +255,13 @@ def _restore_tracking_credentials() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server a test started: SIGTERM, then SIGKILL after 30 s (bounded waits)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)

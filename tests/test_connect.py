@@ -27,7 +27,7 @@ from flowers_job.model_ref import ModelRef
 from flowers_job.pipeline import run_ingest, run_job, run_training
 from flowers_job.predict import predict
 
-from .conftest import run_cli
+from .conftest import run_cli, stop_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,12 +88,7 @@ def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 time.sleep(0.5)
         yield f"sc://127.0.0.1:{port}"
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
+        stop_server(server)
 
 
 def _assert_refusal(message: str, setting: str) -> None:

@@ -34,6 +34,8 @@ from flowers_job.credentials import (
 from flowers_job.probe import check_executors
 from flowers_job.tracking import preflight
 
+from .conftest import stop_server
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from cluster import mlflow_server
 
@@ -70,12 +72,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop_server(proc)
 
 
 def _set(monkeypatch: pytest.MonkeyPatch, password: str | None) -> None:
