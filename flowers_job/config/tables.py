@@ -8,8 +8,17 @@ into it as :attr:`JobConfig.tables <flowers_job.config.model.JobConfig>`.
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 __all__ = ["TablesConfig", "check_identifier"]
 
@@ -58,8 +67,10 @@ class TablesConfig(BaseModel):
 
     # The field cannot be named ``schema`` (it would shadow BaseModel.schema; pydantic warns):
     # it is ``schema_name`` with the alias ``schema``, the only key accepted, and dumps use
-    # the alias, so the ranks rebuild the section from model_dump().
-    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
+    # the alias (:meth:`_dump_schema_as_alias`), so the ranks rebuild the section from
+    # model_dump(). Not ``serialize_by_alias``: pydantic 2.11 added it, and Databricks
+    # Runtime 17.3 and 18 ship 2.10.6, which ignores it.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     catalog: str | None = None
     """The catalog of the tables (Unity Catalog: e.g. ``main``); None: the session's current
@@ -67,6 +78,13 @@ class TablesConfig(BaseModel):
     schema_name: str | None = Field(None, alias="schema")
     """The schema (database) of the tables, written ``tables.schema``; None: path tables
     under ``<output_dir>/tables``. Ingest creates it when it does not exist."""
+
+    @model_serializer(mode="wrap")
+    def _dump_schema_as_alias(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and "schema_name" in data:
+            data["schema"] = data.pop("schema_name")
+        return data
 
     @field_validator("catalog", "schema_name")
     @classmethod
