@@ -166,6 +166,9 @@ def check_placement(
 
 
 def use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
+    """Whether the ranks train on GPUs: ``distributed.use_gpu`` when set; otherwise, in local
+    mode, a CUDA device on the driver; in barrier mode, tasks that ask for GPUs
+    (``spark.task.resource.gpu.amount`` > 0)."""
     if cfg.distributed.use_gpu is not None:
         return cfg.distributed.use_gpu
     if cfg.distributed.local_mode:
