@@ -1,0 +1,273 @@
+"""Where the job's shared files live: a local (or mounted) directory, or an object store.
+
+``paths.output_dir`` (tables, checkpoints, failure reports, summary), ``paths.cache_url``
+(the loader cache) and ``data.images`` may each be a local path (``/Volumes/...``, NFS,
+``file:///...``) or an object-store URI (``s3a://bucket/prefix``, ``gs://...``,
+``abfss://...``). Spark reads and writes the tables and the Parquet cache through its
+Hadoop file systems (``s3a`` with ``org.apache.hadoop:hadoop-aws``); the job's own Python,
+on the driver and on each rank, goes through pyarrow's file systems
+(:func:`filesystem`): ``s3``/``s3a``/``s3n`` are the same bucket to
+``pyarrow.fs.S3FileSystem``; other schemes are pyarrow's or fsspec's.
+
+Credentials come from the standard places only: pyarrow's S3 file system reads the AWS SDK's
+default chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
+``~/.aws``, instance profiles); Spark's ``s3a`` its ``fs.s3a.*`` settings (and the same
+environment variables). The job never reads, copies or logs them.
+
+A :class:`Location` is a small pathlib-like value (``/``, ``name``, ``parent``,
+``exists``, ``read_bytes``, ``write_bytes``, ``iterdir``...). A local one is also an
+``os.PathLike``, so ``open()``, ``shutil`` and ``torch.save`` take it; a remote one is not,
+and code that needs a POSIX path (``Location.local_path``) says so with an error naming
+the URI.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+__all__ = ["S3_SCHEMES", "Location", "filesystem", "is_remote"]
+
+S3_SCHEMES = frozenset({"s3", "s3a", "s3n"})
+"""Schemes of one S3 bucket: Hadoop's connectors (``s3a``; ``s3n`` and ``s3`` on EMR) and
+the AWS SDKs' ``s3``."""
+
+
+def is_remote(value: str | os.PathLike[str]) -> bool:
+    """``value`` names an object store (a URI with a scheme other than ``file``)."""
+    scheme = urlparse(os.fspath(value)).scheme
+    return len(scheme) > 1 and scheme != "file"  # "C:" is a drive, not a scheme
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(scheme: str, netloc: str) -> Any:
+    import pyarrow.fs as pafs
+
+    if scheme in S3_SCHEMES:
+        # One S3 file system per bucket, its region and endpoint from the environment.
+        fs, _ = pafs.FileSystem.from_uri(f"s3://{netloc}")
+        return fs
+    try:
+        fs, _ = pafs.FileSystem.from_uri(f"{scheme}://{netloc}")
+        return fs
+    except (ValueError, NotImplementedError, OSError):
+        import fsspec  # gcsfs, adlfs... where installed
+
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(scheme)))
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The pyarrow file system of ``url`` and the path on it.
+
+    Returns:
+        ``(pyarrow.fs.FileSystem, path)``: ``LocalFileSystem`` and an absolute path for a
+        local path or ``file:`` URL; for ``s3a://bucket/key`` an ``S3FileSystem`` and
+        ``bucket/key``.
+
+    Raises:
+        ValueError: a scheme that neither pyarrow nor an installed fsspec package serves.
+    """
+    loc = Location.of(url)
+    if loc.is_local:
+        import pyarrow.fs as pafs
+
+        return pafs.LocalFileSystem(), loc.url
+    parsed = urlparse(loc.url)
+    return _filesystem(parsed.scheme, parsed.netloc), f"{parsed.netloc}{parsed.path}"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A local directory or file (``url`` is its absolute path) or an object-store key
+    (``url`` is ``scheme://bucket/key``, no trailing slash). Build with :meth:`of`."""
+
+    url: str
+
+    @classmethod
+    def of(cls, value: str | os.PathLike[str] | Location) -> Location:
+        """A local path (made absolute), a ``file:`` URL or an object-store URI."""
+        if isinstance(value, Location):
+            return value
+        text = os.fspath(value)
+        if is_remote(text):
+            return cls(text.rstrip("/"))
+        if text.startswith("file:"):
+            text = urlparse(text).path
+        return cls(str(Path(text).expanduser().resolve()))
+
+    # pathlib-like names ------------------------------------------------------------
+    @property
+    def is_local(self) -> bool:
+        return not is_remote(self.url)
+
+    @property
+    def local_path(self) -> Path:
+        """The POSIX path of a local location.
+
+        Raises:
+            ValueError: an object-store location.
+        """
+        if not self.is_local:
+            raise ValueError(f"{self.url} is in an object store, and this needs a local path")
+        return Path(self.url)
+
+    def __fspath__(self) -> str:
+        if not self.is_local:
+            raise TypeError(f"{self.url} is in an object store: it has no local file path")
+        return self.url
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __truediv__(self, name: str) -> Location:
+        return Location(f"{self.url}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Location:
+        return Location(self.url.rsplit("/", 1)[0] or "/")
+
+    def resolve(self) -> Location:
+        return self  # absolute already
+
+    def as_uri(self) -> str:
+        """``file:///...`` for a local location, else the URI itself."""
+        return self.local_path.as_uri() if self.is_local else self.url
+
+    # I/O ---------------------------------------------------------------------------
+    def _fs(self) -> tuple[Any, str]:
+        return filesystem(self.url)
+
+    def _info(self) -> Any:
+        fs, path = self._fs()
+        return fs.get_file_info(path)
+
+    def exists(self) -> bool:
+        import pyarrow.fs as pafs
+
+        if self.is_local:
+            return self.local_path.exists()
+        info = self._info()
+        if info.type != pafs.FileType.NotFound:
+            return True
+        return bool(self.iterdir())  # a "directory" of an object store: a key prefix
+
+    def is_file(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return bool(self._info().type == pafs.FileType.File)
+
+    def is_dir(self) -> bool:
+        """A directory, or (object store) a prefix with at least one key under it."""
+        import pyarrow.fs as pafs
+
+        if self.is_local:
+            return self.local_path.is_dir()
+        return self._info().type == pafs.FileType.Directory or bool(self.iterdir())
+
+    def mkdir(self, parents: bool = True, exist_ok: bool = True) -> None:
+        """Create the directory (an object store has none to create: a no-op there)."""
+        if self.is_local:
+            self.local_path.mkdir(parents=parents, exist_ok=exist_ok)
+
+    def read_bytes(self) -> bytes:
+        """The whole file.
+
+        Raises:
+            FileNotFoundError: no such file (also for an object store's missing key).
+        """
+        fs, path = self._fs()
+        try:
+            with fs.open_input_stream(path) as f:
+                return bytes(f.read())
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if "not found" in str(e).lower() or "no such" in str(e).lower():
+                raise FileNotFoundError(self.url) from e
+            raise
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        """Write ``data`` so that a reader sees the old file or the whole new one: a local
+        file through a temp file, ``fsync`` and ``os.replace`` in its directory; an object
+        (one PUT, or a multipart upload completed in one request) is atomic by itself."""
+        if not self.is_local:
+            fs, path = self._fs()
+            with fs.open_output_stream(path) as f:
+                f.write(data)
+            return
+        target = self.local_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def iterdir(self) -> list[Location]:
+        """The direct children, sorted by name; empty for a missing directory."""
+        import pyarrow.fs as pafs
+
+        fs, path = self._fs()
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted((self / i.base_name for i in infos), key=lambda loc: loc.url)
+
+    def glob(self, pattern: str) -> list[Location]:
+        """The direct children whose name matches ``pattern`` (``fnmatch``), sorted."""
+        return [c for c in self.iterdir() if fnmatch.fnmatchcase(c.name, pattern)]
+
+    def size_bytes(self) -> int:
+        """Bytes of the file, or of every file under the directory (0 when missing)."""
+        import pyarrow.fs as pafs
+
+        fs, path = self._fs()
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.File:
+            return int(info.size or 0)
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        return sum(int(i.size or 0) for i in infos if i.type == pafs.FileType.File)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        fs, path = self._fs()
+        try:
+            fs.delete_file(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def rmtree(self) -> None:
+        """Remove the directory and everything under it; nothing when it is missing."""
+        import pyarrow.fs as pafs
+
+        fs, path = self._fs()
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            fs.delete_file(path)
+        elif self.is_local:
+            if self.local_path.exists():
+                fs.delete_dir(path)
+        else:
+            fs.delete_dir_contents(path, missing_dir_ok=True)
+            if fs.get_file_info(path).type == pafs.FileType.Directory:
+                fs.delete_dir(path)
