@@ -54,11 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. --set train.epochs=3 (repeatable)",
     )
     common.add_argument(
-        "--output-dir", type=Path, help="paths.output_dir: tables, checkpoints, summary"
+        "--output-dir",
+        help="paths.output_dir: tables, checkpoints, summary (a directory or s3a://bucket/prefix)",
     )
     common.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
     images = argparse.ArgumentParser(add_help=False)
-    images.add_argument("--images", type=Path, help="data.images: <images>/<label>/<file>")
+    images.add_argument(
+        "--images", help="data.images: <images>/<label>/<file> (a directory or s3a://bucket/prefix)"
+    )
     images.add_argument(
         "--full",
         action="store_true",
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.check_tracking(cfg)
         from flowers_job.spark import get_spark
 
-        spark = get_spark()
+        stores = [str(cfg.paths.output_dir), cfg.paths.cache_parent_url, str(cfg.data.images)]
+        spark = get_spark(object_stores=stores)
         refuse_spark_connect(spark)  # a Connect session made elsewhere (Databricks serverless)
         if args.command != "ingest":
             pipeline.check_on_cluster(spark, cfg)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flowers_job.location import Location
 from flowers_job.sentinel import KILLED_SUFFIX
 
 __all__ = [
@@ -80,7 +81,7 @@ class TrainingError(RuntimeError):
         self.oom = oom
 
 
-def failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingError:
+def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -> TrainingError:
     """The driver's error for a failed TorchDistributor run, from the ranks' reports.
 
     Three kinds of report, in ``failure_dir``: ``rank-<r>.json``, the exception and
@@ -96,15 +97,16 @@ def failure(failure_dir: Path, exc: BaseException, world_size: int) -> TrainingE
     outside: hung (the others' collectives then time out), killed by torchrun after another
     rank failed, or killed without a sentinel.
     """
+    failure_dir = Location.of(failure_dir)
     reports = []
-    for path in sorted(failure_dir.glob("rank-*.json")):
+    for path in failure_dir.glob("rank-*.json"):
         try:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    for path in sorted(failure_dir.glob(f"rank-*{FATAL_SUFFIX}")):
+    for path in failure_dir.glob(f"rank-*{FATAL_SUFFIX}"):
         try:
-            text = path.read_text(errors="replace").strip()
+            text = path.read_bytes().decode(errors="replace").strip()
             if text:
                 reports.append(_fatal_report(path, text))
         except OSError:
@@ -182,11 +184,11 @@ def _kind(report: dict[str, Any]) -> str:
     return "permanent" if report["type"] in PERMANENT_TYPES else "exception"
 
 
-def _killed_reports(failure_dir: Path) -> list[dict[str, Any]]:
+def _killed_reports(failure_dir: Location) -> list[dict[str, Any]]:
     """The sentinels' ``rank-<r>.killed`` reports, each with a ``traceback`` that says what
     the sentinel saw (there is none: the process was killed)."""
     reports = []
-    for path in sorted(failure_dir.glob(f"rank-*{KILLED_SUFFIX}")):
+    for path in failure_dir.glob(f"rank-*{KILLED_SUFFIX}"):
         try:
             report = json.loads(path.read_text())
             oom = report.get("oom") or {}
@@ -204,7 +206,7 @@ def _killed_reports(failure_dir: Path) -> list[dict[str, Any]]:
     return reports
 
 
-def _fatal_report(path: Path, text: str) -> dict[str, Any]:
+def _fatal_report(path: Location, text: str) -> dict[str, Any]:
     """A ``rank-<r>.fatal`` file as a report: type ``FatalSignal``, the message from
     faulthandler's first line ("Fatal Python error: Aborted" -> "Aborted"), the stacks as
     the traceback, and the file's modification time as the time."""
@@ -215,11 +217,11 @@ def _fatal_report(path: Path, text: str) -> dict[str, Any]:
         "type": "FatalSignal",
         "message": first_line.removeprefix("Fatal Python error:").strip(),
         "traceback": text,
-        "time": path.stat().st_mtime,
+        "time": path.mtime(),
     }
 
 
-def check_finished(failure_dir: Path, world_size: int) -> None:
+def check_finished(failure_dir: Location | Path, world_size: int) -> None:
     """After TorchDistributor returned: raise if a rank failed anyway, or rank 0 did not
     record the registered model.
 
@@ -231,7 +233,8 @@ def check_finished(failure_dir: Path, world_size: int) -> None:
     Raises:
         TrainingError: a rank wrote a report, or ``model.json`` is missing.
     """
-    fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.stat().st_size > 0]
+    failure_dir = Location.of(failure_dir)
+    fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.size_bytes() > 0]
     killed = list(failure_dir.glob(f"rank-*{KILLED_SUFFIX}"))
     if fatal or killed or list(failure_dir.glob("rank-*.json")):
         raise failure(failure_dir, RuntimeError("a rank failed after training"), world_size)
@@ -246,7 +249,7 @@ def check_finished(failure_dir: Path, world_size: int) -> None:
         )
 
 
-def _rank_hosts(report_dir: Path) -> dict[int, str]:
+def _rank_hosts(report_dir: Location) -> dict[int, str]:
     """`` on host (address)`` of each rank, from rank 0's ``ranks.json`` ({} without one)."""
     try:
         ranks = json.loads((report_dir / RANKS_FILE).read_text())["ranks"]
@@ -255,9 +258,9 @@ def _rank_hosts(report_dir: Path) -> dict[int, str]:
         return {}
 
 
-def registered_model(report_dir: Path) -> dict[str, Any]:
+def registered_model(report_dir: Location | Path) -> dict[str, Any]:
     """What rank 0 wrote after registering the model (``model.json``), or {}."""
     try:
-        return dict(json.loads((report_dir / MODEL_FILE).read_text()))
+        return dict(json.loads((Location.of(report_dir) / MODEL_FILE).read_text()))
     except (OSError, ValueError):
         return {}

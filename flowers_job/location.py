@@ -26,13 +26,24 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlparse
 
-__all__ = ["S3_SCHEMES", "Location", "filesystem", "is_remote"]
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+__all__ = [
+    "S3_SCHEMES",
+    "Location",
+    "LocationValue",
+    "copy_files_up",
+    "filesystem",
+    "is_remote",
+    "to_location",
+]
 
 S3_SCHEMES = frozenset({"s3", "s3a", "s3n"})
 """Schemes of one S3 bucket: Hadoop's connectors (``s3a``; ``s3n`` and ``s3`` on EMR) and
@@ -139,6 +150,13 @@ class Location:
     def resolve(self) -> Location:
         return self  # absolute already
 
+    @property
+    def sdk_url(self) -> str:
+        """The URI as the AWS SDKs (boto3) and Mosaic Streaming spell it: ``s3://`` for
+        Hadoop's ``s3a://``/``s3n://``; other URIs and local paths unchanged."""
+        scheme, sep, rest = self.url.partition("://")
+        return f"s3://{rest}" if sep and scheme in S3_SCHEMES else self.url
+
     def as_uri(self) -> str:
         """``file:///...`` for a local location, else the URI itself."""
         return self.local_path.as_uri() if self.is_local else self.url
@@ -234,6 +252,17 @@ class Location:
             return []
         return sorted((self / i.base_name for i in infos), key=lambda loc: loc.url)
 
+    def walk(self) -> list[Location]:
+        """Every file under this directory, at any depth, sorted; empty when missing."""
+        import pyarrow.fs as pafs
+
+        fs, path = self._fs()
+        selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+        infos = fs.get_file_info(selector)
+        base = len(path.rstrip("/")) + 1
+        files = [self / i.path[base:] for i in infos if i.type == pafs.FileType.File]
+        return sorted(files, key=lambda loc: loc.url)
+
     def glob(self, pattern: str) -> list[Location]:
         """The direct children whose name matches ``pattern`` (``fnmatch``), sorted."""
         return [c for c in self.iterdir() if fnmatch.fnmatchcase(c.name, pattern)]
@@ -248,6 +277,17 @@ class Location:
             return int(info.size or 0)
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
         return sum(int(i.size or 0) for i in infos if i.type == pafs.FileType.File)
+
+    def mtime(self) -> float:
+        """Modification time, seconds since the epoch.
+
+        Raises:
+            FileNotFoundError: no such file.
+        """
+        info = self._info()
+        if info.mtime is None:
+            raise FileNotFoundError(self.url)
+        return float(info.mtime.timestamp())
 
     def unlink(self, missing_ok: bool = False) -> None:
         fs, path = self._fs()
@@ -271,3 +311,57 @@ class Location:
             fs.delete_dir_contents(path, missing_dir_ok=True)
             if fs.get_file_info(path).type == pafs.FileType.Directory:
                 fs.delete_dir(path)
+
+
+def to_location(value: Any) -> Location:
+    """A setting's value as a :class:`Location` (pydantic's validator of
+    :data:`LocationValue`).
+
+    Raises:
+        ValueError: not a path or URI, or a URI with credentials in it.
+    """
+    if isinstance(value, Location):
+        return value
+    if isinstance(value, str | os.PathLike) and os.fspath(value):
+        if urlparse(os.fspath(value)).password is not None:  # never echo the value itself
+            raise ValueError(
+                "credentials in the URI are refused (they would show in logs and in the "
+                "summary): use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or fs.s3a.* settings"
+            )
+        return Location.of(value)
+    raise ValueError("expected a directory path or an object-store URI (s3a://bucket/prefix)")
+
+
+LocationValue = Annotated[
+    Location,
+    BeforeValidator(to_location),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string"}),
+]
+"""A setting that is a local path (made absolute) or an object-store URI
+(:class:`flowers_job.location.Location`); dumped as its string."""
+
+
+def copy_files_up(local_dir: str | os.PathLike[str], url: str, remove: bool = False) -> list[str]:
+    """Copy every non-empty file directly in ``local_dir`` to ``<url>/<name>`` (a rank's
+    failure reports, from its host's disk to the run's report dir in an object store);
+    with ``remove``, then remove ``local_dir``.
+
+    Returns:
+        The names copied (empty when ``local_dir`` is missing).
+    """
+    folder = Path(local_dir)
+    copied = []
+    for f in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if f.is_file() and not f.name.startswith(".") and f.stat().st_size > 0:
+            (Location.of(url) / f.name).write_bytes(f.read_bytes())
+            copied.append(f.name)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+    return copied
+
+
+if __name__ == "__main__":  # python -m flowers_job.location LOCAL_DIR URL (sentinel.py)
+    import sys
+
+    copy_files_up(sys.argv[1], sys.argv[2], remove=True)

@@ -28,6 +28,8 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
+from flowers_job.location import Location
+
 __all__ = [
     "FAIL_FAST_SECONDS",
     "ModelRef",
@@ -92,7 +94,7 @@ def _no_download_bar() -> Iterator[None]:
             bar.set(raw)
 
 
-def default_model(output_dir: Path) -> tuple[str, str | None]:
+def default_model(output_dir: Location | Path | str) -> tuple[str, str | None]:
     """The model the last ``run``/``train`` in ``output_dir`` registered.
 
     Returns:
@@ -103,7 +105,7 @@ def default_model(output_dir: Path) -> tuple[str, str | None]:
     Raises:
         PredictError: no readable summary.json, or it names no registered model version.
     """
-    path = output_dir / "summary.json"
+    path = Location.of(output_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:

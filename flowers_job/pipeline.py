@@ -14,11 +14,15 @@ fails in seconds, with no JVM), then :func:`check_on_cluster` and :func:`execute
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +37,7 @@ from flowers_job.data.table_ref import table_ref
 from flowers_job.data.tables import TABLE_NAMES
 from flowers_job.failures import TrainingError, check_finished, failure, registered_model
 from flowers_job.loaders import resolve_loader
+from flowers_job.location import Location
 from flowers_job.placement import check_cluster
 from flowers_job.probe import check_executors
 from flowers_job.processes import driver_identity
@@ -252,10 +257,8 @@ def _attempt(
     from flowers_job.train.rank import train_worker
 
     d = cfg.distributed
-    with tempfile.TemporaryDirectory(
-        prefix="flowers-failures-", dir=cfg.paths.output_dir
-    ) as failure_dir:
-        reports = Path(failure_dir)
+    with report_dir(cfg.paths.output_dir) as reports:
+        failure_dir = reports.url
         job = training_job(spark, cfg, data, failure_dir, use_gpu, attempt=len(restarts))
         apply_to_environ()  # local mode's ranks inherit it (a session made elsewhere too)
         record_driver(cfg.paths.checkpoint_dir)  # who drives the run (flowers-job runs)
@@ -397,9 +400,23 @@ def _summary(
     return summary
 
 
-def write_summary(summary: dict[str, Any], path: Path) -> None:
-    """Write ``summary`` as JSON, atomically (temporary file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+def write_summary(summary: dict[str, Any], path: Location | Path) -> None:
+    """Write ``summary`` as JSON, whole or not at all (:meth:`Location.write_bytes`)."""
+    Location.of(path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+
+
+@contextmanager
+def report_dir(output_dir: Location) -> Iterator[Location]:
+    """One attempt's failure-report dir ``<output_dir>/flowers-failures-<random>``, where the
+    ranks write their reports and the driver reads them; removed on exit."""
+    if output_dir.is_local:
+        output_dir.mkdir()
+        with tempfile.TemporaryDirectory(prefix="flowers-failures-", dir=output_dir) as path:
+            yield Location.of(path)
+        return
+    reports = output_dir / f"flowers-failures-{uuid.uuid4().hex[:12]}"
+    try:
+        yield reports
+    finally:
+        with contextlib.suppress(OSError):
+            reports.rmtree()

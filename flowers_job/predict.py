@@ -54,6 +54,7 @@ from flowers_job.data.files import (
 from flowers_job.data.listing import label_folders
 from flowers_job.data.table_ref import TableRef
 from flowers_job.data.tables import read_table_metadata, write_table
+from flowers_job.location import Location
 from flowers_job.model_ref import (
     ModelRef,
     PredictError,
@@ -314,9 +315,9 @@ def predict(
     """
     check_input(images, table)
     if isinstance(output_table, Path):
-        output_table = TableRef(path=output_table)
+        output_table = TableRef(path=Location.of(output_table))
     if isinstance(table, Path):
-        table = TableRef(path=table)
+        table = TableRef(path=Location.of(table))
     data = data or DataConfig()
     shipped = ship_model(spark, model)
     listing: DataFrame | None = None

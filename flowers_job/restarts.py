@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from flowers_job.location import Location
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -59,17 +60,15 @@ TRANSIENT_KINDS = frozenset({"killed", "fatal_signal", "timeout", "connection"})
 may not happen again: restarted whenever restarts remain."""
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temporary file + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, default=str))
-    os.replace(tmp, path)
+def write_json(path: Location | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path``, whole or not at all (:meth:`Location.write_bytes`)."""
+    Location.of(path).write_text(json.dumps(data, default=str))
 
 
-def read_first_step(report_dir: Path) -> dict[str, Any] | None:
+def read_first_step(report_dir: Location | Path) -> dict[str, Any] | None:
     """:data:`FIRST_STEP_FILE` of an attempt, or None (rank 0 never trained a step)."""
     try:
-        return dict(json.loads((report_dir / FIRST_STEP_FILE).read_text()))
+        return dict(json.loads((Location.of(report_dir) / FIRST_STEP_FILE).read_text()))
     except (OSError, ValueError):
         return None
 

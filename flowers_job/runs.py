@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from flowers_job.config import PathsConfig
+from flowers_job.location import Location
 from flowers_job.processes import driver_identity, process_alive
 
 if TYPE_CHECKING:
@@ -66,7 +64,7 @@ def _iso(seconds: float | None) -> str | None:
     return datetime.fromtimestamp(seconds, tz=UTC).isoformat(timespec="seconds")
 
 
-def record_driver(checkpoint_dir: Path) -> None:
+def record_driver(checkpoint_dir: Location | Path) -> None:
     """Record this process as the driver of the training that starts now:
     ``<checkpoint_dir>/driver.json`` holds :func:`~flowers_job.processes.driver_identity`
     (``host``, ``pid``, ``create_time``) and ``started`` (ISO 8601, UTC), written atomically
@@ -76,22 +74,14 @@ def record_driver(checkpoint_dir: Path) -> None:
     Raises:
         OSError: the directory cannot be created or written.
     """
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
     record = {**driver_identity(), "started": _iso(time.time())}
-    fd, tmp = tempfile.mkstemp(prefix=f".{DRIVER_FILE_NAME}.", suffix=".tmp", dir=checkpoint_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, checkpoint_dir / DRIVER_FILE_NAME)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    (Location.of(checkpoint_dir) / DRIVER_FILE_NAME).write_text(json.dumps(record))
 
 
-def read_driver(checkpoint_dir: Path) -> dict[str, Any] | None:
+def read_driver(checkpoint_dir: Location | Path) -> dict[str, Any] | None:
     """The record of :func:`record_driver`, or None if there is none (or it is unreadable)."""
     try:
-        record = json.loads((checkpoint_dir / DRIVER_FILE_NAME).read_text())
+        record = json.loads((Location.of(checkpoint_dir) / DRIVER_FILE_NAME).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or not {"host", "pid", "create_time"} <= record.keys():
@@ -148,7 +138,7 @@ def _cause(driver: dict[str, Any] | None, state: str, continued_by: str | None) 
 
 
 def end_abandoned_run(
-    checkpoint_dir: Path, tracking_uri: str, *, continued_by: str | None = "--resume"
+    checkpoint_dir: Location | Path, tracking_uri: str, *, continued_by: str | None = "--resume"
 ) -> str | None:
     """Before a training continues the MLflow run of ``<checkpoint_dir>/mlflow_run.json``:
     if that run is still RUNNING and the driver recorded in ``driver.json`` is gone, end it
@@ -273,7 +263,9 @@ def _run_record(client: MlflowClient, run: Run, current: bool, driver_state: str
     }
 
 
-def list_runs(output_dir: Path, tracking_uri: str, experiment_name: str) -> list[dict[str, Any]]:
+def list_runs(
+    output_dir: Location | Path, tracking_uri: str, experiment_name: str
+) -> list[dict[str, Any]]:
     """The MLflow runs of ``output_dir``: every run of ``experiment_name`` tagged
     ``flowers_job.output_dir`` = the resolved ``output_dir``, newest first. Never creates
     a store or an experiment: a local store that does not exist, or no such experiment,
@@ -301,7 +293,8 @@ def list_runs(output_dir: Path, tracking_uri: str, experiment_name: str) -> list
 
     if _store_missing(tracking_uri):
         return []
-    checkpoint_dir = PathsConfig(output_dir=output_dir).checkpoint_dir
+    output_dir = Location.of(output_dir)
+    checkpoint_dir = output_dir / "checkpoints"
     current_id = read_run_id(checkpoint_dir)
     driver_state = _driver_state(read_driver(checkpoint_dir))
     try:
@@ -310,7 +303,7 @@ def list_runs(output_dir: Path, tracking_uri: str, experiment_name: str) -> list
             experiment = client.get_experiment_by_name(experiment_name)
             if experiment is None:
                 return []
-            runs = _runs_of(client, experiment.experiment_id, str(output_dir.resolve()))
+            runs = _runs_of(client, experiment.experiment_id, str(output_dir))
             return [
                 _run_record(client, run, run.info.run_id == current_id, driver_state)
                 for run in runs

@@ -66,6 +66,8 @@ __all__ = [
 KILLED_SUFFIX = ".killed"
 """``rank-<rank>.killed`` in the report dir: the sentinel's report of a rank that died
 without a Python exception or a fatal-signal report."""
+UPLOAD_SECONDS = 120.0
+"""Bound on copying a dead rank's reports to an object store (seconds)."""
 _FATAL_SUFFIX = ".fatal"  # = flowers_job.failures.FATAL_SUFFIX (this file imports no package)
 _DONE = b"done"
 _READY = b"ready\n"
@@ -85,7 +87,10 @@ _started: list[subprocess.Popen[bytes]] = []  # this process's sentinel (at most
 
 
 def start_sentinel(
-    failure_dir: Path, rank: int | None, config: dict[str, Any] | None = None
+    failure_dir: Path,
+    rank: int | None,
+    config: dict[str, Any] | None = None,
+    upload: str | None = None,
 ) -> int | None:
     """Start this rank's sentinel, and wait (at most :data:`READY_SECONDS`) until it watches.
 
@@ -94,6 +99,9 @@ def start_sentinel(
         rank: this process's rank (None, outside torchrun: no sentinel).
         config: the job's configuration (``JobConfig.model_dump``), for the settings that
             an OOM report names (:func:`memory_settings`); None names them without values.
+        upload: the report dir in an object store, where the sentinel copies what is in
+            ``failure_dir`` (this host's) once the rank has died (``python -m
+            flowers_job.location``, at most :data:`UPLOAD_SECONDS`).
 
     Returns:
         The sentinel's pid, or None where it cannot run (no rank, no ``os.pidfd_open``, or
@@ -112,6 +120,7 @@ def start_sentinel(
             "rank": rank,
             "dir": str(failure_dir),
             "settings": memory_settings(config),
+            "upload": upload,
         }
     except (AttributeError, OSError) as exc:
         log.warning("rank %s: no sentinel (%s): a SIGKILL would go unnamed", rank, exc)
@@ -472,12 +481,15 @@ def main(argv: list[str]) -> int:
         return 0
     seen = time.time()
     status = _exit_status(args["pidfd"], watch.pid, args["start_time"])  # before it is reaped
-    if watch.reported() or status == 0:
-        return 0
-    report = _report(watch, status, seen)
-    path = _write_report(watch.directory, watch.rank, report)
-    where = f" ({path})" if path else ""
-    sys.stderr.write(f"flowers_job sentinel: rank {watch.rank} {report['how']}{where}\n")
+    if status != 0 and not watch.reported():
+        report = _report(watch, status, seen)
+        path = _write_report(watch.directory, watch.rank, report)
+        where = f" ({path})" if path else ""
+        sys.stderr.write(f"flowers_job sentinel: rank {watch.rank} {report['how']}{where}\n")
+    if status != 0 and args.get("upload"):  # the report dir is in an object store
+        cmd = [sys.executable, "-m", "flowers_job.location", str(watch.directory), args["upload"]]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(cmd, timeout=UPLOAD_SECONDS, check=False)
     return 0
 
 

@@ -52,8 +52,41 @@ _LOCAL_DEFAULTS = {
 }
 
 
+def object_store_conf(urls: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The Maven packages and Spark settings a local session needs for ``urls``: for any
+    ``s3a://`` (``s3://``, ``s3n://``) URI, ``org.apache.hadoop:hadoop-aws`` at pyspark's own
+    Hadoop version (its ``hadoop-client-api`` jar's), and with ``AWS_ENDPOINT_URL`` set (an
+    S3-compatible store: MinIO, moto), ``fs.s3a.endpoint`` with path-style access. The
+    credentials stay where s3a's default provider chain finds them (the ``AWS_*``
+    environment variables, ``~/.aws``, an instance profile); nothing here copies them.
+
+    Returns:
+        ``(packages, settings)``, both empty when no URI is in S3.
+    """
+    from flowers_job.location import S3_SCHEMES
+
+    if not any(u.split("://", 1)[0] in S3_SCHEMES for u in urls if "://" in u):
+        return [], {}
+    import pyspark
+
+    jars = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+    version = jars[-1].name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+    settings = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        settings = {
+            "spark.hadoop.fs.s3a.endpoint": endpoint,
+            "spark.hadoop.fs.s3a.path.style.access": "true",
+            "spark.hadoop.fs.s3a.connection.ssl.enabled": str(endpoint.startswith("https")).lower(),
+        }
+    return [f"org.apache.hadoop:hadoop-aws:{version}"], settings
+
+
 def get_spark(
-    app_name: str = "flowers_job", master: str | None = None, conf: Mapping[str, str] | None = None
+    app_name: str = "flowers_job",
+    master: str | None = None,
+    conf: Mapping[str, str] | None = None,
+    object_stores: list[str] | None = None,
 ) -> SparkSession:
     """Return the active SparkSession, or build a local one with Delta Lake.
 
@@ -63,6 +96,9 @@ def get_spark(
             ``local[*]``). Ignored when a session already exists (spark-submit, Databricks).
         conf: Spark settings for a new local session, over the local defaults (e.g.
             ``{"spark.driver.memory": "1g"}``). Ignored when a session already exists.
+        object_stores: the job's locations (output dir, loader cache, images): a new local
+            session gets what S3 needs (:func:`object_store_conf`). Ignored when a session
+            already exists (spark-submit: ``--packages``, ``--conf``; docs/cluster.md).
 
     Returns:
         A session whose ``spark_catalog`` is Delta's.
@@ -104,9 +140,11 @@ def get_spark(
         master or os.environ.get("FLOWERS_SPARK_MASTER", "local[*]")
     )
     gpus = local_gpu_conf(cuda_device_count())
-    for key, value in {**_LOCAL_DEFAULTS, **allocator_spark_conf(), **gpus, **(conf or {})}.items():
+    packages, s3 = object_store_conf(object_stores or [])
+    settings = {**_LOCAL_DEFAULTS, **s3, **allocator_spark_conf(), **gpus, **(conf or {})}
+    for key, value in settings.items():
         builder = builder.config(key, value)
-    spark = configure_spark_with_delta_pip(builder).getOrCreate()
+    spark = configure_spark_with_delta_pip(builder, extra_packages=packages).getOrCreate()
     if not is_connect_session(spark):  # SPARK_REMOTE: the job's entry points refuse it
         spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
     return spark

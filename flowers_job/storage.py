@@ -12,7 +12,6 @@ task slot reads it back (:func:`unreadable`), in the executor probe's barrier st
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig
+from flowers_job.location import Location
 
 __all__ = ["is_local_master", "shared_dirs", "storage_problems", "tokens", "unreadable"]
 
@@ -33,34 +33,32 @@ def is_local_master(spark: SparkSession) -> bool:
     return str(spark.sparkContext.master).startswith("local")
 
 
-def shared_dirs(cfg: JobConfig) -> dict[str, Path]:
+def shared_dirs(cfg: JobConfig) -> dict[str, Location]:
     """The directories the driver and the executors both use, by the setting that names
-    them: the output dir, its checkpoints, the loader cache (a ``file:`` URL), and a
-    ``sqlite:`` tracking store declared shared (``tracking.store_is_shared``)."""
-    from urllib.parse import urlparse
-
+    them: the output dir, its checkpoints, the loader cache, and a ``sqlite:`` tracking
+    store declared shared (``tracking.store_is_shared``). Each a local path or an
+    object-store URI."""
     dirs = {
         "paths.output_dir": cfg.paths.output_dir,
         "paths.output_dir (checkpoints)": cfg.paths.checkpoint_dir,
+        "paths.cache_url": Location.of(cfg.paths.cache_parent_url),
     }
-    cache = urlparse(cfg.paths.cache_parent_url)
-    if cache.scheme == "file":
-        dirs["paths.petastorm_cache_url"] = Path(cache.path)
     uri = cfg.tracking_uri
     if uri.startswith("sqlite:///"):
-        dirs["tracking.tracking_uri"] = Path(uri.removeprefix("sqlite:///")).parent
+        dirs["tracking.tracking_uri"] = Location.of(Path(uri.removeprefix("sqlite:///")).parent)
     elif uri.startswith("file:"):
-        dirs["tracking.tracking_uri"] = Path(urlparse(uri).path)
-    return {setting: path.resolve() for setting, path in dirs.items()}
+        dirs["tracking.tracking_uri"] = Location.of(uri)
+    return dirs
 
 
 def unreadable(token: str, paths: list[str]) -> list[str]:
-    """Run on an executor: those of ``paths`` where the driver's token file cannot be read."""
+    """Run on an executor: those of ``paths`` where the driver's token file cannot be read
+    (missing, or the object store refuses this executor: no credentials, no endpoint)."""
     missing = []
     for p in paths:
         try:
-            ok = (Path(p) / f"{_TOKEN_PREFIX}{token}").read_text() == token
-        except OSError:
+            ok = (Location.of(p) / f"{_TOKEN_PREFIX}{token}").read_text() == token
+        except Exception:  # OSError, or pyarrow's errors for a refused or unreachable store
             ok = False
         if not ok:
             missing.append(p)
@@ -68,7 +66,7 @@ def unreadable(token: str, paths: list[str]) -> list[str]:
 
 
 @contextmanager
-def tokens(dirs: dict[str, Path]) -> Iterator[str]:
+def tokens(dirs: dict[str, Location]) -> Iterator[str]:
     """Create ``dirs`` and write a fresh token file into each; yields the token, and
     removes the files on exit."""
     token = uuid.uuid4().hex
@@ -82,11 +80,11 @@ def tokens(dirs: dict[str, Path]) -> Iterator[str]:
         yield token
     finally:
         for f in written:
-            with contextlib.suppress(OSError):
-                os.unlink(f)
+            with contextlib.suppress(Exception):
+                f.unlink(missing_ok=True)
 
 
-def storage_problems(dirs: dict[str, Path], reports: list[dict[str, Any]]) -> list[str]:
+def storage_problems(dirs: dict[str, Location], reports: list[dict[str, Any]]) -> list[str]:
     """The directories some executor cannot read, by setting, and how to fix it.
 
     Args:
@@ -99,9 +97,11 @@ def storage_problems(dirs: dict[str, Path], reports: list[dict[str, Any]]) -> li
         and addresses that cannot read it, then the fix; empty when every executor can.
     """
     problems = []
+    remote = False
     for setting, path in dirs.items():
         blind = [r for r in reports if str(path) in r["missing"]]
         if blind:
+            remote = remote or not path.is_local
             where = ", ".join(sorted({f"{r['host']} ({r['address']})" for r in blind}))
             problems.append(
                 f"{setting}: {path} is not shared with the executors: executor host {where} "
@@ -111,6 +111,14 @@ def storage_problems(dirs: dict[str, Path], reports: list[dict[str, Any]]) -> li
         problems.append(
             "On a cluster, the output dir, the loader cache and the checkpoints must be "
             "on storage that the driver and every executor see at the same path (NFS, a FUSE "
-            "mount of object storage, /dbfs or /Volumes on Databricks)"
+            "mount of object storage, /dbfs or /Volumes on Databricks), or in an object "
+            "store (s3a://...) that every executor can reach"
+        )
+    if remote:
+        problems.append(
+            "An object store needs credentials and its endpoint on every executor, from the "
+            "standard places: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL "
+            "for a store other than AWS) set with spark.executorEnv.*, or an instance profile "
+            "(docs/cluster.md)"
         )
     return problems

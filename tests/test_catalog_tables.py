@@ -27,6 +27,7 @@ from flowers_job.data.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION, vac
 from flowers_job.data.table_ref import TableRef, ensure_schema, table_ref
 from flowers_job.data.tables import checked_tables, latest_commit
 from flowers_job.errors import DataError
+from flowers_job.location import Location
 from flowers_job.pipeline import run_training
 
 from .conftest import PHOTOS, sample_photos
@@ -61,7 +62,9 @@ def test_bad_table_names_are_refused_naming_the_setting(
 def test_table_names_follow_the_settings(tmp_path: Path) -> None:
     """Path tables by default; ``<catalog>.<schema>.<table>`` or ``<schema>.<table>`` by
     name; the section survives the ranks' ``model_dump`` -> ``model_validate``."""
-    assert table_ref(_cfg(tmp_path), "images") == TableRef(path=tmp_path / "out/tables/images")
+    assert table_ref(_cfg(tmp_path), "images") == TableRef(
+        path=Location.of(tmp_path / "out/tables/images")
+    )
     cfg = _cfg(tmp_path, "tables.catalog=main", "tables.schema=flower-photos")
     images = table_ref(cfg, "images")
     assert images.describe() == "main.flower-photos.images" == str(images)
@@ -73,7 +76,7 @@ def test_table_names_follow_the_settings(tmp_path: Path) -> None:
         "flowers.quarantine"
     )
     with pytest.raises(ValueError, match="a path or a name"):
-        TableRef(path=tmp_path, parts=("a", "b"))
+        TableRef(path=Location.of(tmp_path), parts=("a", "b"))
 
 
 def test_missing_and_foreign_tables_are_named(spark: SparkSession, tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_a_new_run_leaves_nothing_of_the_last_one_to_continue(tmp_path: Path) ->
     """Without --resume, an automatic restart before this run's first checkpoint must not
     continue the previous run: its checkpoints and MLflow run id go."""
     cfg = _cfg(tmp_path, "tracking.tracking_uri=sqlite:///" + str(tmp_path / "none.db"))
-    _checkpoints(cfg.paths.checkpoint_dir, None)
+    _checkpoints(Path(cfg.paths.checkpoint_dir), None)
     assert begin_training(cfg).train.resume is False
     assert not list(cfg.paths.checkpoint_dir.iterdir())
 
@@ -74,7 +74,7 @@ def test_a_resume_key_continues_its_own_run_only(tmp_path: Path) -> None:
     (the next day's job run) starts a new run."""
     store = "tracking.tracking_uri=sqlite:///" + str(tmp_path / "none.db")
     resume = _cfg(tmp_path, store, "train.resume=true", "train.resume_key=job-7")
-    _checkpoints(resume.paths.checkpoint_dir, "job-7")
+    _checkpoints(Path(resume.paths.checkpoint_dir), "job-7")
     assert begin_training(resume).train.resume is True
     assert (resume.paths.checkpoint_dir / CHECKPOINT_NAME).exists()
     other = _cfg(tmp_path, store, "train.resume=true", "train.resume_key=job-8")

@@ -161,7 +161,7 @@ def test_tables_written_by_different_runs(
     shutil.copytree(other / "tables" / "quarantine", tables.paths.table("quarantine"))
     with pytest.raises(DataError, match=r"come from different ingests .* run `flowers-job ingest`"):
         checked_tables(spark, tables)
-    assert ingest(spark, _cfg(tables.paths.output_dir, source[0])).written
+    assert ingest(spark, _cfg(Path(tables.paths.output_dir), source[0])).written
     assert len(checked_tables(spark, tables).label_names) == 5
 
 
@@ -172,5 +172,5 @@ def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: Job
         prepare_data(spark, resolve_loader(tables)),
     ):
         pass
-    cache = tables.paths.output_dir / "loader_cache"
+    cache = Path(tables.paths.output_dir / "loader_cache")
     assert not cache.exists() or not any(cache.rglob("*.parquet"))

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from flowers_job.config.deprecated import migrate_deprecated
 from flowers_job.config.tables import TablesConfig
+from flowers_job.location import Location, LocationValue, to_location
 
 __all__ = [
     "CacheConfig",
@@ -136,6 +137,14 @@ class StreamingConfig(_Section):
     prefetch_batches: int = Field(2, ge=1, le=64)
     """Batches each DataLoader worker decodes ahead (Streaming's ``prefetch_factor``; with
     ``data.loader_workers`` > 0)."""
+    local_cache_dir: str | None = None
+    """With the loader cache in an object store: the directory on each host's own disk where
+    Streaming copies the shards it reads (its ``local=``; ``remote=`` is the store). None =
+    ``<temp dir>/flowers-streaming``. Removed after the run."""
+    local_cache_limit_bytes: int | None = Field(None, ge=2**27)
+    """Bytes of shards one host keeps in ``local_cache_dir`` (Streaming's ``cache_limit``:
+    beyond it, the least recently used shards are dropped and fetched again when needed).
+    At least 128 MiB (two 64 MiB shards). None = no limit."""
 
 
 class LoadersConfig(_Section):
@@ -373,30 +382,40 @@ class TrackingConfig(_Section):
 class PathsConfig(_Section):
     """Everything the job writes lives under ``output_dir``."""
 
-    output_dir: Path
-    """Holds ``tables/``, ``checkpoints/``, ``loader_cache/`` and ``summary.json``."""
+    output_dir: LocationValue
+    """Holds ``tables/``, ``checkpoints/``, ``loader_cache/``, the failure reports and
+    ``summary.json``: a directory every host mounts, or an object-store URI
+    (``s3a://bucket/prefix``: docs/cluster.md) where the hosts share no disk."""
     cache_url: str | None = None
     """Root of the loader cache (Petastorm's Parquet files or Streaming's MDS shards, one
     entry per images version, split and settings, reused across runs: ``cache``); must be
     visible to every rank (a ``file://`` URL on shared storage, e.g.
-    ``file:///dbfs/tmp/flowers_cache`` or a ``/Volumes`` path on Databricks). None =
-    ``<output_dir>/loader_cache``."""
+    ``file:///dbfs/tmp/flowers_cache`` or a ``/Volumes`` path on Databricks, or an
+    object-store URI, from which Streaming copies each host's shards to its local disk).
+    None = ``<output_dir>/loader_cache``."""
+
+    @field_validator("cache_url")
+    @classmethod
+    def _check_cache_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            to_location(value)  # refuses credentials in the URI
+        return value
 
     @property
-    def tables_dir(self) -> Path:
+    def tables_dir(self) -> Location:
         return self.output_dir / "tables"
 
-    def table(self, name: str) -> Path:
+    def table(self, name: str) -> Location:
         """Path of the Delta table ``name`` ('images' or 'quarantine') when the tables are
         path tables (:func:`flowers_job.data.table_ref.table_ref` decides)."""
         return self.tables_dir / name
 
     @property
-    def checkpoint_dir(self) -> Path:
+    def checkpoint_dir(self) -> Location:
         return self.output_dir / "checkpoints"
 
     @property
-    def summary_path(self) -> Path:
+    def summary_path(self) -> Location:
         return self.output_dir / "summary.json"
 
     @property
@@ -404,7 +423,7 @@ class PathsConfig(_Section):
         """``cache_url`` without a trailing slash, or ``<output_dir>/loader_cache`` as a URL."""
         if self.cache_url:
             return self.cache_url.rstrip("/")
-        return (self.output_dir / "loader_cache").resolve().as_uri()
+        return (self.output_dir / "loader_cache").as_uri()
 
 
 class CacheConfig(_Section):
@@ -443,6 +462,15 @@ class JobConfig(_Section):
                 raise ValueError("paths.output_dir: required (use --output-dir DIR)")
         return data
 
+    @model_validator(mode="after")
+    def _check_object_store(self) -> JobConfig:
+        if not self.paths.output_dir.is_local and not self.tracking.tracking_uri:
+            raise ValueError(
+                f"tracking.tracking_uri: required with paths.output_dir={self.paths.output_dir} "
+                "(the default sqlite store under it needs a local disk): an MLflow server"
+            )
+        return self
+
     @property
     def world_size(self) -> int:
         return self.distributed.num_processes
@@ -462,11 +490,11 @@ class JobConfig(_Section):
         """The configured MLflow tracking URI, or the sqlite store under ``output_dir``."""
         if self.tracking.tracking_uri:
             return self.tracking.tracking_uri
-        return f"sqlite:///{(self.paths.output_dir / 'mlflow.db').resolve()}"
+        return f"sqlite:///{self.paths.output_dir / 'mlflow.db'}"
 
     @property
     def artifact_location(self) -> str | None:
         """Artifact root for a new experiment (the default local store only)."""
         if self.tracking.tracking_uri:
             return None
-        return (self.paths.output_dir / "mlartifacts").resolve().as_uri()
+        return (self.paths.output_dir / "mlartifacts").as_uri()

@@ -31,9 +31,10 @@ loader left on this host outside it (:meth:`~flowers_job.loaders.base.Loader.swe
 Before a split is written, the free space of the cache's file system is checked against
 the split's size (:func:`check_cache_space`).
 
-A cache root that is not a local or mounted path (an object store URL) is written per run
-under the run's staging folder and never reused; this job does not remove it there (leave
-that to the store's lifecycle rules).
+A cache root in an object store (``s3a://...``) is written per run under the run's staging
+folder and never reused (an object store has no atomic rename to publish an entry by, nor
+file locks); the folder is removed when the run ends, whatever happens, and a folder left
+by a driver that was killed is swept at a later start, like a local one.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.loaders import LOADERS, loader_class
 from flowers_job.loaders.base import Loader, ShardPlan, local_dir
+from flowers_job.location import Location
 from flowers_job.processes import driver_identity, process_alive
 
 __all__ = [
@@ -91,24 +93,23 @@ CACHE_SPACE_HEADROOM_BYTES = 1 << 20
 table and the uncompressed cache, plus Parquet footers and Hadoop's .crc files."""
 
 
-def sweep_orphaned_caches(cache_parent_url: str) -> list[Path]:
-    """Remove the ``run-*`` cache folders whose driver is dead; local file systems only.
+def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
+    """Remove the ``run-*`` cache folders whose driver is dead (local or object store).
 
     A folder is orphaned when its ``owner.json`` names a driver on this host that no
     longer exists, or a driver elsewhere that started more than :data:`ORPHAN_AGE_SECONDS`
-    ago. Folders without ``owner.json`` are not ours and are left alone. For a folder of
-    this host, each registered loader also removes what its readers left outside it.
+    ago. Folders without ``owner.json`` are not ours and are left alone. For a local folder
+    of this host, each registered loader also removes what its readers left outside it.
 
     Returns:
         The folders removed.
     """
-    parent = local_dir(cache_parent_url)
-    if parent is None or not parent.is_dir():
-        return []
+    parent = Location.of(cache_parent_url)
     for trash in parent.glob("trash-*"):  # an evicted entry whose removal was cut short
-        shutil.rmtree(trash, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            trash.rmtree()
     removed = []
-    for folder in sorted(parent.glob("run-*")):
+    for folder in parent.glob("run-*"):
         try:
             owner = json.loads((folder / OWNER_FILE).read_text())
         except (OSError, ValueError):
@@ -126,10 +127,11 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Path]:
                 owner.get("pid"),
                 owner.get("host"),
             )
-            shutil.rmtree(folder, ignore_errors=True)
-            if here:
+            with contextlib.suppress(OSError):
+                folder.rmtree()
+            if here and folder.is_local:
                 for name in LOADERS:
-                    loader_class(name).sweep(folder)
+                    loader_class(name).sweep(folder.local_path)
             removed.append(folder)
     return removed
 
@@ -163,22 +165,26 @@ def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
 @contextmanager
 def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
     """This run's cache folder ``<cache_parent_url>/run-<id>``: created with its
-    ``owner.json`` (after sweeping orphans), removed on exit whatever happens.
+    ``owner.json`` (after sweeping orphans), removed on exit whatever happens (in an
+    object store too: every key under it).
 
     Yields:
         ``(cache_url, local_folder)``; the folder is None for a cache that is not local.
     """
     sweep_orphaned_caches(cache_parent_url)
     cache_url = f"{cache_parent_url}/run-{uuid.uuid4().hex[:12]}"
-    folder = local_dir(cache_url)
+    run = Location.of(cache_url)
+    folder = run.local_path if run.is_local else None
     if folder is not None:
         folder.mkdir(parents=True)
-        (folder / OWNER_FILE).write_text(json.dumps(driver_identity()))
+    (run / OWNER_FILE).write_text(json.dumps(driver_identity()))
     try:
         yield cache_url, folder
     finally:
-        if folder is not None and folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            shutil.rmtree(folder, ignore_errors=True) if folder else run.rmtree()
+        except OSError as exc:
+            log.warning("could not remove this run's loader cache %s: %s", cache_url, exc)
 
 
 ENTRIES = "entries"
@@ -207,10 +213,6 @@ def _rebase(obj: Any, old: str, new: str) -> Any:
     if isinstance(obj, dict):
         return {k: _rebase(v, old, new) for k, v in obj.items()}
     return obj
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 @dataclass
@@ -448,7 +450,7 @@ class LoaderCache:
         t0 = time.perf_counter()
         plan = loader.write(spark, frame(), staging_url, split)
         seconds = time.perf_counter() - t0
-        size = _folder_bytes(staging)
+        size = Location.of(staging).size_bytes()
         info = {
             "fields": fields,
             "bytes": size,

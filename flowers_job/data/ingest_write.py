@@ -3,6 +3,7 @@ tables in full or MERGE the changes (:mod:`flowers_job.data.ingest` decides whic
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -293,7 +294,8 @@ def write_incremental(
             q["deleted"],
         )
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            staging.rmtree()
     return Changes(
         mode="incremental",
         files_decoded=n_decoded,
@@ -376,13 +378,13 @@ def sweep_staging(cfg: JobConfig) -> None:
     """Remove the staging folders of incremental ingests that were killed (older than
     :data:`STAGING_MAX_AGE_SECONDS`)."""
     for folder in cfg.paths.tables_dir.glob("_staging-*"):
-        try:
-            old = time.time() - folder.stat().st_mtime > STAGING_MAX_AGE_SECONDS
-        except OSError:
+        try:  # an object store's folder: the age of its oldest object
+            born = folder.mtime() if folder.is_local else min(f.mtime() for f in folder.walk())
+            if time.time() - born > STAGING_MAX_AGE_SECONDS:
+                log.info("removing %s, left by an ingest that was stopped", folder)
+                folder.rmtree()
+        except (OSError, ValueError):
             continue
-        if old:
-            log.info("removing %s, left by an ingest that was stopped", folder)
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _rows_or_zero(spark: SparkSession, table: TableRef) -> int:

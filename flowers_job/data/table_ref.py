@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyspark.sql import DataFrame, SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
+from flowers_job.location import Location
 
 if TYPE_CHECKING:
     from delta.tables import DeltaTable
@@ -37,19 +37,21 @@ class TableRef:
     table)`` or ``(schema, table)``; each part free of periods and backticks,
     :func:`flowers_job.config.tables.check_identifier`). Exactly one of the two is set."""
 
-    path: Path | None = None
+    path: Location | None = None
     parts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.path is None) == (not self.parts):
             raise ValueError("TableRef: give a path or a name, not both or neither")
+        if self.path is not None and not isinstance(self.path, Location):
+            object.__setattr__(self, "path", Location.of(self.path))  # a str or Path given
 
     @classmethod
     def from_lineage(cls, entry: Mapping[str, object]) -> TableRef:
         """The table of a lineage entry (:meth:`lineage`): its ``name`` or ``path``."""
         if entry.get("name"):
             return cls(parts=tuple(str(entry["name"]).split(".")))
-        return cls(path=Path(str(entry["path"])))
+        return cls(path=Location.of(str(entry["path"])))
 
     @property
     def in_catalog(self) -> bool:
@@ -58,7 +60,7 @@ class TableRef:
     @property
     def table(self) -> str:
         """The table's own name: ``images``, ``quarantine`` (a path's last component)."""
-        return self.parts[-1] if self.parts else Path(str(self.path)).name
+        return self.parts[-1] if self.parts else Location.of(str(self.path)).name
 
     @property
     def quoted(self) -> str:

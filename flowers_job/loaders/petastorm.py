@@ -62,6 +62,7 @@ from flowers_job.loaders.base import (
     rebatch,
     wrap_int64,
 )
+from flowers_job.loaders.petastorm_fs import legacy_filesystem
 from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
 
 if TYPE_CHECKING:
@@ -278,7 +279,7 @@ def footer_rows(file_urls: list[str]) -> list[int]:
     import pyarrow.parquet as pq
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
 
-    fs, paths = get_filesystem_and_path_or_paths(file_urls)
+    fs, paths = get_filesystem_and_path_or_paths(file_urls, filesystem=legacy_filesystem(file_urls))
     rows = []
     for url, path in zip(file_urls, paths, strict=True):
         with fs.open(path, "rb") as f:
@@ -331,7 +332,7 @@ def plan_shards(
     from petastorm.etl.dataset_metadata import load_row_groups
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
 
-    fs, paths = get_filesystem_and_path_or_paths(file_urls)
+    fs, paths = get_filesystem_and_path_or_paths(file_urls, filesystem=legacy_filesystem(file_urls))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # pyarrow's legacy dataset API
         dataset = pq.ParquetDataset(paths, filesystem=fs, validate_schema=False)
@@ -414,6 +415,7 @@ def shard_batches(
         shuffle_row_groups=shuffle,
         shuffle_rows=shuffle,
         seed=seed,
+        filesystem=legacy_filesystem(plan.file_urls),
     ) as loader:
         yield from rebatch(loader, plan.batch_sizes(rank))
 

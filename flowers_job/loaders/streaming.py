@@ -43,17 +43,24 @@ from flowers_job.loaders.base import (
     Loader,
     ShardPlan,
     check_batch_fits,
-    local_dir,
     row_stats,
 )
 from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
 from flowers_job.loaders.streaming_import import import_streaming
+from flowers_job.loaders.streaming_remote import (
+    dataset_source,
+    enter_host_cache,
+    leave_host_cache,
+    mds_out,
+)
+from flowers_job.location import Location
 from flowers_job.processes import at_driver_death
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from flowers_job.config import JobConfig
+    from flowers_job.config.model import StreamingConfig
     from flowers_job.data.images import DecodeTransform
     from flowers_job.placement import HostLayout
 
@@ -102,19 +109,12 @@ class StreamingLoader(Loader):
         """Write ``df`` as MDS shards in ``<cache>/mds-<split>`` (:func:`write_mds`).
 
         Raises:
-            DataError: the cache is not a local or mounted path, or as :func:`write_mds`.
+            DataError: as :func:`write_mds`.
         """
-        folder = local_dir(cache_url)
-        if folder is None:
-            raise DataError(
-                f"paths.cache_url: {cache_url} is not a local or mounted path; "
-                "data.loader=streaming writes its MDS shards to a file:// URL (a FUSE mount such "
-                "as /Volumes or /dbfs on Databricks)"
-            )
         cfg = self.cfg
         return write_mds(
             df,
-            folder / f"mds-{split}",
+            Location.of(cache_url) / f"mds-{split}",
             world_size=cfg.world_size,
             num_partitions=cfg.num_partitions,
             per_device_batch_size=cfg.train.per_device_batch_size,
@@ -174,12 +174,13 @@ class StreamingLoader(Loader):
             num_workers=cfg.data.loader_workers,
             prefetch_factor=cfg.loaders.streaming.prefetch_batches,
             pin_memory=pin_memory,
+            settings=cfg.loaders.streaming,
         )
 
 
 def write_mds(
     df: DataFrame,
-    out: Path,
+    out: Location | Path,
     *,
     world_size: int,
     num_partitions: int,
@@ -191,7 +192,8 @@ def write_mds(
 
     Args:
         df: the split's rows.
-        out: a new local (or FUSE-mounted) directory visible to every rank.
+        out: a new directory visible to every rank: local (or FUSE-mounted), or in an
+            object store (:mod:`flowers_job.loaders.streaming_remote`).
         world_size: number of ranks; the written count is padded to a multiple of it.
         num_partitions: Spark partitions, hence MDS sub-folders, of the write.
         per_device_batch_size: images per rank per step.
@@ -212,6 +214,7 @@ def write_mds(
     import_streaming()
     from streaming.base.converters import dataframe_to_mds
 
+    out = Location.of(out)
     rows, checksum = row_stats(df)
     if rows == 0:
         raise DataError(f"the {split} table is empty")
@@ -233,7 +236,7 @@ def write_mds(
             data.repartition(num_partitions),
             merge_index=True,
             mds_kwargs={
-                "out": str(out),
+                "out": mds_out(out.url),
                 "columns": MDS_COLUMNS,
                 "compression": None,
                 "size_limit": SHARD_SIZE_LIMIT_BYTES,
@@ -264,7 +267,7 @@ def write_mds(
     )
     return StreamingPlan(
         loader=StreamingLoader.name,
-        cache_dir_url=out.resolve().as_uri(),
+        cache_dir_url=out.as_uri(),
         dataset_size=rows,
         checksum=checksum,
         rows_per_shard=[per_rank] * world_size,
@@ -275,7 +278,7 @@ def write_mds(
     )
 
 
-def _index_samples(out: Path) -> int:
+def _index_samples(out: Location) -> int:
     """Samples listed by the merged ``index.json`` (and its per-partition indexes)."""
     index = json.loads((out / "index.json").read_text())
     return sum(int(shard["samples"]) for shard in index["shards"])
@@ -341,6 +344,7 @@ class StreamingReader(CursorReader):
         num_workers: int = 0,
         prefetch_factor: int = 2,
         pin_memory: bool = False,
+        settings: StreamingConfig | None = None,
     ) -> None:
         import torch
 
@@ -352,8 +356,10 @@ class StreamingReader(CursorReader):
         self.plan, self.steps_per_epoch, self.seed = plan, plan.steps_per_epoch, seed
         self.num_nodes, self.rank = num_nodes, rank
         with shard_environment(rank):  # Streaming's node: RANK // LOCAL_WORLD_SIZE
+            self.source = dataset_source(plan.cache_dir_url, settings)
+            enter_host_cache(self.source)
             self.dataset = _decoding_dataset(
-                local=str(_local_path(plan.cache_dir_url)),
+                **self.source,
                 transform=transform,
                 batch_size=plan.per_device_batch_size,
                 shuffle=shuffle,
@@ -414,6 +420,7 @@ class StreamingReader(CursorReader):
         import_streaming()
         from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
 
+        leave_host_cache(self.source)
         prefix = getattr(self.dataset, "_shm_prefix_int", None)
         if prefix is None:
             return
@@ -436,13 +443,6 @@ class StreamingReader(CursorReader):
                 block.close()
                 block.unlink()
         self.close()
-
-
-def _local_path(url: str) -> Path:
-    path = local_dir(url)
-    if path is None:
-        raise ValueError(f"the loader cache {url} is not a local or mounted path")
-    return path
 
 
 def _decoding_dataset(transform: DecodeTransform, **kwargs: Any) -> Any:

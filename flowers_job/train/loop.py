@@ -16,7 +16,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from flowers_job import faults
 from flowers_job.config import JobConfig
 from flowers_job.distributed import DistContext, broadcast_object, gather_ranks
+from flowers_job.location import Location
 from flowers_job.restarts import FIRST_STEP_FILE, write_json
 from flowers_job.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -369,7 +369,7 @@ def fit(
     lineage: dict[str, Any],
     ranks: list[dict[str, Any]] | None = None,
     attempt: int = 0,
-    report_dir: Path | None = None,
+    report_dir: Location | None = None,
 ) -> tuple[dict[str, Any] | None, Callable[[], dict[str, Any]] | None]:
     """Train, validate, early-stop and checkpoint; restore the best weights and score the
     test split once; (rank 0) log to MLflow.

@@ -24,8 +24,10 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -48,6 +50,7 @@ from flowers_job.distributed import (
 from flowers_job.failures import FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
 from flowers_job.faults import ATTEMPT_ENV, join_fault_cgroup
 from flowers_job.loaders.base import ShardPlan
+from flowers_job.location import Location
 from flowers_job.processes import watch_driver
 from flowers_job.sentinel import sentinel_done, start_sentinel
 from flowers_job.train.loop import fit
@@ -104,15 +107,17 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             # registry never runs into distributed.timeout_seconds, and the other ranks
             # have already returned. The driver merges model.json into its result.
             registered = register()
-            _write_json(Path(job["failure_dir"]) / MODEL_FILE, registered)
+            _write_json(Location.of(job["failure_dir"]) / MODEL_FILE, registered)
             result = {**result, **registered}
         sentinel_done()
+        _remove_host_reports(job)
         return result
     except BaseException as exc:
         _FAILING.set()  # from here on a SIGTERM waits for the report (_terminated)
         explained = _explain_timeout(exc, job)
-        _report_failure(Path(job["failure_dir"]), explained or exc)
+        _report_failure(Location.of(job["failure_dir"]), explained or exc)
         sentinel_done()  # the report says how this rank ended
+        _remove_host_reports(job)
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
             from flowers_job.tracking import end_failed_run
 
@@ -128,10 +133,12 @@ def _prepare_process(job: dict[str, Any]) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
     )
-    _enable_fatal_report(Path(job["failure_dir"]))
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # object stores: a line per client
+    reports, here = _report_dirs(job)
+    _enable_fatal_report(here)
     os.environ[ATTEMPT_ENV] = str(job.get("attempt", 0))  # for attempt-bound faults
     join_fault_cgroup(env_rank())  # tests only: the oom fault's memory cgroup
-    start_sentinel(Path(job["failure_dir"]), env_rank(), job.get("config"))
+    start_sentinel(here, env_rank(), job.get("config"), None if reports.is_local else reports.url)
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
@@ -163,7 +170,7 @@ def _train(
             dict(job.get("lineage") or {}),
             ranks,
             attempt=int(job.get("attempt", 0)),
-            report_dir=Path(job["failure_dir"]),
+            report_dir=Location.of(job["failure_dir"]),
         )
         result = broadcast_object(result, ctx)  # the last collective
     finally:
@@ -181,7 +188,7 @@ def _place_threads(ctx: DistContext, job: dict[str, Any]) -> list[dict[str, Any]
         r["threads"] = job.get("threads_per_process") or threads_for_rank(job, ranks, r)
     torch.set_num_threads(ranks[ctx.rank]["threads"])
     if ctx.is_main:
-        _write_json(Path(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
+        _write_json(Location.of(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
     return ranks
 
 
@@ -216,10 +223,26 @@ def _enable_fatal_report(directory: Path) -> None:
         faulthandler.enable(all_threads=True)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+def _write_json(path: Location, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data))  # whole or absent (Location.write_bytes)
+
+
+def _report_dirs(job: dict[str, Any]) -> tuple[Location, Path]:
+    """The run's report dir, and where on this host faulthandler and the sentinel write:
+    the report dir itself, or (report dir in an object store) a folder of this host's temp
+    dir, which the sentinel copies up after a death (:func:`start_sentinel`'s ``upload``)."""
+    reports = Location.of(job["failure_dir"])
+    if reports.is_local:
+        return reports, reports.local_path
+    return reports, Path(tempfile.gettempdir()) / f"{reports.name}-rank{env_rank()}"
+
+
+def _remove_host_reports(job: dict[str, Any]) -> None:
+    """The rank reported (or had nothing to report): its host folder of a remote report dir
+    goes (the sentinel removes it after a death, once it has copied it up)."""
+    reports, here = _report_dirs(job)
+    if not reports.is_local:
+        shutil.rmtree(here, ignore_errors=True)
 
 
 _FAILING = threading.Event()
@@ -258,7 +281,7 @@ def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeo
     )
 
 
-def _report_failure(directory: Path, exc: BaseException) -> None:
+def _report_failure(directory: Location, exc: BaseException) -> None:
     rank = env_rank()
     report = {
         "rank": rank,

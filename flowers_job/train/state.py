@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +16,7 @@ from flowers_job.data.images import DecodeTransform
 from flowers_job.distributed import DistContext, describe_hosts
 from flowers_job.loaders import loader_class
 from flowers_job.loaders.base import ShardPlan, ShardReader
+from flowers_job.location import Location
 from flowers_job.models import Classifier, build_model, preprocessing_for
 from flowers_job.placement import HostLayout
 from flowers_job.train.early_stopping import EarlyStopping
@@ -106,7 +106,7 @@ class TrainState:
     """0, or the automatic restart this process belongs to (:mod:`flowers_job.restarts`)."""
     resumed_from: dict[str, Any] | None = None
     """The checkpoint this run continues: ``{"epoch", "step", "saved_at"}``."""
-    report_dir: Path | None = None
+    report_dir: Location | None = None
     """The job's report dir: rank 0 writes ``first_step.json`` there after its first step."""
     first_step_seen: bool = False
 
