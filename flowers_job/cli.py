@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
     images = argparse.ArgumentParser(add_help=False)
-    images.add_argument("--images", type=Path, help="data.images: <images>/<label>/<file>")
+    images.add_argument(
+        "--images", help="data.images: <images>/<label>/<file>, a directory or s3a://bucket/prefix"
+    )
     images.add_argument(
         "--full",
         action="store_true",

@@ -42,8 +42,31 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """Where the photos are and how they become tensors."""
 
-    images: Path | None = None
-    """Images root laid out as ``<images>/<label>/<file>``; the folder name is the label."""
+    images: Path | str | None = None
+    """Images root laid out as ``<images>/<label>/<file>``; the folder name is the label. A
+    local (or mounted) directory, kept as a ``Path``, or an object-store URI
+    (``s3a://bucket/photos``, ``gs://...``: a scheme and ``://``), kept as a string without
+    its trailing ``/`` and never resolved as a local path (a ``Path`` would fold ``//``);
+    listed and read through pyarrow's file systems
+    (:mod:`flowers_job.data.object_listing`), with credentials from the environment only: a
+    URI with credentials in it (``s3a://key:secret@bucket``) is refused."""
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _images_path_or_uri(cls, value: Any) -> Any:
+        from urllib.parse import urlparse
+
+        from flowers_job.location import is_remote
+
+        if isinstance(value, str) and "://" in value and is_remote(value):
+            if "@" in urlparse(value).netloc:  # the message never repeats the URI
+                raise ValueError(
+                    "credentials in the URI are refused (they would show in logs and tables): "
+                    "give them in the environment (AWS_ACCESS_KEY_ID...) or Spark's fs.s3a.*"
+                )
+            return value.rstrip("/")
+        return Path(value) if isinstance(value, str) else value
+
     image_size: int = Field(224, ge=32, le=1024)
     """Side in pixels of the square crop fed to the model (EfficientNet-Lite0 was trained at 224)."""
     resize_ratio: float = Field(256 / 224, ge=1.0, le=2.0)
