@@ -52,8 +52,10 @@ the AWS SDKs' ``s3``."""
 
 def is_remote(value: str | os.PathLike[str]) -> bool:
     """``value`` names an object store (a URI with a scheme other than ``file``)."""
-    scheme = urlparse(os.fspath(value)).scheme
-    return len(scheme) > 1 and scheme != "file"  # "C:" is a drive, not a scheme
+    text = os.fspath(value)
+    scheme = urlparse(text).scheme
+    # "C:" is a drive, "my:photos" a file name: a URI has a scheme and "://"
+    return len(scheme) > 1 and scheme != "file" and f"{scheme}://" in text
 
 
 @functools.lru_cache(maxsize=16)

@@ -12,11 +12,13 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from flowers_job.config.deprecated import migrate_deprecated
+from flowers_job.config.loaders import LoadersConfig, PetastormConfig, StreamingConfig
+from flowers_job.config.section import Section as _Section
 from flowers_job.config.tables import TablesConfig
-from flowers_job.location import Location, LocationValue, to_location
+from flowers_job.location import Location, LocationValue, is_remote, to_location
 
 __all__ = [
     "CacheConfig",
@@ -35,16 +37,25 @@ __all__ = [
 ]
 
 
-class _Section(BaseModel):
-    # extra="forbid": a misspelt key is an error that names it, never silently ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class DataConfig(_Section):
     """Where the photos are and how they become tensors."""
 
-    images: Path | None = None
-    """Images root laid out as ``<images>/<label>/<file>``; the folder name is the label."""
+    images: Path | str | None = None
+    """Images root laid out as ``<images>/<label>/<file>``; the folder name is the label. A
+    local (or mounted) directory, kept as a ``Path``, or an object-store URI
+    (``s3a://bucket/photos``, ``gs://...``: a scheme and ``://``), kept as a string without
+    its trailing ``/`` and never resolved as a local path (a ``Path`` would fold ``//``);
+    listed and read through pyarrow's file systems
+    (:mod:`flowers_job.data.object_listing`), with credentials from the environment only: a
+    URI with credentials in it (``s3a://key:secret@bucket``) is refused."""
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _images_path_or_uri(cls, value: Any) -> Any:
+        if isinstance(value, str) and "://" in value and is_remote(value):
+            return to_location(value).url  # refuses credentials in the URI
+        return Path(value) if isinstance(value, str) else value
+
     image_size: int = Field(224, ge=32, le=1024)
     """Side in pixels of the square crop fed to the model (EfficientNet-Lite0 was trained at 224)."""
     resize_ratio: float = Field(256 / 224, ge=1.0, le=2.0)
@@ -118,40 +129,6 @@ class DataConfig(_Section):
     def stored_short_side(self) -> int:
         """Shorter side, in pixels, of the images stored in the Delta tables."""
         return round(self.image_size * self.resize_ratio)
-
-
-class PetastormConfig(_Section):
-    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm`)."""
-
-    reader_pool_type: Literal["dummy", "process"] = "dummy"
-    """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md
-    trap 1). 'process' decodes in ``data.loader_workers`` processes per rank."""
-    shuffle_buffer_rows: int = Field(256, ge=0)
-    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
-
-
-class StreamingConfig(_Section):
-    """``data.loader=streaming`` only (:mod:`flowers_job.loaders.streaming`). Streaming
-    shuffles the whole split every epoch (no buffer to size)."""
-
-    prefetch_batches: int = Field(2, ge=1, le=64)
-    """Batches each DataLoader worker decodes ahead (Streaming's ``prefetch_factor``; with
-    ``data.loader_workers`` > 0)."""
-    local_cache_dir: str | None = None
-    """With the loader cache in an object store: the directory on each host's own disk where
-    Streaming copies the shards it reads (its ``local=``; ``remote=`` is the store). None =
-    ``<temp dir>/flowers-streaming``. Removed after the run."""
-    local_cache_limit_bytes: int | None = Field(None, ge=2**27)
-    """Bytes of shards one host keeps in ``local_cache_dir`` (Streaming's ``cache_limit``:
-    beyond it, the least recently used shards are dropped and fetched again when needed).
-    At least 128 MiB (two 64 MiB shards). None = no limit."""
-
-
-class LoadersConfig(_Section):
-    """Each loader's own settings, one section per registered loader."""
-
-    petastorm: PetastormConfig = PetastormConfig()
-    streaming: StreamingConfig = StreamingConfig()
 
 
 class ModelConfig(_Section):

@@ -29,6 +29,8 @@ from pyspark.sql import types as T
 
 from flowers_job.data.images import ImageRejected, normalize_image
 from flowers_job.data.listing import list_entry, read_listed_file
+from flowers_job.data.object_listing import ObjectStoreError
+from flowers_job.location import is_remote
 from flowers_job.python_workers import prepare_worker
 
 __all__ = [
@@ -142,13 +144,19 @@ def list_files(
     5 label folders takes 4 tasks of 5 units there, not 20 of one (2.0 s -> 0.6 s for 60
     photos, 2026-11-25).
 
+    An object-store root is listed one unit per top-level prefix, each unit one recursive
+    LIST (:mod:`flowers_job.data.object_listing` says why it is not sharded).
+
     Args:
-        root: the real path of the images root.
+        root: the real path of the images root, or its object-store URI
+            (:func:`~flowers_job.data.listing.images_root`).
         labels: the label folders (:func:`~flowers_job.data.listing.label_folders`).
-        names: every top-level entry to walk (the labels and the others).
-        shards: units per top-level entry; None: :func:`listing_shards`.
+        names: every top-level entry to walk (the labels and the others), or the units of
+            :func:`~flowers_job.data.listing.listing_units`.
+        shards: units per top-level entry; None: :func:`listing_shards`; always 1 for an
+            object-store root.
     """
-    k = shards or listing_shards(spark)
+    k = 1 if is_remote(root) else shards or listing_shards(spark)
     units = [(os.fsencode(n), i, k) for n in names for i in range(k)]
     tasks = min(len(units), listing_shards(spark), MAX_LISTING_TASKS)
     rdd = spark.sparkContext.parallelize(units, max(1, tasks))
@@ -166,19 +174,25 @@ def decode_partitions(
     One output row per input row: entries with a listing ``reason_code``, an unsupported
     extension or more than :func:`max_file_bytes` are passed on unread; a file that does not
     decode gets ``decode_error`` (or :class:`~flowers_job.data.images.ImageRejected`'s code).
-    Images are normalised by :func:`~flowers_job.data.images.normalize_image` to
+    ``root`` is a local real path or an object-store URI, read through pyarrow there
+    (:func:`~flowers_job.data.listing.read_listed_file`); an object store that fails for
+    another reason than a missing key fails the task
+    (:class:`~flowers_job.data.object_listing.ObjectStoreError`). ``source_path`` is
+    ``file:<root>/<relative_path>``, or ``<root URI>/<relative_path>``. Images are
+    normalised by :func:`~flowers_job.data.images.normalize_image` to
     ``short_side`` pixels, JPEG ``quality``.
     """
     exts = {e.lower().lstrip(".") for e in extensions}
     too_large = max_file_bytes(max_pixels)
     columns = [f.name for f in DECODED_SCHEMA.fields]
+    source = f"{root}/" if is_remote(root) else f"file:{root}/"
 
     def one(rec: Any) -> dict[str, Any]:
         num_bytes = None if pd.isna(rec.num_bytes) else int(rec.num_bytes)
         mtime = getattr(rec, "mtime_ns", None)
         row: dict[str, Any] = dict.fromkeys(columns)
         row.update(
-            source_path=f"file:{root}/{rec.relative_path}",
+            source_path=source + rec.relative_path,
             relative_path=rec.relative_path,
             label=rec.label,
             num_bytes=num_bytes,
@@ -208,6 +222,8 @@ def decode_partitions(
             row.update(image=out.jpeg, width=out.width, height=out.height, notes=out.notes)
         except ImageRejected as exc:
             row.update(reason_code=exc.code, reason=exc.message)
+        except ObjectStoreError:
+            raise  # the store, not this photo: the task fails and is retried
         except Exception as exc:
             row.update(reason_code="decode_error", reason=f"{type(exc).__name__}: {exc}")
         return row

@@ -1,9 +1,10 @@
 """Ingest (driver side): photo folders -> Delta tables, with nothing lost, decoding only
 what changed.
 
-The images root ``<images>/<label>/**/<file>`` is listed on the executors
-(:mod:`flowers_job.data.listing`), each new or changed file is read and decoded there
-(:func:`~flowers_job.data.images.normalize_image`), and two Delta tables under
+The images root ``<images>/<label>/**/<file>``, a directory or an object-store prefix
+(``s3a://bucket/photos``, read through pyarrow: :mod:`flowers_job.data.object_listing`), is
+listed on the executors (:mod:`flowers_job.data.listing`), each new or changed file is read
+and decoded there (:func:`~flowers_job.data.images.normalize_image`), and two Delta tables under
 ``<output_dir>/tables`` are brought up to date (:mod:`flowers_job.data.tables`):
 
 - ``images``: every photo that decoded (source_path, label, label_index, image, width, height,
@@ -58,7 +59,6 @@ right after that table is written, so that a test can kill it there
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -81,7 +81,7 @@ from flowers_job.data.ingest_write import (
     write_full,
     write_incremental,
 )
-from flowers_job.data.listing import label_folders
+from flowers_job.data.listing import images_root, label_folders, listing_units
 from flowers_job.data.table_ref import TableRef, ensure_schema, table_ref
 from flowers_job.data.tables import (
     TABLE_NAMES,
@@ -164,27 +164,44 @@ def _settings(cfg: JobConfig) -> dict[str, object]:
 
 
 def check_images_root(cfg: JobConfig) -> tuple[str, list[str], list[str]]:
-    """Check ``data.images`` before any Spark work: a directory with label folders.
+    """Check ``data.images`` before any Spark work: a directory, or an object-store prefix
+    (``s3a://bucket/photos``), with label folders.
 
     Returns:
-        ``(real_root, labels, others)``: the root's real path, its label folders (sorted;
-        a label's index is its position) and its other top-level entries
+        ``(root, labels, others)``: the root's real path, or its URI
+        (:func:`~flowers_job.data.listing.images_root`), its label folders (sorted; a
+        label's index is its position) and its other top-level entries
         (:func:`~flowers_job.data.listing.label_folders`).
 
     Raises:
         IngestError: ``data.images`` unset, not a directory, unreadable, or without a label
-            folder (naming the path and what was found).
+            folder (naming the path and what was found); for an object store, also no key
+            under the prefix, and a LIST that fails (no such bucket, credentials, network:
+            the store's error, which never holds credentials).
     """
     if cfg.data.images is None:
         raise IngestError("data.images: not set (use --images DIR)")
-    root = Path(cfg.data.images)
-    if not root.is_dir():
-        raise IngestError(f"data.images: {root} is not a directory")
-    real_root = os.path.realpath(root)
-    try:
-        labels, others = label_folders(real_root)
-    except OSError as exc:
-        raise IngestError(f"data.images: cannot list {root}: {exc}") from None
+    if isinstance(cfg.data.images, str):  # an object-store URI (DataConfig.images)
+        root = real_root = images_root(cfg.data.images)
+        try:
+            labels, others = label_folders(real_root)
+        except FileNotFoundError:
+            raise IngestError(f"data.images: {root}: no object under this prefix") from None
+        except (OSError, ValueError) as exc:
+            raise IngestError(
+                f"data.images: cannot list {root}: {exc} (check the bucket, the endpoint and "
+                "the credentials: AWS_* in the environment, ~/.aws, or the instance's role)"
+            ) from None
+    else:
+        path = Path(cfg.data.images)
+        root = str(path)
+        if not path.is_dir():
+            raise IngestError(f"data.images: {root} is not a directory")
+        real_root = images_root(path)
+        try:
+            labels, others = label_folders(real_root)
+        except OSError as exc:
+            raise IngestError(f"data.images: cannot list {root}: {exc}") from None
     if not labels:
         found = f" (found only {others[:10]}, which are not label folders)" if others else ""
         raise IngestError(
@@ -212,7 +229,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     """
     refuse_spark_connect(spark)
     start = time.perf_counter()
-    root = Path(str(cfg.data.images))
+    root = cfg.data.images
     real_root, labels, others = check_images_root(cfg)
     settings = _settings(cfg)
     tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
@@ -220,7 +237,8 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     ensure_schema(spark, cfg)
 
     t0 = time.perf_counter()
-    listing = list_files(spark, real_root, labels, labels + others).persist(StorageLevel.DISK_ONLY)
+    units = listing_units(real_root, labels, others)
+    listing = list_files(spark, real_root, labels, units).persist(StorageLevel.DISK_ONLY)
     try:
         groups = hash_sums(listing, listing_key(), by=("label", "reason_code"))
         fingerprint = digest(groups, settings=settings)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pyspark.sql import functions as F
 from flowers_job import faults
 from flowers_job.config import JobConfig
 from flowers_job.data.files import DECODED_SCHEMA, decode_partitions
-from flowers_job.data.listing import LISTING_REASONS
+from flowers_job.data.listing import LISTING_REASONS, images_root
 from flowers_job.data.table_ref import TableRef
 from flowers_job.data.tables import (
     PARTITION_COLUMNS,
@@ -118,7 +117,7 @@ def _decode(spark: SparkSession, cfg: JobConfig, entries: DataFrame, n: int) -> 
     :data:`DECODED_SCHEMA` row each, with the split, ``label_index`` and ``row_id`` of the
     images. Lazy: the caller persists it."""
     d = cfg.data
-    root = os.path.realpath(str(d.images))
+    root = images_root(d.images)
     partitions = max(2 * spark.sparkContext.defaultParallelism, math.ceil(n / FILES_PER_PARTITION))
     return (
         entries.select("relative_path", "label", "num_bytes", "mtime_ns", "reason_code", "reason")

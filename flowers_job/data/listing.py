@@ -1,8 +1,14 @@
 """The images tree, listed by us: every entry under the root, and whether ingest may read it.
 
 Pure Python (``os``, ``stat``), no Spark: :func:`list_entry` runs on the executors, one
-top-level entry of the images root, or one shard of it (:func:`entry_shard`), per call, and :func:`read_listed_file` reads a file
-for the decode UDF.
+top-level entry of the images root, or one shard of it (:func:`entry_shard`), per call, and
+:func:`read_listed_file` reads a file for the decode UDF.
+
+The root may also be an object-store URI (``s3a://bucket/photos``): :func:`label_folders`,
+:func:`list_entry` and :func:`read_listed_file` then hand over to
+:mod:`flowers_job.data.object_listing` (pyarrow's file systems; the same contract, and the
+reasons that apply to keys), and :func:`listing_units` gives that root's units (one per
+top-level prefix, not sharded: that module says why).
 
 Why not Spark's ``binaryFile`` source: it silently skips names starting with ``.`` or ``_``
 (Hadoop's hidden-file filter) and zero-length files, and it follows symbolic links out of
@@ -37,15 +43,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from flowers_job.data.images import ImageRejected
+from flowers_job.location import Location, is_remote
 
 __all__ = [
     "LISTING_REASONS",
     "ListedFile",
     "display_name",
     "entry_shard",
+    "images_root",
     "is_hidden",
     "label_folders",
     "list_entry",
+    "listing_units",
+    "path_verdict",
     "read_listed_file",
 ]
 
@@ -103,15 +113,47 @@ def _inside(path: str, real_root: str) -> bool:
     return os.path.commonpath([path, real_root]) == real_root
 
 
+def images_root(images: str | os.PathLike[str] | None) -> str:
+    """The root that the listing and the decode are given for ``data.images``: the real path
+    of a local directory (links resolved; a ``Path`` is always local), or an object-store URI
+    (a string with a scheme) as given, less a trailing ``/``.
+
+    Raises:
+        ValueError: ``images`` is None (``data.images`` not set).
+    """
+    if images is None:
+        raise ValueError("data.images: not set")
+    if isinstance(images, str) and is_remote(images):
+        return Location.of(images).url
+    return os.path.realpath(images)
+
+
+def listing_units(root: str, labels: list[str], others: list[str]) -> list[str]:
+    """The names :func:`list_entry` takes, one listing unit each, for a root whose
+    top-level entries are ``labels`` and ``others`` (:func:`label_folders`): those names for
+    a local root; :func:`~flowers_job.data.object_listing.object_units` for an object store."""
+    if is_remote(root):
+        from flowers_job.data.object_listing import object_units
+
+        return object_units(labels, others)
+    return labels + others
+
+
 def label_folders(root: str) -> tuple[list[str], list[str]]:
     """The label folders of ``root`` and its other top-level entries, each sorted.
 
     A label folder is a real directory (not a link) whose name is valid UTF-8 and not
-    hidden (:func:`is_hidden`).
+    hidden (:func:`is_hidden`); for an object-store root, a top-level prefix whose name is
+    not hidden (:func:`~flowers_job.data.object_listing.object_label_folders`).
 
     Raises:
-        OSError: ``root`` cannot be listed.
+        OSError: ``root`` cannot be listed (``FileNotFoundError``: an object-store root with
+            no key under it).
     """
+    if is_remote(root):
+        from flowers_job.data.object_listing import object_label_folders
+
+        return object_label_folders(root)
     labels, others = [], []
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         name = entry.name
@@ -152,16 +194,30 @@ def list_entry(
     ``shards`` units list one large folder in parallel and, together, report each entry
     exactly once (an unreadable directory too: by the unit that owns its path).
 
+    An object-store root (:func:`images_root`) is listed by
+    :func:`~flowers_job.data.object_listing.list_object_unit`: ``name`` is then one of its
+    :func:`listing_units`, and ``shard`` must be ``(0, 1)``.
+
     Args:
-        root: the images root (a link is resolved first).
+        root: the images root (a link is resolved first), or an object-store URI.
         name: a top-level entry of ``root``, as ``os.listdir`` returns it.
         labels: the label folder names (:func:`label_folders`).
         shard: ``(index, shards)``, ``0 <= index < shards``; ``(0, 1)``: every entry.
 
     Yields:
         One :class:`ListedFile` per file, link, special file or unlistable directory.
+
+    Raises:
+        ValueError: an object-store root with a ``shard`` other than ``(0, 1)``.
     """
     index, shards = shard
+    if is_remote(root):
+        if shards != 1:
+            raise ValueError(f"{root}: an object-store root is listed one unit per prefix")
+        from flowers_job.data.object_listing import list_object_unit
+
+        yield from list_object_unit(root, name, labels)
+        return
     real_root = os.path.realpath(root)
     try:
         top_is_dir = stat.S_ISDIR(os.lstat(os.path.join(real_root, name)).st_mode)
@@ -286,13 +342,11 @@ def _follow_link(
     return None, st
 
 
-def _file_verdict(
-    rel: str, shown: str, parts: list[str], st: os.stat_result
-) -> tuple[str | None, str | None]:
-    """``(reason_code, reason)`` of a file or special file; ``(None, None)``: read it."""
-    if not stat.S_ISREG(st.st_mode):
-        what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket or device"
-        return "not_a_regular_file", f"{what}, not a regular file; never read"
+def path_verdict(parts: list[str]) -> tuple[str | None, str | None]:
+    """``(reason_code, reason)`` that the path of an entry gives it, whatever the entry:
+    ``hidden_path`` (a hidden part, :func:`is_hidden`), then ``not_in_label_folder`` (one
+    part: directly in the root); ``(None, None)`` otherwise. ``parts``: the path under the
+    root, split at its separators (local and object-store listings alike)."""
     hidden = next((p for p in parts if is_hidden(p)), None)
     if hidden is not None:
         return "hidden_path", (
@@ -301,6 +355,19 @@ def _file_verdict(
         )
     if len(parts) == 1:
         return "not_in_label_folder", "lies directly in the images root, not in a <label>/ folder"
+    return None, None
+
+
+def _file_verdict(
+    rel: str, shown: str, parts: list[str], st: os.stat_result
+) -> tuple[str | None, str | None]:
+    """``(reason_code, reason)`` of a file or special file; ``(None, None)``: read it."""
+    if not stat.S_ISREG(st.st_mode):
+        what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket or device"
+        return "not_a_regular_file", f"{what}, not a regular file; never read"
+    code, reason = path_verdict(parts)
+    if code is not None:
+        return code, reason
     if shown != rel:
         return "bad_file_name", (
             "the name is not valid UTF-8 (undecodable bytes shown as \\xNN); rename the file"
@@ -314,10 +381,18 @@ def read_listed_file(root: str, relative_path: str) -> bytes:
     The path is resolved again just before reading: a file that became a link out of the
     root since the listing is refused, and a FIFO put in its place is not waited on.
 
+    An object-store root is read by :func:`~flowers_job.data.object_listing.read_object`
+    (one GET through pyarrow; a missing key is ``unreadable``, any other failure raises its
+    ``ObjectStoreError``).
+
     Raises:
         ImageRejected: ``symlink_outside_root``, ``not_a_regular_file`` or ``unreadable``
             (the file vanished or cannot be opened; the message has the OS error).
     """
+    if is_remote(root):
+        from flowers_job.data.object_listing import read_object
+
+        return read_object(root, relative_path)
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(real_root, relative_path))
     if not _inside(real, real_root):
