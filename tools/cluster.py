@@ -36,11 +36,13 @@ option            what changes
 ================= =========================================================================
 ``s3=True``       ``moto.server`` (a real S3 API: any bucket, any credentials, in memory)
                   runs on fl-driver at :attr:`Cluster.s3_endpoint` (``http://10.88.0.2:9000``;
-                  this namespace reaches it over the bridge). :meth:`Cluster.submit` adds
-                  ``hadoop-aws`` (:data:`HADOOP_AWS_PACKAGE`) to ``--packages``, resolved
-                  from the Ivy cache :func:`ivy_dir` (``spark.jars.ivy``; :meth:`Cluster.up`
-                  fills it from Maven Central once), the ``spark.hadoop.fs.s3a.*`` settings
-                  of :func:`s3a_conf`, and the credentials and endpoint
+                  this namespace reaches it over the bridge). :meth:`Cluster.submit` puts
+                  ``hadoop-aws`` (:data:`HADOOP_AWS_PACKAGE`) on the driver's and the
+                  executors' class path from the Ivy cache :func:`ivy_dir`, as jars
+                  installed on every host (:meth:`Cluster.up` fills it from Maven Central
+                  once; through ``--packages`` each executor would copy the 550 MB SDK
+                  bundle into its work dir on every submit), the ``spark.hadoop.fs.s3a.*``
+                  settings of :func:`s3a_conf`, and the credentials and endpoint
                   (:meth:`Cluster.s3_env`, ``AWS_*``) to the driver's environment and the
                   executors' (``spark.executorEnv.*``; ``executor_s3_env`` leaves some out)
 ``shared_dir=     no directory is shared: every process tree started on a host (its
@@ -85,7 +87,13 @@ HADOOP_AWS_PACKAGE = "org.apache.hadoop:hadoop-aws:3.4.1"
 brings ``software.amazon.awssdk:bundle:2.24.6``, about 550 MB: resolved once into
 :func:`ivy_dir`, outside the repo."""
 S3_PACKAGES = (DELTA_PACKAGE, HADOOP_AWS_PACKAGE)
-"""``--packages`` of a Spark application on ``s3a://`` storage (both in :func:`ivy_dir`)."""
+"""``--packages`` of a local Spark application on ``s3a://`` storage (both in :func:`ivy_dir`)."""
+HADOOP_AWS_JARS = (
+    "org.apache.hadoop_hadoop-aws-",
+    "software.amazon.awssdk_",
+    "org.wildfly.openssl_",
+)
+"""How the jars of :data:`HADOOP_AWS_PACKAGE` and its dependencies are named in ``<ivy>/jars``."""
 S3_PORT = 9000
 S3_CREDENTIALS = ("flowers-s3-key", "flowers-s3-secret-7c41d9e2")
 """Access key and secret of the test S3 server (moto accepts any)."""
@@ -260,6 +268,21 @@ def resolve_packages(
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
     subprocess.run([str(python), "-c", code], check=True, timeout=timeout, env=env)
     return time.monotonic() - start
+
+
+def hadoop_aws_classpath(ivy: Path) -> str:
+    """The jars of :data:`HADOOP_AWS_PACKAGE` in ``<ivy>/jars`` (:func:`resolve_packages`), as
+    a class path (``spark.driver.extraClassPath``, ``spark.executor.extraClassPath``).
+
+    Raises:
+        ClusterError: one is missing.
+    """
+    jars = sorted(
+        str(p) for p in (ivy / "jars").glob("*.jar") if p.name.startswith(HADOOP_AWS_JARS)
+    )
+    if len(jars) < len(HADOOP_AWS_JARS):
+        raise ClusterError(f"the hadoop-aws jars are not in {ivy / 'jars'}: {jars}")
+    return ":".join(jars)
 
 
 def s3a_conf(endpoint: str) -> dict[str, str]:
@@ -597,8 +620,8 @@ class Cluster:
         environment, and the executors in theirs through ``spark.executorEnv.*`` (unless
         ``executor_credentials`` is False): the job never copies the driver's.
         With :attr:`s3`, the same for :meth:`s3_env` (the executors get only the names in
-        ``executor_s3_env`` when given: ``()`` none), and ``hadoop-aws`` from
-        :func:`ivy_dir` and :func:`s3a_conf` in the Spark conf.
+        ``executor_s3_env`` when given: ``()`` none), ``hadoop-aws`` on the class paths
+        (:func:`hadoop_aws_classpath`) and :func:`s3a_conf` in the Spark conf.
 
         Returns:
             The spark-submit process; its output goes to ``log``.
@@ -610,16 +633,19 @@ class Cluster:
             **{k: v for k, v in s3.items() if executor_s3_env is None or k in executor_s3_env},
         }
         env = {**credentials, **s3, **(env or {})}
-        packages = S3_PACKAGES if self.s3 else (DELTA_PACKAGE,)
-        conf = {
-            **{f"spark.executorEnv.{k}": v for k, v in executors.items()},
-            **({"spark.jars.ivy": str(ivy_dir()), **s3a_conf(self.s3_endpoint)} if self.s3 else {}),
-            **(conf or {}),
-        }
+        conf = {f"spark.executorEnv.{k}": v for k, v in executors.items()} | (conf or {})
+        if self.s3:
+            jars = hadoop_aws_classpath(ivy_dir())
+            conf = {
+                "spark.driver.extraClassPath": jars,
+                "spark.executor.extraClassPath": jars,
+                **s3a_conf(self.s3_endpoint),
+                **conf,
+            }
         argv = [
             str(self.spark_home / "bin" / "spark-submit"),
             "--master", self.master_url,
-            "--packages", ",".join(packages),
+            "--packages", DELTA_PACKAGE,
             "--conf", "spark.ui.showConsoleProgress=false",
             "--conf", f"spark.executor.extraJavaOptions={JVM_OPTIONS}",
         ]  # fmt: skip
