@@ -7,12 +7,14 @@ executors' environment (``spark.executorEnv.*`` in the submit conf), as the READ
 users. The project runs there as the built wheel (``.venv-cluster``).
 Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
 
-Two clusters, one after the other (the hosts' names and addresses are fixed): host names
+Clusters one after the other (the hosts' names and addresses are fixed): host names
 that resolve to the hosts' own addresses, for every test but :class:`TestLoopbackNames`,
 which gets names that resolve to loopback. The job runs end to end (``run``: ingest, then
 train) once on each: with Petastorm on the first through a killed rank and the automatic
 restart that follows, with Streaming on the second. The other fault runs train (``train``) on a copy of the
 tables the first job ingested, so that none of them ingests again before its first epoch.
+A third, :class:`TestObjectStore`'s, shares no directory between its hosts and stores
+everything in a bucket of an S3 API server (moto) on the driver host (tests/s3.py).
 
 Measured times to surface (fault -> driver exit, and -> no rank process on any host) are
 appended as JSON lines to ``$FLOWERS_CLUSTER_REPORT`` when it is set.
@@ -187,25 +189,27 @@ def train_entry(photos: Path) -> Path:
 
 
 def job_args(
-    cluster: Cluster, photos: Path, out: Path, *sets: str, server: bool = True
+    cluster: Cluster, photos: Path | str, out: Path | str, *sets: str, server: bool = True
 ) -> list[str]:
     """The job arguments of docs/cluster.md: barrier mode, the MLflow server (``server``), a small
     model size, and batches small enough for 4 steps per epoch on the 80 photos' train split
-    (58 rows, 29 per rank: val and test take about 20% and 10%)."""
+    (58 rows, 29 per rank: val and test take about 20% and 10%). ``photos`` and ``out`` may
+    be ``s3a://`` URLs (:class:`TestObjectStore`'s cluster)."""
     return ["--images", str(photos), *train_args(cluster, out, *sets, server=server)]
 
 
-def train_args(cluster: Cluster, out: Path, *sets: str, server: bool = True) -> list[str]:
+def train_args(cluster: Cluster, out: Path | str, *sets: str, server: bool = True) -> list[str]:
     """:func:`job_args` without the images: those of ``flowers-job train``."""
     args = ["--output-dir", str(out)]
+    name = str(out).rstrip("/").rsplit("/", 1)[-1]
     for item in (
         "distributed.local_mode=false",
         "data.image_size=64",
         "train.per_device_batch_size=8",
         "train.epochs=3",
         *([f"tracking.tracking_uri={cluster.mlflow_url}"] if server else []),
-        f"tracking.experiment_name=cluster-{out.name}",
-        f"tracking.registered_model_name=cluster_{out.name}",
+        f"tracking.experiment_name=cluster-{name}",
+        f"tracking.registered_model_name=cluster_{name}",
         *sets,
     ):
         args += ["--set", item]
