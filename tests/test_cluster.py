@@ -795,7 +795,11 @@ class TestObjectStore:
             args,
             BASE / "s3-check.log",
             script=script,
-            conf={"spark.scheduler.minRegisteredResourcesRatio": "1.0"},
+            conf={
+                **TRAIN_CONF,  # and the read-back's sort in 2 partitions, not 200
+                "spark.sql.shuffle.partitions": "2",
+                "spark.scheduler.minRegisteredResourcesRatio": "1.0",  # both executors
+            },
         )
         assert rc == 0, log[-4000:]
         (line,) = [x for x in log.splitlines() if x.startswith("S3-CHECK ")]
@@ -808,4 +812,7 @@ class TestObjectStore:
         assert all(r["sees"] == "False,False" for r in rows), rows  # no shared directory
         assert not (cluster.shared / "driver-token").exists()  # the driver's private mount
         assert any(k.endswith(".json") for k in object_store.keys("check/table/_delta_log/"))
-        assert cluster.s3_env()["AWS_SECRET_ACCESS_KEY"] not in log
+        secret = cluster.s3_env()["AWS_SECRET_ACCESS_KEY"]  # in no driver, executor, daemon log
+        assert secret not in log
+        for path in [*(BASE / "work").rglob("std*"), *(BASE / "logs").rglob("*")]:
+            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
