@@ -99,7 +99,7 @@ DBR_DESELECT ?= test_ingest.py::test_changed_clean_input_is_reingested_consisten
 LOCAL_LOADERS ?= petastorm
 
 .PHONY: setup setup-dbr setup-dbr18 run test test-local test-dbr test-dbr18 dbr-suite dbr-side \
-	wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down
+	wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
 # master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
@@ -114,6 +114,13 @@ cluster-up: cluster-env
 
 cluster-down:
 	$(PYTHON) tools/cluster.py down
+
+# The jars of Spark on s3a:// (hadoop-aws 3.4.1 and the 550 MB AWS SDK bundle, with Delta) in
+# an Ivy cache outside the repo (FLOWERS_IVY_DIR, default ~/.cache/flowers-job/ivy), from
+# Maven Central once; nothing when they are there. The object-storage tests do the same
+# themselves (tests/s3.py, s3_jars; Cluster.up with s3), so CI needs no step of its own.
+s3-jars: setup
+	$(BIN)/python tools/cluster.py jars
 
 # `t0=$$(date +%s)` at the start of a recipe's shell, then $(call took,PART) at its end.
 define took

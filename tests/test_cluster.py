@@ -7,12 +7,14 @@ executors' environment (``spark.executorEnv.*`` in the submit conf), as the READ
 users. The project runs there as the built wheel (``.venv-cluster``).
 Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``).
 
-Two clusters, one after the other (the hosts' names and addresses are fixed): host names
+Clusters one after the other (the hosts' names and addresses are fixed): host names
 that resolve to the hosts' own addresses, for every test but :class:`TestLoopbackNames`,
 which gets names that resolve to loopback. The job runs end to end (``run``: ingest, then
 train) once on each: with Petastorm on the first through a killed rank and the automatic
 restart that follows, with Streaming on the second. The other fault runs train (``train``) on a copy of the
 tables the first job ingested, so that none of them ingests again before its first epoch.
+A third, :class:`TestObjectStore`'s, shares no directory between its hosts and stores
+everything in a bucket of an S3 API server (moto) on the driver host (tests/s3.py).
 
 Measured times to surface (fault -> driver exit, and -> no rank process on any host) are
 appended as JSON lines to ``$FLOWERS_CLUSTER_REPORT`` when it is set.
@@ -38,9 +40,10 @@ import psutil
 import pytest
 
 from .conftest import sample_photos
+from .s3 import S3Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from cluster import Cluster, make_env, unavailable_reason
+from cluster import Cluster, answers, make_env, unavailable_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -63,6 +66,8 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     # Host names resolve to loopback (Debian's 127.0.1.1), SPARK_LOCAL_IP set; 2 cores and
     # one (fake) GPU per worker.
     "loopback names": {"loopback_names": True, "worker_cores": 2, "worker_gpus": 1},
+    # No directory shared by the hosts; an S3 API server (moto) on the driver host.
+    "object store": {"shared_dir": False, "s3": True},
 }
 MLFLOW_AUTH = ("flowers-admin", "pw-cluster-3b8e1f6a0d")
 """The MLflow server's user and password (basic auth) on every cluster: Cluster.submit
@@ -113,6 +118,8 @@ def healthy(cluster: Cluster) -> bool:
     import urllib.request
 
     if cluster.alive_workers() != cluster.workers:
+        return False
+    if cluster.s3 and not answers(f"{cluster.s3_endpoint}/moto-api/"):
         return False
     with contextlib.suppress(OSError):
         return bool(urllib.request.urlopen(f"{cluster.mlflow_url}/health", timeout=5).status == 200)
@@ -182,25 +189,27 @@ def train_entry(photos: Path) -> Path:
 
 
 def job_args(
-    cluster: Cluster, photos: Path, out: Path, *sets: str, server: bool = True
+    cluster: Cluster, photos: Path | str, out: Path | str, *sets: str, server: bool = True
 ) -> list[str]:
     """The job arguments of docs/cluster.md: barrier mode, the MLflow server (``server``), a small
     model size, and batches small enough for 4 steps per epoch on the 80 photos' train split
-    (58 rows, 29 per rank: val and test take about 20% and 10%)."""
+    (58 rows, 29 per rank: val and test take about 20% and 10%). ``photos`` and ``out`` may
+    be ``s3a://`` URLs (:class:`TestObjectStore`'s cluster)."""
     return ["--images", str(photos), *train_args(cluster, out, *sets, server=server)]
 
 
-def train_args(cluster: Cluster, out: Path, *sets: str, server: bool = True) -> list[str]:
+def train_args(cluster: Cluster, out: Path | str, *sets: str, server: bool = True) -> list[str]:
     """:func:`job_args` without the images: those of ``flowers-job train``."""
     args = ["--output-dir", str(out)]
+    name = str(out).rstrip("/").rsplit("/", 1)[-1]
     for item in (
         "distributed.local_mode=false",
         "data.image_size=64",
         "train.per_device_batch_size=8",
         "train.epochs=3",
         *([f"tracking.tracking_uri={cluster.mlflow_url}"] if server else []),
-        f"tracking.experiment_name=cluster-{out.name}",
-        f"tracking.registered_model_name=cluster_{out.name}",
+        f"tracking.experiment_name=cluster-{name}",
+        f"tracking.registered_model_name=cluster_{name}",
         *sets,
     ):
         args += ["--set", item]
@@ -697,3 +706,113 @@ def loopback_train(
         script=entry,
     )
     return rc, log, out
+
+
+# --------------------------------------------------------------------------------------
+# No directory shared by the hosts; the shared storage is a bucket on an S3 API server.
+# --------------------------------------------------------------------------------------
+S3_BUCKET = "flowers"
+S3_CHECK = """\
+# spark-submit entry of tests/test_cluster.py's object-storage check (TestObjectStore).
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+root, photo, shared = sys.argv[1:4]
+spark = (
+    SparkSession.builder.appName("s3-check")
+    .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+    .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+    .getOrCreate()
+)
+# Files the driver writes to local paths: its temp dir and the (unshared) shared dir.
+local = [Path(tempfile.mkdtemp()) / "token", Path(shared) / "driver-token"]
+for path in local:
+    path.write_text("driver")
+
+
+def check(index, rows):
+    from pyarrow import fs
+
+    filesystem, path = fs.FileSystem.from_uri(photo)  # AWS_* of the executor's environment
+    with filesystem.open_input_stream(path) as f:
+        size = len(f.read())
+    aws = ",".join(sorted(k for k in os.environ if k.startswith("AWS_")))
+    sees = ",".join(str(p.exists()) for p in local)
+    yield (index, socket.gethostname(), size, aws, sees)
+
+
+rows = spark.sparkContext.parallelize(range(4), 4).mapPartitionsWithIndex(check)
+df = spark.createDataFrame(rows, "task int, host string, bytes long, aws string, sees string")
+df.write.format("delta").save(root + "/table")  # by the executors, to s3a://
+back = spark.read.format("delta").load(root + "/table").orderBy("task").collect()
+print("S3-CHECK " + json.dumps([r.asDict() for r in back]))
+spark.stop()
+"""
+
+
+@pytest.fixture
+def object_store_cluster(clusters: Clusters) -> Cluster:
+    """No directory shared by the hosts; an S3 API server on fl-driver (Cluster.s3_endpoint);
+    1 core per worker."""
+    return clusters.get("object store")
+
+
+@pytest.fixture
+def object_store(object_store_cluster: Cluster, photos: Path) -> S3Store:
+    """The cluster without a shared directory (``shared_dir=False``) and its S3 server: the
+    bucket :data:`S3_BUCKET` with the 80 photos under ``photos/`` (``<label>/<file>``),
+    uploaded from this namespace when the server (in memory) does not have them."""
+    store = S3Store(object_store_cluster.s3_endpoint, S3_BUCKET).create()
+    if len(store.keys("photos/")) != 80:
+        store.upload(photos, "photos")
+    return store
+
+
+class TestObjectStore:
+    def test_executors_write_delta_to_s3a_and_read_with_pyarrow_sharing_no_directory(
+        self, object_store_cluster: Cluster, object_store: S3Store, photos: Path
+    ) -> None:
+        """One small spark-submit (not the job): each executor task reads a photo through
+        pyarrow with the ``AWS_*`` of its environment, the tasks' rows are written as a
+        Delta table to ``s3a://`` by the executors and read back by the driver; files the
+        driver wrote to its temp dir and to ``<base>/shared`` are seen by no executor (and
+        not from this namespace either)."""
+        cluster = object_store_cluster
+        first = sorted(photos.rglob("*.jpg"))[0]
+        key = f"photos/{first.relative_to(photos).as_posix()}"
+        script = BASE / "s3_check.py"
+        script.write_text(S3_CHECK)
+        root = object_store.url("check")
+        args = [root, object_store.url(key, scheme="s3"), str(cluster.shared)]
+        rc, log = submit(
+            cluster,
+            args,
+            BASE / "s3-check.log",
+            script=script,
+            conf={
+                **TRAIN_CONF,  # and the read-back's sort in 2 partitions, not 200
+                "spark.sql.shuffle.partitions": "2",
+                "spark.scheduler.minRegisteredResourcesRatio": "1.0",  # both executors
+            },
+        )
+        assert rc == 0, log[-4000:]
+        (line,) = [x for x in log.splitlines() if x.startswith("S3-CHECK ")]
+        rows = json.loads(line.removeprefix("S3-CHECK "))
+        assert [r["task"] for r in rows] == [0, 1, 2, 3]
+        assert {r["host"] for r in rows} == set(cluster.worker_names()), rows
+        assert all(r["bytes"] == first.stat().st_size for r in rows), rows
+        aws = "AWS_ACCESS_KEY_ID,AWS_DEFAULT_REGION,AWS_ENDPOINT_URL,AWS_SECRET_ACCESS_KEY"
+        assert all(r["aws"] == aws for r in rows), rows
+        assert all(r["sees"] == "False,False" for r in rows), rows  # no shared directory
+        assert not (cluster.shared / "driver-token").exists()  # the driver's private mount
+        assert any(k.endswith(".json") for k in object_store.keys("check/table/_delta_log/"))
+        secret = cluster.s3_env()["AWS_SECRET_ACCESS_KEY"]  # in no driver, executor, daemon log
+        assert secret not in log
+        for path in [*(BASE / "work").rglob("std*"), *(BASE / "logs").rglob("*")]:
+            assert not path.is_file() or secret.encode() not in path.read_bytes(), path

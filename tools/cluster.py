@@ -3,6 +3,7 @@
     python tools/cluster.py up      # master + 2 workers + driver host + MLflow server
     python tools/cluster.py submit -- --images ... --output-dir ... --set ...
     python tools/cluster.py down    # removes everything it made
+    python tools/cluster.py jars    # the Ivy cache of hadoop-aws (s3a://), once (make s3-jars)
 
 (``make cluster-up`` / ``make cluster-down`` run these.) Needs root (``ip netns``,
 ``unshare``, ``mount``) and Java; the tests skip with the reason when it cannot run.
@@ -14,7 +15,7 @@ host        address      runs
 =========== ============ ===================================================
 (this ns)   10.88.0.1    nothing: the bridge's own address, to reach the UIs
 fl-driver   10.88.0.2    spark-submit (client mode), the MLflow server :5000 (basic auth
-                         with ``mlflow_auth``)
+                         with ``mlflow_auth``), with ``s3``: an S3 API server :9000 (moto)
 fl-master   10.88.0.3    ``org.apache.spark.deploy.master.Master`` :7077, UI :8080
 fl-w1..wN   10.88.0.11.. ``org.apache.spark.deploy.worker.Worker``, N cores each
 =========== ============ ===================================================
@@ -27,6 +28,30 @@ What the hosts share is ``<base>/shared`` (default ``/var/tmp/flowers-cluster/sh
 standing in for NFS/DBFS: put the photos and the
 output dir there. ``loopback_names=True`` makes each host's name resolve to 127.0.1.1 in
 its own ``/etc/hosts`` (Debian's default) and sets ``SPARK_LOCAL_IP`` instead.
+
+Object storage instead of a shared disk (the options of :class:`Cluster`):
+
+================= =========================================================================
+option            what changes
+================= =========================================================================
+``s3=True``       ``moto.server`` (a real S3 API: any bucket, any credentials, in memory)
+                  runs on fl-driver at :attr:`Cluster.s3_endpoint` (``http://10.88.0.2:9000``;
+                  this namespace reaches it over the bridge). :meth:`Cluster.submit` puts
+                  ``hadoop-aws`` (:data:`HADOOP_AWS_PACKAGE`) on the driver's and the
+                  executors' class path from the Ivy cache :func:`ivy_dir`, as jars
+                  installed on every host (:meth:`Cluster.up` fills it from Maven Central
+                  once; through ``--packages`` each executor would copy the 550 MB SDK
+                  bundle into its work dir on every submit), the ``spark.hadoop.fs.s3a.*``
+                  settings of :func:`s3a_conf`, and the credentials and endpoint
+                  (:meth:`Cluster.s3_env`, ``AWS_*``) to the driver's environment and the
+                  executors' (``spark.executorEnv.*``; ``executor_s3_env`` leaves some out)
+``shared_dir=     no directory is shared: every process tree started on a host (its
+False``           mount namespace) gets an empty private tmpfs over ``<base>/shared``, and
+                  sees only its own ``<base>/tmp/<host>`` under ``<base>/tmp`` (a tmpfs
+                  over ``<base>/tmp`` with the host's own dir bind-mounted back). A file a
+                  job writes to a local path is seen by no other host, nor by another
+                  spark-submit on the same host
+================= =========================================================================
 
 The project runs on the hosts as an installed wheel: ``<repo>/.venv-cluster`` is a venv
 with the built wheel installed and the locked dependencies taken from ``.venv`` (a
@@ -57,6 +82,22 @@ SUBNET = "10.88.0"
 DELTA_VERSION = "4.0.1"
 """delta-spark of requirements/lock.txt, which spark-submit's ``--packages`` must match."""
 DELTA_PACKAGE = f"io.delta:delta-spark_2.13:{DELTA_VERSION}"
+HADOOP_AWS_PACKAGE = "org.apache.hadoop:hadoop-aws:3.4.1"
+"""The ``s3a://`` file system of pyspark 4.0.5's Hadoop (3.4.1; the versions must match). It
+brings ``software.amazon.awssdk:bundle:2.24.6``, about 550 MB: resolved once into
+:func:`ivy_dir`, outside the repo."""
+S3_PACKAGES = (DELTA_PACKAGE, HADOOP_AWS_PACKAGE)
+"""``--packages`` of a local Spark application on ``s3a://`` storage (both in :func:`ivy_dir`)."""
+HADOOP_AWS_JARS = (
+    "org.apache.hadoop_hadoop-aws-",
+    "software.amazon.awssdk_",
+    "org.wildfly.openssl_",
+)
+"""How the jars of :data:`HADOOP_AWS_PACKAGE` and its dependencies are named in ``<ivy>/jars``."""
+S3_PORT = 9000
+S3_CREDENTIALS = ("flowers-s3-key", "flowers-s3-secret-7c41d9e2")
+"""Access key and secret of the test S3 server (moto accepts any)."""
+S3_REGION = "us-east-1"
 STATE_FILE = "cluster.json"
 JVM_OPTIONS = (
     "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
@@ -112,6 +153,13 @@ def mlflow_server(
 
 class ClusterError(RuntimeError):
     """The cluster cannot be made or used here (the message says why)."""
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP GET of ``url`` returns 200 within 2 s."""
+    with contextlib.suppress(OSError):
+        return bool(urllib.request.urlopen(url, timeout=2).status == 200)
+    return False
 
 
 def _run(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -174,21 +222,92 @@ def make_env(repo: Path = REPO, timeout: float = 300) -> Path:
 
 
 def _resolve_delta(python: Path, timeout: float) -> None:
-    """Put the Delta jars of :data:`DELTA_PACKAGE` in Ivy's cache, from this namespace.
+    """Put the Delta jars of :data:`DELTA_PACKAGE` in Ivy's default cache, from this
+    namespace (see :func:`resolve_packages`)."""
+    resolve_packages(python, (DELTA_PACKAGE,), Path.home() / ".ivy2.5.2", timeout)
 
-    The hosts reach nothing outside the bridge, so spark-submit's ``--packages`` there
-    resolves from the cache alone; a local session here fetches them from Maven Central
-    once (seconds when cached already).
+
+def ivy_dir() -> Path:
+    """Ivy's cache of :data:`S3_PACKAGES` (``spark.jars.ivy`` of every ``s3a://`` run, local or
+    on the cluster): ``$FLOWERS_IVY_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/flowers-job/ivy``.
+    About 1.1 GB once filled (the jars twice: Ivy's cache and its ``jars/`` copy)."""
+    given = os.environ.get("FLOWERS_IVY_DIR")
+    if given:
+        return Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "flowers-job" / "ivy"
+
+
+def resolve_packages(
+    python: Path, packages: Sequence[str], ivy: Path, timeout: float = 600
+) -> float:
+    """Put the jars of Maven ``packages`` (``group:artifact:version``) and their dependencies
+    in the Ivy cache ``ivy``, from this namespace: a local session of ``python`` with
+    ``spark.jars.packages`` fetches them from Maven Central when one is missing from
+    ``<ivy>/jars``. The cluster's hosts reach nothing outside the bridge, so spark-submit's
+    ``--packages`` there resolves from this cache alone.
+
+    Returns:
+        Seconds spent resolving (0.0 when every jar was there already). Measured
+        2026-11-26 (2-core machine): :data:`S3_PACKAGES` into an empty cache, 96 s (the
+        550 MB AWS SDK bundle from Maven Central).
+
+    Raises:
+        subprocess.CalledProcessError: the resolution failed (offline, no Java...).
+        subprocess.TimeoutExpired: not done within ``timeout`` seconds.
     """
-    jar = Path.home() / ".ivy2.5.2" / "jars" / f"io.delta_delta-spark_2.13-{DELTA_VERSION}.jar"
-    if jar.exists():
-        return
+    jars = [ivy / "jars" / "{}_{}-{}.jar".format(*p.split(":")) for p in packages]
+    if all(j.exists() for j in jars):
+        return 0.0
+    start = time.monotonic()
     code = (
         "from pyspark.sql import SparkSession; "
         f"SparkSession.builder.master('local[1]').config('spark.jars.packages', "
-        f"'{DELTA_PACKAGE}').getOrCreate().stop()"
+        f"{','.join(packages)!r}).config('spark.jars.ivy', {str(ivy)!r}).getOrCreate().stop()"
     )
-    subprocess.run([str(python), "-c", code], check=True, timeout=timeout)
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    subprocess.run([str(python), "-c", code], check=True, timeout=timeout, env=env)
+    return time.monotonic() - start
+
+
+def hadoop_aws_classpath(ivy: Path) -> str:
+    """The jars of :data:`HADOOP_AWS_PACKAGE` in ``<ivy>/jars`` (:func:`resolve_packages`), as
+    a class path (``spark.driver.extraClassPath``, ``spark.executor.extraClassPath``).
+
+    Raises:
+        ClusterError: one is missing.
+    """
+    jars = sorted(
+        str(p) for p in (ivy / "jars").glob("*.jar") if p.name.startswith(HADOOP_AWS_JARS)
+    )
+    if len(jars) < len(HADOOP_AWS_JARS):
+        raise ClusterError(f"the hadoop-aws jars are not in {ivy / 'jars'}: {jars}")
+    return ":".join(jars)
+
+
+def s3a_conf(endpoint: str) -> dict[str, str]:
+    """Spark settings of Hadoop's ``s3a://`` file system on an S3 API server at ``endpoint``
+    (``http://HOST:PORT``): path-style requests (``http://HOST:PORT/bucket/key``, as
+    moto and MinIO want), no TLS. The credentials are not here: s3a's default chain reads
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` from each JVM's environment (the
+    executors' through ``spark.executorEnv.*``), as pyarrow and boto3 on the executors do."""
+    return {
+        "spark.hadoop.fs.s3a.endpoint": endpoint,
+        "spark.hadoop.fs.s3a.endpoint.region": S3_REGION,
+        "spark.hadoop.fs.s3a.path.style.access": "true",
+        "spark.hadoop.fs.s3a.connection.ssl.enabled": "false",
+    }
+
+
+def s3_env(endpoint: str, credentials: tuple[str, str] = S3_CREDENTIALS) -> dict[str, str]:
+    """The environment that boto3, pyarrow's ``S3FileSystem`` (14+) and s3a read: access key,
+    secret, region and ``AWS_ENDPOINT_URL`` (the S3 API server at ``endpoint``)."""
+    return {
+        "AWS_ACCESS_KEY_ID": credentials[0],
+        "AWS_SECRET_ACCESS_KEY": credentials[1],
+        "AWS_DEFAULT_REGION": S3_REGION,
+        "AWS_ENDPOINT_URL": endpoint,
+    }
 
 
 @dataclass
@@ -216,6 +335,8 @@ class Cluster:
         private_dirs: ``{worker index (1-based): [dirs]}`` given an empty private mount on
             that worker (storage the driver's writes never reach).
         worker_gpus: fake GPUs per worker (a discovery script; none when 0).
+        shared_dir: False: no directory shared by the hosts (the module docstring's table).
+        s3: run an S3 API server on fl-driver; :meth:`submit` sets the job up for it.
         mlflow_auth: (user, password) of the MLflow server's basic auth (None: no auth).
             :meth:`submit` gives them to the driver's environment and, unless told not
             to, to the executors' (``spark.executorEnv.*``).
@@ -230,6 +351,8 @@ class Cluster:
     private_dirs: dict[int, list[Path]] = field(default_factory=dict)
     worker_gpus: int = 0
     mlflow_auth: tuple[str, str] | None = None
+    shared_dir: bool = True
+    s3: bool = False
     python: Path = field(default_factory=cluster_python)
     hosts: dict[str, Host] = field(default_factory=dict)
 
@@ -250,6 +373,16 @@ class Cluster:
     @property
     def mlflow_url(self) -> str:
         return f"http://{self.hosts['fl-driver'].address}:5000"
+
+    @property
+    def s3_endpoint(self) -> str:
+        """The S3 API server's URL (with :attr:`s3`), reachable from every host and this
+        namespace."""
+        return f"http://{self.hosts['fl-driver'].address}:{S3_PORT}"
+
+    def s3_env(self) -> dict[str, str]:
+        """``AWS_*`` of the S3 server (credentials, region, endpoint); none without :attr:`s3`."""
+        return s3_env(self.s3_endpoint) if self.s3 else {}
 
     @functools.cached_property
     def spark_home(self) -> Path:
@@ -328,11 +461,21 @@ class Cluster:
             The process (``ip netns exec`` -> ``unshare`` -> ``sh`` -> exec ``argv``).
         """
         h = self.hosts[host]
-        mounts = " && ".join(
+        if not self.shared_dir:
+            private = [*private, self.shared]
+        mounts = [
             f"mount -t tmpfs -o size=4g tmpfs {shlex.quote(str(d))}"
             for d in ("/dev/shm", *map(str, private))
-        )
-        script = f'hostname {h.name} && {mounts} && exec "$@"'
+        ]
+        if not self.shared_dir:  # this host's own temp dir, and no other host's
+            tmp, keep = self.base / "tmp", "/dev/shm/.own-tmp"
+            own = shlex.quote(str(tmp / h.name))
+            mounts += [
+                f"mkdir {keep}", f"mount --bind {own} {keep}",
+                f"mount -t tmpfs -o size=1g tmpfs {shlex.quote(str(tmp))}",
+                f"mkdir {own}", f"mount --move {keep} {own}",
+            ]  # fmt: skip
+        script = f'hostname {h.name} && {" && ".join(mounts)} && exec "$@"'
         cmd = [
             "ip", "netns", "exec", h.netns,
             "unshare", "--uts", "--mount", "--propagation", "private",
@@ -346,13 +489,18 @@ class Cluster:
         return proc
 
     def up(self, mlflow: bool = True, timeout: float = 90) -> Cluster:
-        """Create the hosts, start the master, the workers and (``mlflow``) the MLflow server,
-        and wait until all workers are registered (at most ``timeout`` seconds).
+        """Create the hosts, start the master, the workers, (``mlflow``) the MLflow server and
+        (:attr:`s3`) the S3 server, and wait until all workers are registered and the
+        servers answer (at most ``timeout`` seconds). With :attr:`s3`, first fills
+        :func:`ivy_dir` with :data:`S3_PACKAGES` when a jar is missing (Maven Central,
+        at most 600 s).
 
         Raises:
             ClusterError: a step failed or the workers did not register in time.
         """
         self.down()
+        if self.s3:
+            resolve_packages(self.python, S3_PACKAGES, ivy_dir())
         for sub in ("shared", "logs", "work"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)
         for host in self.hosts.values():
@@ -378,6 +526,13 @@ class Cluster:
                     self.mlflow_auth,
                 )  # fmt: skip
                 self.start("fl-driver", argv, env=env, log=logs / "mlflow.out")
+            if self.s3:
+                self.start(
+                    "fl-driver",
+                    [str(self.python), "-m", "moto.server", "-H", self.hosts["fl-driver"].address,
+                     "-p", str(S3_PORT)],
+                    log=logs / "s3.out",
+                )  # fmt: skip
             self._save()
             self._wait(mlflow, timeout)
         except BaseException:
@@ -432,20 +587,20 @@ class Cluster:
 
     def _wait(self, mlflow: bool, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        alive, ok = 0, not mlflow
+        alive, ok, s3_ok = 0, not mlflow, not self.s3
         while time.monotonic() < deadline:
             alive = self.alive_workers()
             if mlflow and not ok:
-                with contextlib.suppress(OSError):
-                    ok = (
-                        urllib.request.urlopen(f"{self.mlflow_url}/health", timeout=2).status == 200
-                    )
-            if alive == self.workers and ok:
+                ok = answers(f"{self.mlflow_url}/health")
+            if not s3_ok:
+                s3_ok = answers(f"{self.s3_endpoint}/moto-api/")
+            if alive == self.workers and ok and s3_ok:
                 return
             time.sleep(0.5)
         raise ClusterError(
             f"after {timeout:.0f} s: {alive} of {self.workers} workers registered, MLflow "
-            f"server {'up' if ok else 'not up'}; logs in {self.base / 'logs'}"
+            f"server {'up' if ok else 'not up'}, S3 server {'up' if s3_ok else 'not up'}; "
+            f"logs in {self.base / 'logs'}"
         )
 
     def submit(
@@ -457,20 +612,36 @@ class Cluster:
         log: Path | None = None,
         script: Path | None = None,
         executor_credentials: bool = True,
+        executor_s3_env: Sequence[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """spark-submit (client mode) on the driver host, as docs/cluster.md tells users.
 
         With :attr:`mlflow_auth`, the driver gets the MLflow server's credentials in its
         environment, and the executors in theirs through ``spark.executorEnv.*`` (unless
         ``executor_credentials`` is False): the job never copies the driver's.
+        With :attr:`s3`, the same for :meth:`s3_env` (the executors get only the names in
+        ``executor_s3_env`` when given: ``()`` none), ``hadoop-aws`` on the class paths
+        (:func:`hadoop_aws_classpath`) and :func:`s3a_conf` in the Spark conf.
 
         Returns:
             The spark-submit process; its output goes to ``log``.
         """
         credentials = self.mlflow_credentials()
-        env = {**credentials, **(env or {})}
-        if executor_credentials:
-            conf = {**{f"spark.executorEnv.{k}": v for k, v in credentials.items()}, **(conf or {})}
+        s3 = self.s3_env()
+        executors = {
+            **(credentials if executor_credentials else {}),
+            **{k: v for k, v in s3.items() if executor_s3_env is None or k in executor_s3_env},
+        }
+        env = {**credentials, **s3, **(env or {})}
+        conf = {f"spark.executorEnv.{k}": v for k, v in executors.items()} | (conf or {})
+        if self.s3:
+            jars = hadoop_aws_classpath(ivy_dir())
+            conf = {
+                "spark.driver.extraClassPath": jars,
+                "spark.executor.extraClassPath": jars,
+                **s3a_conf(self.s3_endpoint),
+                **conf,
+            }
         argv = [
             str(self.spark_home / "bin" / "spark-submit"),
             "--master", self.master_url,
@@ -536,21 +707,31 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/cluster.py", description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=["env", "up", "down", "submit"])
+    parser.add_argument("command", choices=["env", "jars", "up", "down", "submit"])
     parser.add_argument("--base", type=Path, default=Cluster.base)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-cores", type=int, default=1)
     parser.add_argument("--loopback-names", action="store_true")
+    parser.add_argument("--s3", action="store_true", help="an S3 server on fl-driver (up, submit)")
+    parser.add_argument(
+        "--no-shared-dir", action="store_true", help="no directory shared by the hosts (up, submit)"
+    )
     parser.add_argument("job_args", nargs="*", help="after --: the job's arguments (submit)")
     args = parser.parse_args(argv)
     if args.command == "env":
         print(make_env())
+        return 0
+    if args.command == "jars":  # the Ivy cache of the s3a:// runs (make s3-jars)
+        seconds = resolve_packages(Path(sys.executable), S3_PACKAGES, ivy_dir())
+        print(f"{', '.join(S3_PACKAGES)} in {ivy_dir()} ({seconds:.0f} s resolving)")
         return 0
     cluster = Cluster(
         base=args.base,
         workers=args.workers,
         worker_cores=args.worker_cores,
         loopback_names=args.loopback_names,
+        s3=args.s3,
+        shared_dir=not args.no_shared_dir,
     )
     if args.command == "down":
         cluster.down()
@@ -562,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         cluster.up()
         print(f"master {cluster.master_url}, MLflow {cluster.mlflow_url}, shared {cluster.shared}")
+        if cluster.s3:
+            print(f"S3 {cluster.s3_endpoint} ({', '.join(cluster.s3_env())} in submit's env)")
         return 0
     return cluster.submit(args.job_args).wait()
 
