@@ -141,13 +141,14 @@ def _secret_variables() -> list[str]:
     from mlflow import environment_variables as mlflow_env
 
     names = [mlflow_env.MLFLOW_TRACKING_PASSWORD.name, mlflow_env.MLFLOW_TRACKING_TOKEN.name]
+    names += ["AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]  # an object store's (storage.py)
     return names + [name for name, secret in DATABRICKS_VARIABLES.items() if secret]
 
 
 def redact(text: str, environ: Mapping[str, str] = os.environ) -> str:
     """``text`` with the value of every secret credential variable set in ``environ``
     (MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, DATABRICKS_TOKEN,
-    DATABRICKS_CLIENT_SECRET, ...) replaced by ``***``."""
+    DATABRICKS_CLIENT_SECRET, AWS_SECRET_ACCESS_KEY, ...) replaced by ``***``."""
     for name in _secret_variables():
         value = environ.get(name)
         if value:

@@ -32,7 +32,14 @@ from flowers_job.credentials import (
     redact,
 )
 from flowers_job.spark import run_probe, task_slots
-from flowers_job.storage import is_local_master, shared_dirs, storage_problems, tokens, unreadable
+from flowers_job.storage import (
+    is_local_master,
+    shared_dirs,
+    storage_problems,
+    store_variables,
+    tokens,
+    unreadable,
+)
 
 __all__ = ["PROBE_TIMEOUT_SECONDS", "check_executors"]
 
@@ -58,6 +65,7 @@ def _probe_task(
             "host": socket.gethostname(),
             "address": executor.rsplit(":", 1)[0],
             "missing": unreadable(token, paths) if paths else [],
+            "store_variables": store_variables(),
         }
         first = min(i for i, info in enumerate(infos) if info.address == executor)
         if tracking is not None and me == first:

@@ -12,6 +12,7 @@ task slot reads it back (:func:`unreadable`), in the executor probe's barrier st
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,15 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig
 from flowers_job.location import Location
 
-__all__ = ["is_local_master", "shared_dirs", "storage_problems", "tokens", "unreadable"]
+__all__ = [
+    "STORE_VARIABLES",
+    "is_local_master",
+    "shared_dirs",
+    "storage_problems",
+    "store_variables",
+    "tokens",
+    "unreadable",
+]
 
 _TOKEN_PREFIX = ".flowers-shared-probe-"
 
@@ -84,13 +93,31 @@ def tokens(dirs: dict[str, Location]) -> Iterator[str]:
                 f.unlink(missing_ok=True)
 
 
+STORE_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+)
+"""The standard variables an object store's clients (pyarrow, boto3, s3a) read: only their
+names ever travel between hosts or into a message."""
+
+
+def store_variables() -> list[str]:
+    """The names of :data:`STORE_VARIABLES` set in this process's environment."""
+    return [name for name in STORE_VARIABLES if os.environ.get(name)]
+
+
 def storage_problems(dirs: dict[str, Location], reports: list[dict[str, Any]]) -> list[str]:
     """The directories some executor cannot read, by setting, and how to fix it.
 
     Args:
         dirs: :func:`shared_dirs`.
-        reports: ``{"host", "address", "missing"}`` per probe task, ``missing`` being
-            :func:`unreadable`'s list.
+        reports: ``{"host", "address", "missing", "store_variables"}`` per probe task,
+            ``missing`` being :func:`unreadable`'s list, ``store_variables``
+            :func:`store_variables` there.
 
     Returns:
         One line per directory, naming the setting, the directory and the executor hosts
@@ -98,14 +125,19 @@ def storage_problems(dirs: dict[str, Location], reports: list[dict[str, Any]]) -
     """
     problems = []
     remote = False
+    ours = set(store_variables())
     for setting, path in dirs.items():
         blind = [r for r in reports if str(path) in r["missing"]]
         if blind:
             remote = remote or not path.is_local
             where = ", ".join(sorted({f"{r['host']} ({r['address']})" for r in blind}))
+            lacking = sorted(
+                set().union(*(ours - set(r.get("store_variables", ())) for r in blind))
+            )
             problems.append(
                 f"{setting}: {path} is not shared with the executors: executor host {where} "
                 "cannot read a file the driver wrote there"
+                + (f" ({', '.join(lacking)} set on the driver, missing there)" if lacking else "")
             )
     if problems:
         problems.append(

@@ -66,8 +66,9 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     # Host names resolve to loopback (Debian's 127.0.1.1), SPARK_LOCAL_IP set; 2 cores and
     # one (fake) GPU per worker.
     "loopback names": {"loopback_names": True, "worker_cores": 2, "worker_gpus": 1},
-    # No directory shared by the hosts; an S3 API server (moto) on the driver host.
-    "object store": {"shared_dir": False, "s3": True},
+    # No directory shared by the hosts; an S3 API server (moto) on the driver host; host
+    # names that resolve to loopback, 2 cores per worker (4 ranks on 2 hosts).
+    "object store": {"shared_dir": False, "s3": True, "loopback_names": True, "worker_cores": 2},
 }
 MLFLOW_AUTH = ("flowers-admin", "pw-cluster-3b8e1f6a0d")
 """The MLflow server's user and password (basic auth) on every cluster: Cluster.submit
@@ -259,11 +260,12 @@ def report(**values: Any) -> None:
 
 
 def check_summary(
-    out: Path, cluster: Cluster, world_size: int = 2, epochs: int = 3
+    out: Path | dict[str, Any], cluster: Cluster, world_size: int = 2, epochs: int = 3
 ) -> dict[str, Any]:
-    """The run's summary: ``world_size`` ranks on both worker hosts (as evenly as Spark
-    places them), each on the bridge's interface, and ``epochs`` epochs."""
-    summary = json.loads((out / "summary.json").read_text())
+    """The run's summary (``out/summary.json``, or the summary ``out`` itself): ``world_size``
+    ranks on both worker hosts (as evenly as Spark places them), each on the bridge's
+    interface, and ``epochs`` epochs."""
+    summary = out if isinstance(out, dict) else json.loads((out / "summary.json").read_text())
     ranks = summary["ranks"]
     assert len(ranks) == world_size
     per_host = [sum(r["host"] == h for r in ranks) for h in ("fl-w1", "fl-w2")]
@@ -631,39 +633,6 @@ class TestLoopbackNames:
         assert "distributed.num_processes: 3 processes, but this Spark cluster" in log
         assert "has 2 GPU task slots (spark.task.resource.gpu.amount=1 per task)" in log
 
-    def test_four_ranks_on_two_hosts_with_streaming(
-        self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
-    ) -> None:
-        """``flowers-job train`` with Mosaic Streaming, 4 ranks on the 2 hosts' 4 task slots,
-        on a copy of the tables the Petastorm job ingested (the ingest on a cluster is that
-        job's to test). Spark alternates the barrier tasks over the executors (ranks 0, 2 on
-        one host, 1, 3 on the other); each host's ranks read consecutive shards."""
-        rc, log, out = loopback_train(loopback_cluster, fault_tables, train_entry, "streaming", 4)
-        assert rc == 0, log[-4000:]
-        summary = check_summary(out, loopback_cluster, world_size=4)
-        assert summary["loader"] == "streaming"
-        hosts = [r["host"] for r in summary["ranks"]]
-        assert hosts[0] == hosts[2] != hosts[1] == hosts[3], hosts  # not consecutive
-        assert f"shards by host: {hosts[0]}: ranks 0, 2; {hosts[1]}: ranks 1, 3" in log
-        # Threads follow the executor's 2 cores, shared by its 2 ranks (Spark starts Python
-        # workers with OMP_NUM_THREADS=spark.task.cpus=1).
-        assert [r["threads"] for r in summary["ranks"]] == [1, 1, 1, 1]
-        check_registered(loopback_cluster, summary, world_size=4)
-        report(
-            test="train streaming 4 ranks loopback names", train_seconds=summary["train_seconds"]
-        )
-
-    def test_four_ranks_on_two_hosts_with_petastorm(
-        self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
-    ) -> None:
-        rc, log, out = loopback_train(
-            loopback_cluster, fault_tables, train_entry, "petastorm", 4, "train.epochs=1"
-        )
-        assert rc == 0, log[-4000:]
-        summary = check_summary(out, loopback_cluster, world_size=4, epochs=1)
-        assert summary["loader"] == "petastorm"
-        check_registered(loopback_cluster, summary, world_size=4, epochs=1)
-
     def test_three_ranks_on_two_hosts(
         self, loopback_cluster: Cluster, fault_tables: Path, train_entry: Path
     ) -> None:
@@ -816,3 +785,108 @@ class TestObjectStore:
         assert secret not in log
         for path in [*(BASE / "work").rglob("std*"), *(BASE / "logs").rglob("*")]:
             assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+
+    def test_streaming_four_ranks_fail_leave_nothing_then_resume(
+        self, object_store_cluster: Cluster, object_store: S3Store
+    ) -> None:
+        """The job end to end from ``s3a://`` (photos, output dir, loader cache) with Mosaic
+        Streaming, 4 ranks on the 2 hosts, which share no directory: rank 2 raises in
+        epoch 2 (no restart), and the bucket keeps epoch 1's checkpoint and nothing of the
+        run's loader cache or reports; ``--resume`` then finishes the run. Spark alternates
+        the ranks over the hosts; each host's ranks read consecutive shards."""
+        cluster, store = object_store_cluster, object_store
+        out = store.url("out-streaming")
+        args = job_args(
+            cluster,
+            store.url("photos"),
+            out,
+            "data.loader=streaming",
+            "distributed.num_processes=4",
+            "train.epochs=2",
+            "train.max_restarts=0",
+        )
+        fault = {"spark.executorEnv.FLOWERS_JOB_FAULT": "raise:2:2"}
+        rc, log = submit(cluster, args, BASE / "s3-streaming-fail.log", conf=fault)
+        assert rc == 1, log[-4000:]
+        assert "rank 2" in log and "RuntimeError" in log, log[-3000:]
+        assert "out-streaming/checkpoints/last.pt" in store.keys("out-streaming/checkpoints/")
+        left = store.keys("out-streaming/")
+        assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
+        assert not [k for k in left if "/flowers-failures-" in k], left
+
+        rc, log = submit(cluster, [*args, "--resume"], BASE / "s3-streaming-resume.log")
+        assert rc == 0, log[-4000:]
+        assert "resumed from s3a://flowers/out-streaming/checkpoints at the start of epoch 2" in log
+        summary = check_summary(
+            json.loads(store.read("out-streaming/summary.json")), cluster, world_size=4, epochs=2
+        )
+        assert summary["loader"] == "streaming"
+        hosts = [r["host"] for r in summary["ranks"]]
+        assert hosts[0] == hosts[2] != hosts[1] == hosts[3], hosts  # not consecutive
+        assert f"shards by host: {hosts[0]}: ranks 0, 2; {hosts[1]}: ranks 1, 3" in log
+        # Threads follow the executor's 2 cores, shared by its 2 ranks.
+        assert [r["threads"] for r in summary["ranks"]] == [1, 1, 1, 1]
+        check_registered(cluster, summary, world_size=4, epochs=2)
+        left = store.keys("out-streaming/")
+        assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
+        assert_no_secret(log)
+        assert cluster.s3_env()["AWS_SECRET_ACCESS_KEY"] not in log + json.dumps(summary)
+        report(test="run streaming 4 ranks object store", job_seconds=summary["job_seconds"])
+
+    def test_petastorm_four_ranks(
+        self, object_store_cluster: Cluster, object_store: S3Store, train_entry: Path
+    ) -> None:
+        """``flowers-job train`` with Petastorm, 4 ranks, on a copy (in the bucket) of the
+        tables the Streaming job ingested: Petastorm reads its Parquet cache from the store
+        through pyarrow."""
+        cluster, store = object_store_cluster, object_store
+        tables = [k for k in store.keys("out-streaming/tables/") if not k.endswith("/")]
+        if not tables:
+            pytest.fail("no tables to train on: the Streaming job on the object store failed")
+        client = store.client()
+        for key in tables:
+            target = "out-petastorm/" + key.removeprefix("out-streaming/")
+            client.copy_object(
+                Bucket=store.bucket, Key=target, CopySource={"Bucket": store.bucket, "Key": key}
+            )
+        args = train_args(
+            cluster,
+            store.url("out-petastorm"),
+            "data.loader=petastorm",
+            "distributed.num_processes=4",
+            "distributed.use_gpu=false",
+            "train.epochs=1",
+        )
+        rc, log = submit(
+            cluster, args, BASE / "s3-petastorm.log", conf=TRAIN_CONF, script=train_entry
+        )
+        assert rc == 0, log[-4000:]
+        summary = check_summary(
+            json.loads(store.read("out-petastorm/summary.json")), cluster, world_size=4, epochs=1
+        )
+        assert summary["loader"] == "petastorm"
+        check_registered(cluster, summary, world_size=4, epochs=1)
+        left = store.keys("out-petastorm/")
+        assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
+
+    def test_executors_without_object_store_credentials_are_refused(
+        self, object_store_cluster: Cluster, object_store: S3Store
+    ) -> None:
+        """The driver has the bucket's credentials and endpoint, the executors none of the
+        ``AWS_*`` variables (moto accepts unsigned requests, so the endpoint goes too: their
+        clients look for the bucket on AWS, out of reach): the executor probe stops the job
+        before any work, naming the setting and the variables."""
+        cluster, store = object_store_cluster, object_store
+        out = store.url("out-refused")
+        rc, log = submit(
+            cluster,
+            job_args(cluster, store.url("photos"), out),
+            BASE / "s3-refused.log",
+            executor_s3_env=(),
+        )
+        assert rc == 2, log[-3000:]
+        assert f"paths.output_dir: {out} is not shared with the executors" in log, log[-3000:]
+        missing = "AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, AWS_SECRET_ACCESS_KEY"
+        assert f"{missing} set on the driver, missing there" in log, log[-3000:]
+        assert not store.keys("out-refused/tables/")  # nothing ingested
+        assert cluster.s3_env()["AWS_SECRET_ACCESS_KEY"] not in log

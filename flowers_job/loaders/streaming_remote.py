@@ -100,4 +100,6 @@ def leave_host_cache(source: dict[str, Any]) -> bool:
     if left:
         return False
     shutil.rmtree(local, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        local.parent.rmdir()  # the root too, once no split of any run is left in it
     return True
