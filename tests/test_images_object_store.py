@@ -11,8 +11,6 @@ through a Spark file source.
 from __future__ import annotations
 
 import os
-import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +25,10 @@ from flowers_job.data.ingest import IngestError, check_images_root, ingest
 from flowers_job.data.listing import label_folders, list_entry, listing_units, read_listed_file
 
 from .conftest import LABELS, PHOTOS
+from .s3 import S3Store, s3_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(600)
 
-MOTO_VENV = Path("/work/tmp/s3exp/venv-moto/lib/python3.11/site-packages")
-"""Where moto is until the lock has it (the shared S3 fixtures, tests/s3.py, replace this)."""
 BUCKET = "flowers-images-test"
 SECRET = "images-test-secret-never-shown"
 PER_LABEL = 6
@@ -54,43 +51,19 @@ class S3:
         return round(listed["LastModified"].timestamp() * 1000) * 1_000_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def s3(spark: SparkSession) -> Iterator[S3]:
-    """One moto server for the module, on a free port of 127.0.0.1. The AWS_* variables
-    reach pyarrow in this process (``os.environ``) and in Spark's Python workers
+def s3(spark: SparkSession, s3_server: str) -> Iterator[S3]:  # noqa: F811 (the fixture)
+    """:data:`BUCKET` on the session's moto server (tests/s3.py). The AWS_* variables reach
+    pyarrow in this process (``os.environ``) and in Spark's Python workers
     (``SparkContext.environment``, as ``spark.executorEnv.*`` does on a cluster)."""
-    if MOTO_VENV.is_dir() and str(MOTO_VENV) not in sys.path:
-        sys.path.append(str(MOTO_VENV))
-    server_mod = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    port = _free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "images-test",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
+    store = S3Store(s3_server, BUCKET, ("images-test", SECRET)).create()
+    env = {**store.env(), "AWS_EC2_METADATA_DISABLED": "true"}
     sc_env = spark.sparkContext.environment
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
             mp.setitem(sc_env, k, v)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        client.create_bucket(Bucket=BUCKET)
-        try:
-            yield S3(endpoint, client, env)
-        finally:
-            server.stop()
+        yield S3(store.endpoint, store.client(), env)
 
 
 def _photo(label: str, index: int) -> bytes:
