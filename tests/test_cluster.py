@@ -68,7 +68,14 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     "loopback names": {"loopback_names": True, "worker_cores": 2, "worker_gpus": 1},
     # No directory shared by the hosts; an S3 API server (moto) on the driver host; host
     # names that resolve to loopback, 2 cores per worker (4 ranks on 2 hosts).
-    "object store": {"shared_dir": False, "s3": True, "loopback_names": True, "worker_cores": 2},
+    # MLflow's artifacts in the bucket too.
+    "object store": {
+        "shared_dir": False,
+        "s3": True,
+        "loopback_names": True,
+        "worker_cores": 2,
+        "mlflow_artifacts": "s3://flowers/mlflow-artifacts",
+    },
 }
 MLFLOW_AUTH = ("flowers-admin", "pw-cluster-3b8e1f6a0d")
 """The MLflow server's user and password (basic auth) on every cluster: Cluster.submit
@@ -827,6 +834,8 @@ class TestObjectStore:
         # Threads follow the executor's 2 cores, shared by its 2 ranks.
         assert [r["threads"] for r in summary["ranks"]] == [1, 1, 1, 1]
         check_registered(cluster, summary, world_size=4, epochs=2)
+        # the registered model's files, through the tracking server, in the bucket
+        assert any(k.endswith("/MLmodel") for k in store.keys("mlflow-artifacts/"))
         left = store.keys("out-streaming/")
         assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
         assert_no_secret(log)

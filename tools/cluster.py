@@ -111,7 +111,12 @@ drivers the tests start, and the measurement)."""
 
 
 def mlflow_server(
-    python: Path, host: str, port: int, store: Path, auth: tuple[str, str] | None = None
+    python: Path,
+    host: str,
+    port: int,
+    store: Path,
+    auth: tuple[str, str] | None = None,
+    artifacts: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of an MLflow tracking server on ``host:port``: a
     sqlite store and proxied artifacts under ``store``; with ``auth`` (user, password),
@@ -125,7 +130,7 @@ def mlflow_server(
     store.mkdir(parents=True, exist_ok=True)
     argv = [str(python), "-m", "mlflow", "server", "--host", host, "--port", str(port),
             "--workers", "1", "--backend-store-uri", f"sqlite:///{store}/mlflow.db",
-            "--artifacts-destination", str(store / "artifacts")]  # fmt: skip
+            "--artifacts-destination", artifacts or str(store / "artifacts")]  # fmt: skip
     # Tracking and the model registry only: without this, MLflow 3 also starts its job
     # runners (huey consumers for GenAI scorers, trace roll-ups), a handful of Python
     # processes the job never uses.
@@ -337,6 +342,10 @@ class Cluster:
         worker_gpus: fake GPUs per worker (a discovery script; none when 0).
         shared_dir: False: no directory shared by the hosts (the module docstring's table).
         s3: run an S3 API server on fl-driver; :meth:`submit` sets the job up for it.
+        mlflow_artifacts: the MLflow server's ``--artifacts-destination`` (default a folder
+            under ``base``); an ``s3://`` URI with :attr:`s3` stores the artifacts in the
+            S3 server's bucket (which the caller creates), the server reaching it with
+            :meth:`s3_env`.
         mlflow_auth: (user, password) of the MLflow server's basic auth (None: no auth).
             :meth:`submit` gives them to the driver's environment and, unless told not
             to, to the executors' (``spark.executorEnv.*``).
@@ -353,6 +362,7 @@ class Cluster:
     mlflow_auth: tuple[str, str] | None = None
     shared_dir: bool = True
     s3: bool = False
+    mlflow_artifacts: str | None = None
     python: Path = field(default_factory=cluster_python)
     hosts: dict[str, Host] = field(default_factory=dict)
 
@@ -523,8 +533,10 @@ class Cluster:
             if mlflow:
                 argv, env = mlflow_server(
                     self.python, self.hosts["fl-driver"].address, 5000, self.base / "mlflow",
-                    self.mlflow_auth,
+                    self.mlflow_auth, self.mlflow_artifacts,
                 )  # fmt: skip
+                if self.s3 and self.mlflow_artifacts:  # the server's own S3 client (boto3)
+                    env.update(self.s3_env(), MLFLOW_S3_ENDPOINT_URL=self.s3_endpoint)
                 self.start("fl-driver", argv, env=env, log=logs / "mlflow.out")
             if self.s3:
                 self.start(
