@@ -23,13 +23,27 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flowers_job.config import ConfigError, JobConfig, load_config
 from flowers_job.spark_connect import refuse_spark_connect
 
+if TYPE_CHECKING:
+    from flowers_job.data.table_ref import TableRef
+
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("flowers_job")
+
+
+def _table_arg(text: str) -> TableRef:
+    """``--table``/``--output-table``: a path table or a catalog name (TableRef.from_arg)."""
+    from flowers_job.data.table_ref import TableRef
+
+    try:
+        return TableRef.from_arg(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,14 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = predict.add_mutually_exclusive_group(required=True)
     source.add_argument("--images", type=Path, help="photos: <images>/<label>/<file> or flat")
-    source.add_argument("--table", type=Path, help="Delta table with row_id and image columns")
+    source.add_argument(
+        "--table",
+        type=_table_arg,
+        help="Delta table with row_id and image columns: a path, or catalog.schema.table",
+    )
     predict.add_argument(
         "--split",
         choices=("train", "val", "test"),
         help="with --table: only the rows of this split (a partition of the images table)",
     )
     predict.add_argument(
-        "--output-table", type=Path, required=True, help="Delta table the predictions go to"
+        "--output-table",
+        type=_table_arg,
+        required=True,
+        help="Delta table the predictions go to: a path, or catalog.schema.table",
     )
     runs = sub.add_parser(
         "runs",

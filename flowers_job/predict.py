@@ -146,8 +146,9 @@ def check_input(images: Path | None, table: Path | TableRef | None) -> None:
         raise UsageError("give exactly one of --images DIR and --table PATH")
     if images is not None and not images.is_dir():
         raise PredictError(f"--images {images}: not a directory")
-    if isinstance(table, Path) and not (table / "_delta_log").is_dir():
-        raise PredictError(f"--table {table}: not a Delta table (no {table / '_delta_log'})")
+    path = Location.of(table) if isinstance(table, Path) else getattr(table, "path", None)
+    if path is not None and not (path / "_delta_log").is_dir():
+        raise PredictError(f"--table {path}: not a Delta table (no {path / '_delta_log'})")
 
 
 def scoring_partitions(rows: int, slots: int) -> int:

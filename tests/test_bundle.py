@@ -317,13 +317,22 @@ def test_score_task_scores_the_test_table_with_the_model_train_registered(
     assert _flag(args, "--output-dir") == _flag(
         train["spark_python_task"]["parameters"], "--output-dir"
     )
-    assert _flag(args, "--table") == "${var.output_dir}/tables/images"
+    # the catalog tables the train task writes (its tables.catalog, tables.schema)
+    settings = _settings(train["spark_python_task"]["parameters"])
+    assert settings["tables.catalog"] == "${var.tables_catalog}"
+    assert settings["tables.schema"] == "${var.tables_schema}"
+    assert _flag(args, "--table") == "${var.tables_catalog}.${var.tables_schema}.images"
     assert _flag(args, "--split") == "test"  # the held-out split, a partition of images
     from flowers_job.cli import build_parser
+    from flowers_job.data.table_ref import TableRef
 
-    parsed = build_parser().parse_args(["predict", *args])  # what the entry point parses
-    assert (parsed.split, str(parsed.table)) == ("test", "${var.output_dir}/tables/images")
-    assert _flag(args, "--output-table").startswith("${var.output_dir}/")
+    values = _variables(bundle, "dev")
+    parsed = build_parser().parse_args(  # what the entry point parses
+        ["predict", *(_substitute(a, values) for a in args)]
+    )
+    schema = (values["tables_catalog"], values["tables_schema"])
+    assert (parsed.split, parsed.table) == ("test", TableRef(parts=(*schema, "images")))
+    assert parsed.output_table == TableRef(parts=(*schema, "test_predictions"))
     assert "--model" not in args  # the version summary.json names
     assert _settings(args)["tracking.tracking_uri"] == "databricks"
     assert {"whl": "dist/flowers_job-*.whl"} in score["libraries"]

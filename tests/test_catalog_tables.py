@@ -79,6 +79,27 @@ def test_table_names_follow_the_settings(tmp_path: Path) -> None:
         TableRef(path=Location.of(tmp_path), parts=("a", "b"))
 
 
+def test_predict_takes_a_table_by_name_or_by_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``predict --table``/``--output-table``: ``catalog.schema.table`` or ``schema.table``
+    is a catalog table, a path (or a URI, or one bare word) a path table; a bad name is a
+    usage error (exit 2) naming it."""
+    from flowers_job.cli import build_parser
+
+    argv = ["predict", "--model", "models:/m/1", "--output-table", "main.flowers.preds"]
+    args = build_parser().parse_args([*argv, "--table", "main.flowers.images"])
+    assert args.table == TableRef(parts=("main", "flowers", "images"))
+    assert args.output_table == TableRef(parts=("main", "flowers", "preds"))
+    assert TableRef.from_arg("flowers.images") == TableRef(parts=("flowers", "images"))
+    for path in (str(tmp_path / "tables" / "images"), "s3a://bucket/out/tables/images", "t"):
+        assert TableRef.from_arg(path) == TableRef(path=Location.of(path))
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, "--table", "main.flo wers.images"])
+    assert exit_info.value.code == 2
+    assert "'main.flo wers.images'" in capsys.readouterr().err
+
+
 def test_missing_and_foreign_tables_are_named(spark: SparkSession, tmp_path: Path) -> None:
     """Training on a schema that does not exist, or on a table of the job's name that is not
     a Delta table, fails before any work, naming the table."""

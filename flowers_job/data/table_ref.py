@@ -23,7 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
-from flowers_job.location import Location
+from flowers_job.location import Location, is_remote
 
 if TYPE_CHECKING:
     from delta.tables import DeltaTable
@@ -52,6 +52,26 @@ class TableRef:
         if entry.get("name"):
             return cls(parts=tuple(str(entry["name"]).split(".")))
         return cls(path=Location.of(str(entry["path"])))
+
+    @classmethod
+    def from_arg(cls, text: str) -> TableRef:
+        """A table as the command line names it (``predict --table``/``--output-table``):
+        ``<schema>.<table>`` or ``<catalog>.<schema>.<table>`` (Unity Catalog's form, no
+        ``/``) is a catalog table; anything else (a path with ``/``, an object-store URI,
+        one bare word) is a path table.
+
+        Raises:
+            ValueError: a name with a part :func:`~flowers_job.config.tables.check_identifier`
+                refuses (an empty part, whitespace, a backtick...), naming it.
+        """
+        from flowers_job.config.tables import check_identifier
+
+        parts = tuple(text.split("."))
+        if "/" in text or is_remote(text) or len(parts) not in (2, 3):
+            return cls(path=Location.of(text))
+        for part in parts:
+            check_identifier(part)
+        return cls(parts=parts)
 
     @property
     def in_catalog(self) -> bool:
