@@ -149,9 +149,6 @@ class Location:
     def parent(self) -> Location:
         return Location(self.url.rsplit("/", 1)[0] or "/")
 
-    def resolve(self) -> Location:
-        return self  # absolute already
-
     @property
     def sdk_url(self) -> str:
         """The URI as the AWS SDKs (boto3) and Mosaic Streaming spell it: ``s3://`` for
@@ -206,15 +203,8 @@ class Location:
             FileNotFoundError: no such file (also for an object store's missing key).
         """
         fs, path = self._fs()
-        try:
-            with fs.open_input_stream(path) as f:
-                return bytes(f.read())
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            if "not found" in str(e).lower() or "no such" in str(e).lower():
-                raise FileNotFoundError(self.url) from e
-            raise
+        with fs.open_input_stream(path) as f:  # pyarrow raises FileNotFoundError itself
+            return bytes(f.read())
 
     def read_text(self) -> str:
         return self.read_bytes().decode()

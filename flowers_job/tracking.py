@@ -203,7 +203,7 @@ class RunTracker:
         )
         self.run_id: str = self.run.info.run_id
         if TAG_OUTPUT_DIR not in self.run.data.tags:  # kept by a resumed run
-            mlflow.set_tag(TAG_OUTPUT_DIR, str(cfg.paths.output_dir.resolve()))
+            mlflow.set_tag(TAG_OUTPUT_DIR, str(cfg.paths.output_dir))  # absolute already
         client = mlflow.MlflowClient()
         self._params: dict[str, str] = dict(self.run.data.params)
         self._logged_epochs: set[int] = (

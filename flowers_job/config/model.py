@@ -52,7 +52,7 @@ class DataConfig(_Section):
     @field_validator("images", mode="before")
     @classmethod
     def _images_path_or_uri(cls, value: Any) -> Any:
-        if isinstance(value, str) and "://" in value and is_remote(value):
+        if isinstance(value, str) and is_remote(value):
             return to_location(value).url  # refuses credentials in the URI
         return Path(value) if isinstance(value, str) else value
 

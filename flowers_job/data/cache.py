@@ -182,7 +182,7 @@ def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
         yield cache_url, folder
     finally:
         try:
-            shutil.rmtree(folder, ignore_errors=True) if folder else run.rmtree()
+            run.rmtree()  # local or in an object store
         except OSError as exc:
             log.warning("could not remove this run's loader cache %s: %s", cache_url, exc)
 

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from flowers_job.location import Location
 
 if TYPE_CHECKING:
@@ -64,16 +66,6 @@ def dataset_source(url: str, settings: StreamingConfig | None) -> dict[str, Any]
     return {"remote": loc.sdk_url, "local": str(local), "cache_limit": limit}
 
 
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def enter_host_cache(source: dict[str, Any]) -> None:
     """Register this process as a reader of the host's ``local`` copy (remote sources only)."""
     if "remote" in source:
@@ -94,7 +86,10 @@ def leave_host_cache(source: dict[str, Any]) -> bool:
     with contextlib.suppress(OSError):
         (local / _READERS / str(os.getpid())).unlink()
     try:  # a reader that was killed left its file: only live ones count
-        left = any(_alive(p.name) for p in (local / _READERS).iterdir())
+        left = any(
+            p.name.isdigit() and psutil.pid_exists(int(p.name))
+            for p in (local / _READERS).iterdir()
+        )
     except OSError:
         return False
     if left:
