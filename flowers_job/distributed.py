@@ -16,12 +16,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from flowers_job.placement import HostLayout
+from flowers_job.devices import check_own_gpus, gpu_identity, rank_device
+
+if TYPE_CHECKING:  # placement is the driver's: it imports pyspark
+    from flowers_job.placement import HostLayout
 
 __all__ = [
     "DistContext",
@@ -87,18 +90,15 @@ def init_distributed(
 
     Raises:
         KeyError: RANK/WORLD_SIZE are not set (not started by torchrun).
-        RuntimeError: no CUDA device although ``use_gpu``, or the rendezvous fails or times out.
+        RuntimeError: no GPU of its own although ``use_gpu``
+            (:func:`~flowers_job.devices.rank_device`), or the rendezvous fails or times out.
     """
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_gpu:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"rank {rank}: use_gpu is set but CUDA is not available")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = rank_device(rank, local_rank, use_gpu)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if threads_per_process:
         torch.set_num_threads(threads_per_process)
     chosen = ("nccl" if use_gpu else "gloo") if backend == "auto" else backend
@@ -271,13 +271,13 @@ def set_socket_interface() -> str | None:
 
 
 def gather_ranks(ctx: DistContext) -> list[dict[str, Any]]:
-    """Every rank's ``{"rank", "host", "address", "pid", "interface", "allocator"}``, in
-    rank order.
+    """Every rank's ``{"rank", "host", "address", "pid", "interface", "allocator", "gpu"}``,
+    in rank order.
 
     A collective (every rank calls it): host name, :func:`rank_address`, process id, the
-    socket interface and the memory allocator
-    (:func:`~flowers_job.allocator.allocator_report`) of each rank, for the summary and for
-    :func:`describe_hosts`.
+    socket interface, the memory allocator (:func:`~flowers_job.allocator.allocator_report`)
+    and the GPU's UUID (:func:`~flowers_job.devices.gpu_identity`) of each rank, for the
+    summary, :func:`describe_hosts` and :func:`~flowers_job.devices.check_own_gpus`.
     """
     from flowers_job.allocator import allocator_report
 
@@ -288,6 +288,7 @@ def gather_ranks(ctx: DistContext) -> list[dict[str, Any]]:
         "pid": os.getpid(),
         "interface": os.environ.get("GLOO_SOCKET_IFNAME"),
         "allocator": allocator_report(),
+        "gpu": gpu_identity(ctx.device),
     }
     ranks: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(ranks, me)
@@ -307,7 +308,11 @@ def describe_hosts(ctx: DistContext, ranks: list[dict[str, Any]] | None = None) 
     itself no longer reads them once the group is up). ``RANK`` keeps the global rank
     (failure reports name it); :func:`shard_environment` gives a loader the shard instead.
     """
-    hosts = [r["host"] for r in (ranks if ranks is not None else gather_ranks(ctx))]
+    from flowers_job.placement import HostLayout
+
+    ranks = ranks if ranks is not None else gather_ranks(ctx)
+    check_own_gpus(ranks)
+    hosts = [r["host"] for r in ranks]
     layout = HostLayout.of(hosts, ctx.rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(layout.local_world_size)
     os.environ["LOCAL_RANK"] = str(layout.local_rank)

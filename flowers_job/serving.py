@@ -7,6 +7,9 @@ float64 column per label (``label_names`` order) holding class probabilities tha
 Images are decoded exactly as at ingest (EXIF orientation, ICC -> sRGB, 8-bit RGB) and
 then resized and centre-cropped as at validation.
 
+The decoding and the network live in :class:`flowers_job.scorer.Scorer` (on a GPU when
+there is one); this module is its MLflow face.
+
 One decode/transform/model path serves everyone: :meth:`FlowersClassifierModel.score`
 scores a list of image bytes and returns the probabilities with a rejection per row that
 does not decode (ingest's reason codes). ``predict`` (in-process pyfunc and the REST server
@@ -18,53 +21,21 @@ calls it on the executors and writes a row with the reason instead.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pandas as pd
-import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
 from flowers_job.config import JobConfig
-from flowers_job.data.images import ImageRejected
+from flowers_job.scorer import SCORE_BATCH_SIZE, Scorer, Scores
 
 __all__ = ["MAX_ROWS_NAMED", "SCORE_BATCH_SIZE", "FlowersClassifierModel", "Scores", "model_config"]
 
 MAX_ROWS_NAMED = 5
 """A refused request names at most this many bad rows (and counts the rest)."""
-
-
-@dataclass(frozen=True)
-class Scores:
-    """What :meth:`FlowersClassifierModel.score` returns for N images.
-
-    Attributes:
-        probabilities: float64 ``[N, num_labels]``, columns in ``label_names`` order; each
-            scored row sums to 1; a rejected row is all NaN.
-        rejections: N entries: None for a scored row, else the
-            :class:`~flowers_job.data.images.ImageRejected` that says why (``code`` is one of
-            ingest's reason codes: ``empty_file``, ``not_an_image``, ``too_many_pixels``,
-            ``corrupt``, or ``decode_error`` for any other failure to decode).
-    """
-
-    probabilities: np.ndarray
-    rejections: list[ImageRejected | None]
-
-
-SCORE_BATCH_SIZE = 32
-"""Images per forward pass of :meth:`FlowersClassifierModel.score` (``model_config``'s
-``batch_size``): the training ranks' per-device batch on CPU. Batch scoring of the 3,670
-stored photos in 8 Spark tasks on 2 cores ran at 96-101 images/s with 32 against 70-79 with
-64 (interleaved, one session, 2026-11-25; 90 with 16): at 224 px a batch of 64 makes every
-activation map about 100 MB, and the element-wise layers (batch norm, ReLU6, padding) of
-two concurrent workers then wait on memory. A model registered before keeps its own
-``batch_size``."""
 
 
 def model_config(cfg: JobConfig, label_names: list[str]) -> dict[str, Any]:
@@ -89,91 +60,27 @@ def model_config(cfg: JobConfig, label_names: list[str]) -> dict[str, Any]:
 
 
 class FlowersClassifierModel(PythonModel):
-    """MLflow pyfunc wrapper around :class:`flowers_job.models.Classifier`.
+    """MLflow pyfunc wrapper around :class:`flowers_job.scorer.Scorer`.
 
     ``model_config`` keys: architecture, label_names, image_size, resize_size, mean, std,
     dropout, max_pixels, batch_size. Artifact ``state_dict``: the classifier's weights.
     """
 
     def load_context(self, context: Any) -> None:
-        """Build the network from ``model_config`` and its weights; tune this process's
-        allocator (:func:`flowers_job.allocator.tune_this_process`) first: a REST server or a
+        """Build the :class:`~flowers_job.scorer.Scorer`; tune this process's allocator
+        (:func:`flowers_job.allocator.tune_this_process`) first: a REST server or a
         notebook starts without the job's variables, and glibc's defaults made a batch of 32
         at 224 px 4x slower (1.2-1.35 s against 0.31-0.32 s, 2 threads, measured in-process)."""
         from flowers_job.allocator import tune_this_process
-        from flowers_job.data.images import eval_pixels
-        from flowers_job.models import build_model
-        from flowers_job.train.step import DeviceNormalize
 
         tune_this_process()
-        cfg = context.model_config
-        self.label_names = list(cfg["label_names"])
-        self.max_pixels = int(cfg["max_pixels"])
-        self.batch_size = int(cfg.get("batch_size", SCORE_BATCH_SIZE))
-        self.model = build_model(
-            cfg["architecture"],
-            len(self.label_names),
-            "none",
-            freeze_backbone=False,
-            dropout=float(cfg["dropout"]),
-        )
-        state = torch.load(context.artifacts["state_dict"], map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state)
-        # Channels-last, as training runs it: on 320 real photos, 224 px, batches of 64, the
-        # model scored 108 img/s against 50 img/s contiguous at 1 thread, and 154 against 108
-        # at 2 threads (this 2-core machine, 2026-11-24).
-        self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        self.model.eval()
-        # The evaluation path's: uint8 pixels per image, normalised once per batch
-        # (DeviceNormalize), not a float32 copy per image.
-        self.pixels = eval_pixels(int(cfg["image_size"]), int(cfg["resize_size"]))
-        self.normalize = DeviceNormalize(tuple(cfg["mean"]), tuple(cfg["std"]), torch.device("cpu"))
+        self.scorer = Scorer(context.model_config, context.artifacts["state_dict"])
+        self.label_names = self.scorer.label_names
+        self.model = self.scorer.model
 
     def score(self, contents: Sequence[bytes | bytearray | memoryview | None]) -> Scores:
-        """Decode and score N images; a row that does not decode is rejected, not raised.
-
-        Args:
-            contents: N file bytes (any format Pillow reads); None (or NaN) counts as an
-                empty file, any other non-bytes value is ``not_an_image``.
-
-        Returns:
-            :class:`Scores`: float64 ``[N, num_labels]`` probabilities (NaN rows where
-            rejected) and N rejections (None where scored). The decodable rows go through the
-            model in batches of ``batch_size``.
-        """
-        from flowers_job.data.images import open_rgb
-
-        n = len(contents)
-        probabilities = np.full((n, len(self.label_names)), np.nan)
-        rejections: list[ImageRejected | None] = [None] * n
-        tensors: list[torch.Tensor] = []
-        rows: list[int] = []
-
-        def flush() -> None:
-            with torch.inference_mode():
-                logits = self.model(self.normalize(torch.stack(tensors)))
-            probabilities[rows] = torch.softmax(logits.float(), dim=1).double().numpy()
-            tensors.clear()
-            rows.clear()
-
-        for i, content in enumerate(contents):
-            raw = b""
-            try:
-                raw = _as_bytes(content)
-                img, _, _ = open_rgb(raw, max_pixels=self.max_pixels)
-                tensors.append(self.pixels(img))
-            except ImageRejected as exc:
-                rejections[i] = _explain(exc, raw)
-                continue
-            except Exception as exc:  # any other decoder failure: a row, not a crash
-                rejections[i] = ImageRejected("decode_error", f"{type(exc).__name__}: {exc}")
-                continue
-            rows.append(i)
-            if len(tensors) == self.batch_size:
-                flush()
-        if tensors:
-            flush()
-        return Scores(probabilities, rejections)
+        """:meth:`Scorer.score <flowers_job.scorer.Scorer.score>`."""
+        return self.scorer.score(contents)
 
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
         """Class probabilities, ``[N rows x num_labels columns]`` float64.
@@ -197,34 +104,3 @@ class FlowersClassifierModel(PythonModel):
                 error_code=INVALID_PARAMETER_VALUE,
             )
         return pd.DataFrame(scores.probabilities, columns=self.label_names)
-
-
-def _as_bytes(content: object) -> bytes:
-    """One input cell as bytes: None/NaN -> ``b""`` (then ``empty_file``).
-
-    Raises:
-        ImageRejected: ``not_an_image`` for a value that is not bytes (a string, a number).
-    """
-    if isinstance(content, bytes | bytearray | memoryview):
-        return bytes(content)
-    if content is None or (isinstance(content, float) and np.isnan(content)):
-        return b""
-    raise ImageRejected(
-        "not_an_image", f"expected the image file's bytes, got a {type(content).__name__}"
-    )
-
-
-def _explain(exc: ImageRejected, raw: bytes) -> ImageRejected:
-    """``exc``, with a hint when the bytes are base64 text rather than an image (a client that
-    sent the ``inputs`` JSON format, which MLflow does not base64-decode for binary columns)."""
-    if exc.code != "not_an_image" or not raw:
-        return exc
-    try:
-        base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
-        return exc
-    return ImageRejected(
-        exc.code,
-        f"{exc.message}; the bytes are base64 text: send images in a dataframe_split or "
-        "dataframe_records payload, where MLflow base64-decodes the binary 'image' column",
-    )

@@ -164,6 +164,10 @@ def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) 
 
 
 def _pip_requirements() -> list[str]:
+    """The served model's requirements, pinned to this environment's versions without their
+    local tags (``torch==2.13.0``, not ``+cu130``): on Linux, PyPI's wheels of those versions
+    are the CUDA builds, so a GPU serving endpoint gets a CUDA torch (docs/using-the-model.md,
+    "On a GPU")."""
     names = ["torch", "torchvision", "pillow", "pandas", "numpy", "mlflow", "pydantic", "pyyaml"]
     names.append("efficientnet-lite-pytorch")
     reqs = []

@@ -132,18 +132,23 @@ def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_re
     ]
 
 
+@pytest.mark.parametrize("decode", ["loader", "device"])
 def test_loader_workers_decode_ahead_and_every_row_is_read_once(
-    spark: SparkSession, tables: Path, loader: str
+    spark: SparkSession, tables: Path, loader: str, decode: str
 ) -> None:
-    """``data.loader_workers=2``: decoding moves to 2 processes per rank (Streaming's
-    DataLoader workers; Petastorm's process pool), and the invariants hold: the planned
-    steps and rows on every rank, every row once per epoch."""
+    """``data.loader_workers=2``: reading (and with ``data.decode_device=loader``, decoding)
+    moves to 2 processes per rank (Streaming's DataLoader workers; Petastorm's process
+    pool), and the invariants hold: the planned steps and rows on every rank, every row
+    once per epoch. With ``decode_device=device`` the workers deliver the stored JPEGs
+    undecoded and the rank's input stage decodes each batch at once (on the CPU here, the
+    module a GPU runs): the same rows, as uint8 ``[3, 32, 32]`` images."""
     cfg: JobConfig = load_config(
         None,
         [
             "data.image_size=32",
             f"data.loader={loader}",
             "data.loader_workers=2",
+            f"data.decode_device={decode}",
             "loaders.petastorm.reader_pool_type=process",
             "loaders.petastorm.shuffle_buffer_rows=16",
             "loaders.streaming.prefetch_batches=2",
@@ -166,3 +171,4 @@ def test_loader_workers_decode_ahead_and_every_row_is_read_once(
     assert [result["rows_read"][r][0] for r in range(2)] == plan.rows_per_shard
     counts = Counter(i for r in range(2) for i in result["row_ids"][r][0])
     assert sorted(counts) == expected and set(counts.values()) == {1}
+    assert [result["image_shapes"][r][0] for r in range(2)] == [[(3, 32, 32, True)]] * 2

@@ -103,6 +103,16 @@ class DataConfig(_Section):
     processes (with ``loaders.petastorm.reader_pool_type='process'``). 0 decodes in the rank
     itself, the right choice when the ranks already use every core (this machine: 2 ranks on
     2 cores); on a GPU host with spare cores, 2-4 per GPU."""
+    decode_device: Literal["auto", "loader", "device"] = "auto"
+    """Where the stored JPEGs are decoded and augmented. 'loader': one by one in the loader
+    (Pillow, on the host's cores); 'device': a whole batch at once on the rank's device
+    (``torchvision.io.decode_jpeg``, nvJPEG on a GPU; :mod:`flowers_job.data.batch_decode`);
+    'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one was twice as
+    fast as the batched tensor path)."""
+    prefetch_to_device: int | None = Field(None, ge=0, le=64)
+    """Batches a background thread of each GPU rank reads, pins, copies to the device and
+    (``decode_device``) decodes ahead of the step, so the step never waits for the host.
+    None: 2 on a GPU; CPU ranks always read in the step's thread (0)."""
 
     @field_validator("loader")
     @classmethod
@@ -242,7 +252,16 @@ class TrainConfig(_Section):
     seed: int = 0
     """Seeds the head initialisation, augmentation and shuffling."""
     amp: Literal["auto", "off", "bf16", "fp16"] = "auto"
-    """Automatic mixed precision: 'auto' = bf16 on a GPU that supports it, off on CPU."""
+    """Automatic mixed precision: 'auto' = bf16 on a GPU of compute capability 8.0 or more,
+    fp16 with a gradient scaler on an older GPU (a T4), float32 on CPU; 'off' (or false):
+    float32 (:func:`flowers_job.train.step.amp_dtype`)."""
+
+    @field_validator("amp", mode="before")
+    @classmethod
+    def _amp_bool(cls, value: Any) -> Any:
+        """YAML's ``amp: false`` / ``true`` mean 'off' / 'auto'."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
     cache_val_features: bool = True
     """With ``model.freeze_backbone``: compute the validation images' backbone features once
     per run and run only the head on them each epoch (the same metrics to the last digit;

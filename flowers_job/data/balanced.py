@@ -84,22 +84,26 @@ def partition_keys(spark: SparkSession, num_partitions: int) -> list[int]:
     return [found[j] for j in range(num_partitions)]
 
 
-def partition_counts(df: DataFrame) -> tuple[list[int], int]:
-    """Rows of each of ``df``'s partitions (index = ``spark_partition_id``) and the bytes of
-    its ``image`` column, in one Spark aggregation (a row per non-empty partition reaches
-    the driver)."""
+def partition_counts(df: DataFrame) -> tuple[list[int], int, int]:
+    """Rows of each of ``df``'s partitions (index = ``spark_partition_id``), the bytes of
+    its ``image`` column and of its largest image, in one Spark aggregation (a row per
+    non-empty partition reaches the driver)."""
     from pyspark.sql import functions as F
 
     rows = (
         df.select(F.spark_partition_id().alias("p"), F.length("image").alias("b"))
         .groupBy("p")
-        .agg(F.count(F.lit(1)).alias("n"), F.sum("b").alias("b"))
+        .agg(F.count(F.lit(1)).alias("n"), F.sum("b").alias("b"), F.max("b").alias("m"))
         .collect()
     )
     counts = [0] * (max((int(r["p"]) for r in rows), default=-1) + 1)
     for r in rows:
         counts[int(r["p"])] = int(r["n"])
-    return counts, sum(int(r["b"] or 0) for r in rows)
+    return (
+        counts,
+        sum(int(r["b"] or 0) for r in rows),
+        max((int(r["m"] or 0) for r in rows), default=0),
+    )
 
 
 def balance(df: DataFrame, counts: list[int], keys: list[int]) -> DataFrame:
@@ -137,12 +141,14 @@ class ParquetCache:
         file_checksums: per file (same order), ``(rows, int64 row_id sum mod 2**64)``.
         rows: rows in all files.
         image_bytes: bytes of the ``image`` column.
+        max_image_bytes: bytes of the largest image.
     """
 
     file_urls: list[str]
     file_checksums: list[tuple[int, int]]
     rows: int
     image_bytes: int
+    max_image_bytes: int = 0
 
 
 def write_balanced(
@@ -177,7 +183,7 @@ def write_balanced(
     """
     from pyspark.sql import functions as F
 
-    counts, image_bytes = partition_counts(df)
+    counts, image_bytes, max_image_bytes = partition_counts(df)
     rows = sum(counts)
     if rows == 0:
         raise DataError(f"{what} is empty")
@@ -221,7 +227,7 @@ def write_balanced(
             f"{num_partitions} partitions of {q} or {q + 1}: the table's partitions changed "
             "between two reads"
         )
-    return ParquetCache(file_urls, file_checksums, rows, image_bytes)
+    return ParquetCache(file_urls, file_checksums, rows, image_bytes, max_image_bytes)
 
 
 def url_path(url: str) -> str:

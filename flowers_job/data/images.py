@@ -263,18 +263,33 @@ class DecodeTransform:
     centre crop (:func:`eval_pixels`). Not normalised: the training loop normalises on the
     device. A picklable class (not a closure) so that reader processes and DataLoader worker
     processes can ship it.
+
+    ``undecoded`` (``data.decode_device`` on the device): nothing is decoded here; the
+    batch carries the stored JPEGs (:data:`~flowers_job.data.batch_decode.JPEG_KEY`, rows
+    zero-padded to ``jpeg_width`` bytes or to the batch's longest, and their lengths) for
+    :class:`~flowers_job.data.batch_decode.BatchDecoder` to decode on the device.
     """
 
-    def __init__(self, train: bool, image_size: int, resize_size: int) -> None:
+    def __init__(
+        self,
+        train: bool,
+        image_size: int,
+        resize_size: int,
+        *,
+        undecoded: bool = False,
+        jpeg_width: int | None = None,
+    ) -> None:
         self.train = train
         self.image_size = image_size
         self.resize_size = resize_size
+        self.undecoded = undecoded
+        self.jpeg_width = jpeg_width
         self._tf: Callable[[Image.Image], torch.Tensor] | None = None
 
     def warm_up(self) -> DecodeTransform:
         """Build the torchvision transform now (its first use imports torchvision, ~2 s),
         so that the first timed epoch does not pay for it. Returns ``self``."""
-        if self._tf is None:
+        if self._tf is None and not self.undecoded:
             self._tf = (
                 train_pixels(self.image_size)
                 if self.train
@@ -286,7 +301,12 @@ class DecodeTransform:
         return {**self.__dict__, "_tf": None}  # rebuilt where it is used
 
     def decode(self, content: bytes) -> torch.Tensor:
-        """One stored JPEG -> uint8 ``[3, S, S]``, augmented (train), contiguous."""
+        """One stored JPEG -> uint8 ``[3, S, S]``, augmented (train), contiguous; undecoded:
+        the JPEG's bytes as uint8 ``[length]``."""
+        import torch
+
+        if self.undecoded:
+            return torch.frombuffer(bytearray(content), dtype=torch.uint8)
         tf = self.warm_up()._tf
         assert tf is not None
         with Image.open(io.BytesIO(content)) as img:
@@ -294,8 +314,17 @@ class DecodeTransform:
 
     def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
         """A pandas batch with an ``image`` column of stored JPEGs -> the same batch with
-        uint8 ``[3, S, S]`` C-contiguous arrays (STACK.md trap 10) in ``image``."""
-        images = [np.ascontiguousarray(self.decode(content).numpy()) for content in pdf["image"]]
+        uint8 ``[3, S, S]`` C-contiguous arrays (STACK.md trap 10) in ``image``; undecoded:
+        ``jpeg`` (uint8 ``[jpeg_width]`` rows) and ``jpeg_length`` instead of ``image``."""
+        from flowers_job.data.batch_decode import JPEG_KEY, LENGTH_KEY, pad_jpegs
+
         pdf = pdf.copy()
-        pdf["image"] = images
+        if self.undecoded:
+            jpeg, length = pad_jpegs(list(pdf.pop("image")), self.jpeg_width)
+            pdf[JPEG_KEY] = list(jpeg)
+            pdf[LENGTH_KEY] = length
+            return pdf
+        pdf["image"] = [
+            np.ascontiguousarray(self.decode(content).numpy()) for content in pdf["image"]
+        ]
         return pdf

@@ -30,6 +30,7 @@ stack and on Databricks Runtime ML up to 15.4 LTS, and on nothing newer
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -93,9 +94,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PetastormPlan(ShardPlan):
-    """A :class:`ShardPlan` plus the cache's Parquet files, in Petastorm's order."""
+    """A :class:`ShardPlan` plus the cache's Parquet files, in Petastorm's order, and the
+    bytes of the split's largest image (the row width of undecoded batches)."""
 
     file_urls: list[str] = field(default_factory=list)
+    max_image_bytes: int = 0
 
 
 def quiet_petastorm() -> None:
@@ -214,7 +217,12 @@ class PetastormLoader(Loader):
             steps_per_epoch=steps,
             per_device_batch_size=cfg.train.per_device_batch_size,
             file_urls=cache.file_urls,
+            max_image_bytes=cache.max_image_bytes,
         )
+
+    def cache_settings(self, split: str) -> dict[str, Any]:
+        """The base's, and the plan's format: 2 since plans hold ``max_image_bytes``."""
+        return {**super().cache_settings(split), "plan_format": 2}
 
     @classmethod
     def open(
@@ -232,6 +240,9 @@ class PetastormLoader(Loader):
     ) -> PetastormReader:
         quiet_petastorm()
         assert isinstance(plan, PetastormPlan), plan
+        if transform.undecoded:  # rows as wide as the split's largest image (plan_format 2)
+            transform = copy.copy(transform)
+            transform.jpeg_width = plan.max_image_bytes
         settings = cfg.loaders.petastorm
         return PetastormReader(
             plan,
@@ -367,9 +378,16 @@ def plan_shards(
 
 def transform_spec(transform: DecodeTransform) -> Any:
     """The Petastorm ``TransformSpec`` that decodes a pandas batch's ``image`` column with
-    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (STACK.md trap 10)."""
+    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (STACK.md trap 10); undecoded,
+    ``jpeg`` uint8 ``[jpeg_width]`` and ``jpeg_length`` int64 rows instead of ``image``."""
     from petastorm import TransformSpec
 
+    from flowers_job.data.batch_decode import JPEG_KEY, LENGTH_KEY
+
+    if transform.undecoded:  # Petastorm stacks rows of one width: the plan's widest image
+        width = (transform.jpeg_width,)
+        edits = [(JPEG_KEY, np.uint8, width, False), (LENGTH_KEY, np.int64, (), False)]
+        return TransformSpec(transform, edit_fields=edits, removed_fields=["image"])
     shape = (3, transform.image_size, transform.image_size)
     return TransformSpec(transform, edit_fields=[("image", np.uint8, shape, False)])
 

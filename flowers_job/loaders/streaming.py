@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowers_job.data.batch_decode import JPEG_KEY, LENGTH_KEY
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders.base import (
     Batch,
@@ -377,6 +378,7 @@ class StreamingReader(CursorReader):
             drop_last=False,
             # worker seeds from its own generator: a draw from the loader's stream shifts it
             generator=torch.Generator().manual_seed(seed),
+            collate_fn=collate_jpegs if transform.undecoded else None,
         )
 
     def epoch(self, epoch: int, start: EpochStart | None = None) -> Iterator[Batch]:
@@ -401,8 +403,9 @@ class StreamingReader(CursorReader):
                 raise ShardError(
                     f"Streaming yielded more than the planned {self.steps_per_epoch} batches"
                 )
+            images = {k: batch[k] for k in ("image", JPEG_KEY, LENGTH_KEY) if k in batch}
             yield {
-                "image": batch["image"],
+                **images,
                 "label_index": batch["label_index"].long(),
                 "row_id": batch["row_id"].long(),
                 "valid": batch["valid"].bool(),
@@ -443,6 +446,22 @@ class StreamingReader(CursorReader):
                 block.close()
                 block.unlink()
         self.close()
+
+
+def collate_jpegs(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The DataLoader's collate for undecoded samples (``image``: uint8 ``[length]``): the
+    JPEGs as ``jpeg`` uint8 ``[B, longest]`` zero-padded rows and ``jpeg_length`` int64
+    ``[B]`` (:mod:`flowers_job.data.batch_decode`); the other columns as torch collates
+    them. Module-level: DataLoader worker processes pickle it."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+    from torch.utils.data import default_collate
+
+    jpegs = [s.pop("image") for s in samples]
+    batch: dict[str, Any] = default_collate(samples)
+    batch[JPEG_KEY] = pad_sequence(jpegs, batch_first=True)
+    batch[LENGTH_KEY] = torch.tensor([len(j) for j in jpegs], dtype=torch.int64)
+    return batch
 
 
 def _decoding_dataset(transform: DecodeTransform, **kwargs: Any) -> Any:

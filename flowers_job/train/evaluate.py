@@ -112,7 +112,7 @@ def _batch_mistakes(
     y_cpu, pred_cpu = y.cpu()[keep], probs.argmax(1).cpu()[keep]
     row_loss = criterion(logits.float(), y).cpu()[keep]
     p_pred = probs.max(1).values.cpu()[keep]
-    row_ids, images = batch["row_id"][keep], batch["image"][keep]
+    row_ids, images = batch["row_id"].cpu()[keep], batch["image"].cpu()[keep]
     mistakes = [
         Mistake(
             float(row_loss[i]),

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from flowers_job import faults
@@ -39,10 +38,10 @@ from flowers_job.train.midepoch import EpochPosition, gather_positions, restore_
 from flowers_job.train.rank0 import finish, start_tracking
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers, place_ranks
-from flowers_job.train.step import DeviceNormalize, forward
-from flowers_job.train.sums import PassSums, Sums, check_shard, check_totals, reduce_sums
+from flowers_job.train.step import train_one_epoch
+from flowers_job.train.sums import Sums, check_shard, check_totals, reduce_sums
 
-__all__ = ["end_epoch", "fit", "run_epoch", "train_one_epoch"]
+__all__ = ["end_epoch", "fit", "run_epoch", "train_one_epoch"]  # train_one_epoch: step.py
 
 log = logging.getLogger("flowers_job.train")
 
@@ -61,45 +60,6 @@ class _LineStream:
 
     def flush(self) -> None:
         self.stream.flush()
-
-
-def train_one_epoch(
-    model: nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    criterion: nn.Module,
-    normalize: DeviceNormalize,
-    amp_dtype: torch.dtype | None,
-    scaler: torch.amp.GradScaler,
-    sums: Sums | None = None,
-    after_step: Callable[[Sums], None] | None = None,
-) -> PassSums:
-    """One pass over this rank's training batches.
-
-    ``batches`` yields dicts with ``image`` uint8 ``[B, 3, S, S]`` (normalised here, on the
-    device, by ``normalize``), ``label_index`` int64 ``[B]``, ``row_id`` int64 ``[B]`` and
-    ``valid`` bool ``[B]`` (False: padding, masked out). ``sums``: the running sums to add
-    to (a resumed epoch's, :class:`~flowers_job.train.midepoch.EpochPosition`); new ones
-    by default. ``after_step(sums)`` runs after each step (the mid-epoch checkpoint).
-
-    Returns:
-        This rank's :meth:`Sums.values <flowers_job.train.sums.Sums.values>`: sums over the
-        valid rows (loss summed over images), and every row read, padding included.
-    """
-    model.train()
-    sums = sums if sums is not None else Sums(normalize.device)
-    for batch in batches:
-        y, logits, loss, valid = forward(model, batch, criterion, normalize, amp_dtype)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        sums.add(y, logits, loss, valid, batch["row_id"])
-        if after_step is not None:
-            after_step(sums)
-    return sums.values()
 
 
 def _progress(

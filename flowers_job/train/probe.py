@@ -14,9 +14,11 @@ import resource
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from flowers_job.config import JobConfig
+from flowers_job.data.batch_decode import BatchDecoder
 from flowers_job.data.images import DecodeTransform
 from flowers_job.distributed import (
     DistContext,
@@ -26,7 +28,8 @@ from flowers_job.distributed import (
     shutdown_distributed,
 )
 from flowers_job.loaders import loader_class
-from flowers_job.loaders.base import ShardPlan, ShardReader
+from flowers_job.loaders.base import ShardPlan
+from flowers_job.train.feed import DeviceReader, decodes_on_device
 
 __all__ = ["read_shards"]
 
@@ -44,8 +47,12 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
         ``{"row_ids": [rank][epoch_index] -> row ids read (valid rows, in order),
         "padding": [rank][epoch_index] -> padding rows read, "steps": [rank][epoch_index] ->
         batches, "seconds": [rank][epoch_index] -> seconds the epoch took, "rows_read":
-        [rank][epoch_index] -> rows read including padding, "peak_rss_bytes": [rank] -> the
-        rank's peak resident set size}``, identical on every rank.
+        [rank][epoch_index] -> rows read including padding, "image_shapes": [rank][epoch_index]
+        -> the set of the batches' ``image`` shapes after the step's input stage,
+        "peak_rss_bytes": [rank] -> the rank's peak resident set size}``, identical on every
+        rank. The batches go through the training input stage
+        (:class:`~flowers_job.train.feed.DeviceReader`), decoded where
+        ``data.decode_device`` says.
     """
     ctx = init_distributed(use_gpu=False, timeout_seconds=float(job.get("timeout_seconds", 300)))
     try:
@@ -63,44 +70,51 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
         shutdown_distributed()
 
 
-def _open(job: dict[str, Any], ctx: DistContext) -> ShardReader:
-    """This rank's reader of ``job["plan"]``, opened as training opens it."""
+def _open(job: dict[str, Any], ctx: DistContext) -> DeviceReader:
+    """This rank's reader of ``job["plan"]``, opened as training opens it
+    (:func:`~flowers_job.train.state.open_reader`)."""
     plan = ShardPlan.from_dict(job["plan"])
     cfg = JobConfig.model_validate(job["config"])
-    tf = DecodeTransform(
-        bool(job["shuffle"]), cfg.data.image_size, cfg.data.stored_short_side
-    ).warm_up()  # every reader starts its first epoch with the transform built
+    train, size, resize = bool(job["shuffle"]), cfg.data.image_size, cfg.data.stored_short_side
+    on_device = decodes_on_device(cfg, ctx.device)
+    tf = DecodeTransform(train, size, resize, undecoded=on_device).warm_up()
     layout = describe_hosts(ctx)
     loader = loader_class(plan.loader)
     loader.check_layout(layout)
-    return loader.open(
+    reader = loader.open(
         plan,
         tf,
         rank=layout.shard,
         world_size=ctx.world_size,
         num_nodes=layout.num_nodes,
-        shuffle=bool(job["shuffle"]),
+        shuffle=train,
         seed=int(job["seed"]),
         cfg=cfg,
     )
+    decoder = BatchDecoder(train, size, resize, ctx.device) if on_device else None
+    return DeviceReader(reader, ctx.device, decoder, seed=int(job["seed"]), shard=layout.shard)
 
 
-def _read_epochs(reader: ShardReader, epochs: list[int]) -> dict[str, list[Any]]:
-    """What this rank read in each of ``epochs``: row ids, padding, steps, rows, seconds."""
+def _read_epochs(reader: DeviceReader, epochs: list[int]) -> dict[str, list[Any]]:
+    """What this rank read in each of ``epochs``: row ids, padding, steps, rows, seconds,
+    image shapes."""
     mine: dict[str, list[Any]] = {
         "row_ids": [],
         "padding": [],
         "steps": [],
         "seconds": [],
         "rows_read": [],
+        "image_shapes": [],
     }
     for epoch in epochs:
         t0 = time.perf_counter()
         ids: list[int] = []
+        shapes: set[tuple[int, ...]] = set()
         padding = steps = read = 0
         for batch in reader.epoch(epoch):
-            valid = batch["valid"]
-            ids.extend(batch["row_id"][valid].tolist())
+            valid = batch["valid"].cpu()
+            ids.extend(batch["row_id"].cpu()[valid].tolist())
+            shapes.add((*batch["image"].shape[1:], batch["image"].dtype == torch.uint8))
             padding += int((~valid).sum())
             read += len(valid)
             steps += 1
@@ -108,5 +122,6 @@ def _read_epochs(reader: ShardReader, epochs: list[int]) -> dict[str, list[Any]]
         mine["padding"].append(padding)
         mine["steps"].append(steps)
         mine["rows_read"].append(read)
+        mine["image_shapes"].append(sorted(shapes))
         mine["seconds"].append(time.perf_counter() - t0)
     return mine

@@ -12,14 +12,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flowers_job.config import JobConfig
+from flowers_job.data.batch_decode import BatchDecoder
 from flowers_job.data.images import DecodeTransform
 from flowers_job.distributed import DistContext, describe_hosts
 from flowers_job.loaders import loader_class
-from flowers_job.loaders.base import ShardPlan, ShardReader
+from flowers_job.loaders.base import ShardPlan
 from flowers_job.location import Location
 from flowers_job.models import Classifier, build_model, preprocessing_for
 from flowers_job.placement import HostLayout
 from flowers_job.train.early_stopping import EarlyStopping
+from flowers_job.train.feed import DeviceReader, decodes_on_device
 from flowers_job.train.midepoch import CheckpointClock, EpochPosition
 from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer
 
@@ -91,8 +93,8 @@ class TrainState:
     shard: int = 0
     """The shard this rank reads (:class:`~flowers_job.placement.HostLayout`)."""
     layout: HostLayout | None = None
-    train_reader: ShardReader | None = None
-    val_reader: ShardReader | None = None
+    train_reader: DeviceReader | None = None
+    val_reader: DeviceReader | None = None
     val_features: FrozenFeatures | None = None
     tracker: RunTracker | None = None
     history: list[dict[str, float]] = field(default_factory=list)
@@ -181,20 +183,33 @@ def make_scheduler(
     )
 
 
-def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> ShardReader:
+def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> DeviceReader:
     """This rank's reader of ``plan``, from the loader that wrote it: augmented and shuffled
-    for training, in stored order with the eval resize/crop otherwise."""
+    for training, in stored order with the eval resize/crop otherwise; its batches on the
+    device (:class:`~flowers_job.train.feed.DeviceReader`), decoded there when
+    :func:`decodes_on_device`, read ahead by ``data.prefetch_to_device`` on a GPU."""
     cfg, ctx = state.cfg, state.ctx
-    return loader_class(plan.loader).open(
+    size, resize = cfg.data.image_size, cfg.data.stored_short_side
+    on_device = decodes_on_device(cfg, ctx.device)
+    reader = loader_class(plan.loader).open(
         plan,
-        DecodeTransform(train, cfg.data.image_size, cfg.data.stored_short_side),
+        DecodeTransform(train, size, resize, undecoded=on_device),
         rank=state.shard,
         world_size=ctx.world_size,
         num_nodes=state.num_nodes,
         shuffle=train,
         seed=cfg.train.seed,
         cfg=cfg,
-        pin_memory=ctx.device.type == "cuda",
+        pin_memory=False,  # the DeviceReader pins, in its own thread
+    )
+    prefetch = cfg.data.prefetch_to_device
+    return DeviceReader(
+        reader,
+        ctx.device,
+        BatchDecoder(train, size, resize, ctx.device) if on_device else None,
+        seed=cfg.train.seed,
+        shard=state.shard,
+        prefetch=2 if prefetch is None else prefetch,
     )
 
 

@@ -8,18 +8,26 @@ runs the model under autocast with the padding rows masked out of the loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from flowers_job.config import TrainConfig
+from flowers_job.train.sums import PassSums, Sums
+
+if TYPE_CHECKING:
+    from flowers_job.config import TrainConfig
 
 __all__ = [
+    "BF16_MIN_CAPABILITY",
     "DeviceNormalize",
     "amp_dtype",
     "autocast",
     "forward",
     "make_optimizer",
     "masked_loss",
+    "train_one_epoch",
 ]
 
 
@@ -61,16 +69,40 @@ def make_optimizer(
     return cls(params, lr=lr, weight_decay=train.weight_decay)
 
 
+BF16_MIN_CAPABILITY = (8, 0)
+"""bf16 tensor-core arithmetic starts with Ampere (compute capability 8.0: NVIDIA's CUDA C++
+Programming Guide, "Compute Capabilities"). ``torch.cuda.is_bf16_supported()`` also answers
+True on older GPUs, a T4 (7.5) among them, where bf16 is emulated through float32 and runs
+slower than fp16 on its tensor cores."""
+
+
 def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of ``train.amp``: bf16, fp16, or for 'auto' bf16 on a CUDA device
-    that supports it; None = float32 (no autocast)."""
-    if amp == "bf16":
-        return torch.bfloat16
-    if amp == "fp16":
-        return torch.float16
-    if amp == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
+    """The autocast dtype of ``train.amp`` on ``device``; None = float32 (no autocast).
+
+    'auto': bf16 on a GPU of compute capability 8.0 or more (:data:`BF16_MIN_CAPABILITY`),
+    fp16 on an older GPU (with a ``GradScaler``: Micikevicius et al. 2018, "Mixed Precision
+    Training"), float32 on a CPU. 'bf16' and 'fp16' as asked; 'off': float32.
+
+    Raises:
+        ValueError: 'bf16' on a GPU older than compute capability 8.0, naming it.
+    """
+    if amp == "off":
+        return None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        modern = tuple(capability) >= BF16_MIN_CAPABILITY
+        if amp == "bf16" and not modern:
+            name = torch.cuda.get_device_name(device)
+            raise ValueError(
+                f"train.amp=bf16: {device} is a {name} of compute capability "
+                f"{capability[0]}.{capability[1]}; bf16 needs 8.0 or more (Ampere and newer). "
+                "Use train.amp=auto (fp16 with a gradient scaler there) or fp16"
+            )
+        if amp == "auto":
+            return torch.bfloat16 if modern else torch.float16
+    elif amp == "auto":
+        return None
+    return torch.bfloat16 if amp == "bf16" else torch.float16
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
@@ -113,3 +145,42 @@ def forward(
     with autocast(normalize.device, dtype):
         logits = model(x)
     return y, logits, masked_loss(criterion, logits, y, valid), valid
+
+
+def train_one_epoch(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    criterion: nn.Module,
+    normalize: DeviceNormalize,
+    amp_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler,
+    sums: Sums | None = None,
+    after_step: Callable[[Sums], None] | None = None,
+) -> PassSums:
+    """One pass over this rank's training batches.
+
+    ``batches`` yields dicts with ``image`` uint8 ``[B, 3, S, S]`` (normalised here, on the
+    device, by ``normalize``), ``label_index`` int64 ``[B]``, ``row_id`` int64 ``[B]`` and
+    ``valid`` bool ``[B]`` (False: padding, masked out). ``sums``: the running sums to add
+    to (a resumed epoch's, :class:`~flowers_job.train.midepoch.EpochPosition`); new ones
+    by default. ``after_step(sums)`` runs after each step (the mid-epoch checkpoint).
+
+    Returns:
+        This rank's :meth:`Sums.values <flowers_job.train.sums.Sums.values>`: sums over the
+        valid rows (loss summed over images), and every row read, padding included.
+    """
+    model.train()
+    sums = sums if sums is not None else Sums(normalize.device)
+    for batch in batches:
+        y, logits, loss, valid = forward(model, batch, criterion, normalize, amp_dtype)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        sums.add(y, logits, loss, valid, batch["row_id"])
+        if after_step is not None:
+            after_step(sums)
+    return sums.values()

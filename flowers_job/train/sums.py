@@ -53,21 +53,20 @@ def row_checksum(row_id: torch.Tensor) -> torch.Tensor:
 
 
 class Sums:
-    """Running sums of one pass over a shard.
+    """Running sums of one pass over a shard, all on ``device``: the step adds to them
+    without waiting for the device (no ``.item()``, ``.cpu()`` or ``int(tensor)``), and
+    they are read once, in :meth:`values` (once per pass, or per mid-epoch checkpoint).
 
-    ``loss_sum`` (float64) and ``correct`` (int64) stay on ``device``; ``rows``,
-    ``checksum`` and ``read`` are int64 tensors on the host, where ``row_id`` is. All are
-    read once, in :meth:`values`.
+    ``loss_sum`` is float64; ``correct``, ``rows``, ``checksum`` and ``read`` are int64
+    (the checksum wraps modulo 2**64 on any device, as int64 additions do).
     """
 
     def __init__(self, device: torch.device, start: PassSums | None = None) -> None:
         """Zero sums, or, resuming a pass from a mid-epoch checkpoint, ``start``'s."""
         s = start or PassSums(0.0, 0, 0, 0, 0)
+        self.device = device
         self.loss_sum = torch.tensor(s.loss_sum, dtype=torch.float64, device=device)
-        self.correct = torch.tensor(s.correct, dtype=torch.int64, device=device)
-        self.rows = torch.tensor(s.rows, dtype=torch.int64)
-        self.checksum = torch.tensor(s.checksum, dtype=torch.int64)
-        self.read = torch.tensor(s.read, dtype=torch.int64)
+        self.counts = torch.tensor(s.counts(), dtype=torch.int64, device=device)
 
     def add(
         self,
@@ -77,30 +76,25 @@ class Sums:
         valid: torch.Tensor,
         row_id: torch.Tensor,
     ) -> None:
-        """Add one batch's valid rows.
+        """Add one batch's valid rows, on the device (no host sync).
 
         Args:
             y: int64 ``[B]`` labels; logits: ``[B, C]``; loss: the batch's mean loss over its
                 valid rows (scalar); valid: bool ``[B]``; all on the device.
-            row_id: int64 ``[B]``, on the host.
+            row_id: int64 ``[B]``, on the device (copied there if not).
         """
-        keep = valid.cpu()
-        n = keep.sum(dtype=torch.int64)
-        self.loss_sum += loss.detach().double() * n.to(self.loss_sum.device)
-        self.correct += ((logits.detach().argmax(1) == y) & valid).sum()
-        self.rows += n
-        self.checksum += row_checksum(row_id[keep])
-        self.read += len(y)
+        ids = row_id.to(self.device, non_blocking=True).to(torch.int64)
+        n = valid.sum(dtype=torch.int64)
+        self.loss_sum += loss.detach().double() * n
+        correct = ((logits.detach().argmax(1) == y) & valid).sum(dtype=torch.int64)
+        checksum = row_checksum(ids * valid)
+        read = torch.full_like(n, valid.numel())
+        self.counts += torch.stack([correct, n, checksum, read])
 
     def values(self) -> PassSums:
-        """The sums as Python numbers (the all-reduce's input)."""
-        return PassSums(
-            float(self.loss_sum),
-            int(self.correct),
-            int(self.rows),
-            int(self.checksum),
-            int(self.read),
-        )
+        """The sums as Python numbers (the all-reduce's input): one read from the device."""
+        correct, rows, checksum, read = self.counts.tolist()
+        return PassSums(float(self.loss_sum), correct, rows, checksum, read)
 
 
 def reduce_sums(parts: Sequence[PassSums], ctx: DistContext) -> list[PassSums]:
