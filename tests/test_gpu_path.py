@@ -49,9 +49,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def stored() -> list[bytes]:
-    """16 real photos as ingest stores them (shorter side 110 px)."""
+    """16 real photos as ingest stores them (shorter side 128 px: the decoders resize them
+    to 110 before the crop)."""
     files = sorted(PHOTOS.glob("*/*.jpg"))[::200][:16]
-    return [normalize_image(f.read_bytes(), short_side=110).jpeg for f in files]
+    return [normalize_image(f.read_bytes(), short_side=128).jpeg for f in files]
 
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], count: int = 1) -> None:
@@ -150,15 +151,16 @@ def test_device_decode_matches_pillow_within_a_grey_level_on_average(stored: lis
     """The evaluation pixels of the batched decoder (run on the CPU here) against the
     loaders' Pillow path: the same JPEG decoder (libjpeg-turbo: identical pixels), then
     torchvision's antialiased bilinear resize against roi_align's bin averages. Tolerance:
-    a mean absolute difference under 1.5 grey levels, fewer than 5% of the values more than
-    10 apart (measured: 0.9 and 1.6% at 224 px, 2026-11-26)."""
+    a mean absolute difference under 4 grey levels and under 10% of the values more than 10
+    apart (measured 2026-11-26: 2.2 and 4.0% here, 128 -> 110 px; 0.9 and 1.6% for 256 ->
+    224 px; a box 3 px off gives 29 and 63%, a flip 50 and 76%)."""
     jpeg, length = (torch.from_numpy(a) for a in pad_jpegs(stored))
     out = BatchDecoder(False, 96, 110, torch.device("cpu"))(jpeg, length)
     ref = torch.stack([DecodeTransform(False, 96, 110).decode(c) for c in stored])
     assert out.shape == ref.shape == (16, 3, 96, 96) and out.dtype == torch.uint8
     diff = (out.int() - ref.int()).abs().float()
-    assert float(diff.mean()) < 1.5
-    assert float((diff > 10).float().mean()) < 0.05
+    assert float(diff.mean()) < 4.0
+    assert float((diff > 10).float().mean()) < 0.10
 
 
 def test_training_draws_are_the_steps_own(stored: list[bytes]) -> None:
