@@ -52,7 +52,8 @@ class RecipeConfig(_Section):
     benchmark_test_each_epoch: bool = False
     """BENCHMARKS ONLY: also score the test split after every epoch (with the weights
     validation scored) and log it as ``benchmark_test_accuracy``, for time-to-quality
-    measures (benchmarks/sweep.py). Nothing reads it: early stopping and the best epoch stay
+    measures (benchmarks/sweep.py), and the seconds that pass took as
+    ``benchmark_test_seconds``. Nothing reads it: early stopping and the best epoch stay
     on validation, and the test score of the summary is still the one after training. Costs
     one pass over the test split per epoch, outside ``epoch_seconds``."""
 

@@ -360,7 +360,9 @@ def _epochs(state: TrainState) -> None:
                 break
             metrics = run_epoch(state, epoch)
             if state.cfg.train.benchmark_test_each_epoch:  # logged only: module quality
+                t0 = time.perf_counter()
                 metrics["benchmark_test_accuracy"] = benchmark_test_accuracy(state, epoch)
+                metrics["benchmark_test_seconds"] = time.perf_counter() - t0
             end_epoch(state, epoch, metrics)
     finally:
         for reader in (state.train_reader, state.val_reader):
