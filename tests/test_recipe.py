@@ -217,3 +217,10 @@ def test_bad_recipe_settings_are_refused_by_name(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         _cfg(tmp_path, *overrides)
+
+
+def test_the_gpu_preset_is_lite2_at_260_px_with_the_whole_recipe(tmp_path: Path) -> None:
+    preset = Path(__file__).parents[1] / "configs" / "gpu.yaml"
+    cfg = load_config(preset, None, **{"paths.output_dir": tmp_path})
+    assert (cfg.model.architecture, cfg.data.image_size) == ("efficientnet_lite2", 260)
+    assert (cfg.train.lr_schedule, cfg.train.ema_decay, cfg.world_size) == ("cosine", 0.995, 1)
