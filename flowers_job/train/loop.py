@@ -38,6 +38,7 @@ from flowers_job.train.evaluate import evaluate, evaluate_test
 from flowers_job.train.midepoch import EpochPosition, gather_positions, restore_rng
 from flowers_job.train.quality import benchmark_test_accuracy
 from flowers_job.train.rank0 import finish, start_tracking
+from flowers_job.train.recipe import sync_ema_buffers
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers, place_ranks
 from flowers_job.train.step import DeviceNormalize, forward
@@ -166,6 +167,7 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         _mid_epoch_checkpoints(state, epoch, start.step if start is not None else 0, t0),
     )
     t1 = time.perf_counter()
+    sync_ema_buffers(state.ema, ctx)  # every rank scores rank 0's average
     val_sums = evaluate(
         state.eval_model,
         lambda: val_reader.epoch(epoch),

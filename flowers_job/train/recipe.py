@@ -18,8 +18,16 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from flowers_job.config import TrainConfig
+from flowers_job.distributed import DistContext, broadcast_tensor
 
-__all__ = ["WarmupCosine", "attach_ema", "layer_ids", "make_ema", "param_groups"]
+__all__ = [
+    "WarmupCosine",
+    "attach_ema",
+    "layer_ids",
+    "make_ema",
+    "param_groups",
+    "sync_ema_buffers",
+]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
@@ -146,3 +154,27 @@ def attach_ema(optimizer: torch.optim.Optimizer, ema: AveragedModel, model: nn.M
         ema.update_parameters(model)
 
     optimizer.register_step_post_hook(update)
+
+
+def sync_ema_buffers(ema: AveragedModel | None, ctx: DistContext) -> None:
+    """Every rank's EMA takes rank 0's averaged floating-point buffers (BatchNorm running
+    statistics), in one broadcast; nothing without an EMA or with one rank. A collective.
+
+    The ranks' parameters are the same after every step (DDP), but not their BatchNorm
+    statistics: DDP broadcasts rank 0's before each forward pass, which then updates them
+    with the rank's own batch, so each rank's EMA averages slightly different statistics.
+    Call it before every evaluation, so that every rank scores the average that rank 0
+    checkpoints and registers, and a resumed run (every rank loads rank 0's) scores what
+    the uninterrupted one would have.
+    """
+    if ema is None or ctx.world_size == 1:
+        return
+    buffers = [b for b in ema.module.buffers() if b.is_floating_point()]
+    if not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+    broadcast_tensor(flat, ctx)
+    offset = 0
+    for b in buffers:
+        b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
+        offset += b.numel()
