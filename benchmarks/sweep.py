@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-sweep")
     p.add_argument("--only", action="append", choices=sorted(GRID), help="run these only")
     p.add_argument("--report", type=Path, help="write the results as JSON here")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     args = p.parse_args(argv)
     facts = machine_facts("torch")
 
@@ -185,9 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.only or list(GRID):
         config, settings = GRID[name]
-        row = rows[name] = run_one(
-            args.photos, args.work_dir / name, config, settings, args.timeout
-        )
+        try:
+            row = rows[name] = run_one(
+                args.photos, args.work_dir / name, config, settings, args.timeout
+            )
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            # one failed or slow configuration ends its row, not the sweep
+            rows[name] = {"config": str(config), "settings": settings, "error": str(exc)}
+            print(f"| {name} | failed: {type(exc).__name__} |", flush=True)
+            write_report({**facts, "runs": rows}, args.report)
+            continue
         ttq = (
             f"{row['seconds_to_quality']:.0f} s ({row['epoch_to_quality']})"
             if row["seconds_to_quality"] is not None

@@ -142,8 +142,7 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         ``images_per_second`` (train + val images / epoch seconds), identical on every rank.
 
     Raises:
-        ShardError: a rank read other rows than planned, or the ranks together did not read
-            every row exactly once.
+        ShardError: a rank read other rows than planned, or a row was dropped or read twice.
     """
     ctx, plans, val_reader = state.ctx, state.plans, state.val_reader
     assert val_reader is not None
