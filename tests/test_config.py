@@ -202,7 +202,7 @@ def test_the_finetune_preset_is_valid_and_trains_the_backbone(tmp_path: Path) ->
     preset = Path(__file__).parents[1] / "configs" / "finetune.yaml"
     cfg = load_config(preset, None, **{"paths.output_dir": tmp_path})
     assert cfg.model.freeze_backbone is False
-    assert (cfg.data.image_size, cfg.train.epochs) == (160, 6)
+    assert (cfg.data.image_size, cfg.train.epochs, cfg.train.lr_schedule) == (224, 7, "cosine")
 
 
 @pytest.mark.parametrize(

@@ -210,12 +210,14 @@ class _Syncs(TorchFunctionMode):
         super().__init__()
         self.on = False
         self.calls: list[str] = []
+        self.tensors: list[Any] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", str(func))
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if self.on and caller.startswith("flowers_job") and name in self.FORBIDDEN:
             self.calls.append(f"{caller}: {name}")
+            self.tensors.append(args[0] if args else None)
         if self.on and name == "__getitem__" and caller.startswith("flowers_job"):
             index = args[1] if len(args) > 1 else None
             if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
@@ -264,6 +266,39 @@ def test_the_step_loop_body_waits_for_no_device() -> None:
     assert (sums.rows, sums.read) == (11, 12)
     ids = [int(r) for b in batches for r, v in zip(b["row_id"], b["valid"], strict=True) if v]
     assert sums.checksum == wrap_int64(sum(ids))  # int64 wraps, as the driver's checksum does
+
+
+def test_the_ema_update_reads_only_its_host_count_and_averages_as_torch_does() -> None:
+    """With ``train.ema_decay``, the update after each step reads nothing but its update
+    count, a host tensor (``AveragedModel``'s own update reads it on the device, twice a
+    step), and the average equals ``AveragedModel.update_parameters``' on the same steps."""
+    import copy
+
+    from flowers_job.train.recipe import attach_ema, make_ema
+
+    torch.manual_seed(0)
+    model = build_model("efficientnet_lite0", 5, "none", freeze_backbone=False)
+    ema = make_ema(model, 0.9)
+    assert ema is not None and ema.n_averaged.device.type == "cpu"
+    reference = copy.deepcopy(ema)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    attach_ema(optimizer, ema, model)
+    mode = _Syncs()
+    x = torch.randn(2, 3, 32, 32)
+    with mode:
+        mode.on = True
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            reference.update_parameters(model)
+        mode.on = False
+    assert mode.calls and all(t is ema.n_averaged for t in mode.tensors), mode.calls
+    assert int(ema.n_averaged) == int(reference.n_averaged) == 3
+    for a, b in zip(
+        ema.module.state_dict().values(), reference.module.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(a, b)
 
 
 def test_a_sync_in_the_loop_body_is_caught() -> None:

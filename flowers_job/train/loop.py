@@ -35,7 +35,9 @@ from flowers_job.train.checkpoint import (
 from flowers_job.train.early_stopping import Decision
 from flowers_job.train.evaluate import evaluate, evaluate_test
 from flowers_job.train.midepoch import EpochPosition, gather_positions, restore_rng
+from flowers_job.train.quality import benchmark_test_accuracy
 from flowers_job.train.rank0 import finish, start_tracking
+from flowers_job.train.recipe import sync_ema_buffers
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers, place_ranks
 from flowers_job.train.step import train_one_epoch
@@ -100,8 +102,7 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         ``images_per_second`` (train + val images / epoch seconds), identical on every rank.
 
     Raises:
-        ShardError: a rank read other rows than planned, or the ranks together did not read
-            every row exactly once.
+        ShardError: a rank read other rows than planned, or a row was dropped or read twice.
     """
     ctx, plans, val_reader = state.ctx, state.plans, state.val_reader
     assert val_reader is not None
@@ -125,8 +126,9 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         _mid_epoch_checkpoints(state, epoch, start.step if start is not None else 0, t0),
     )
     t1 = time.perf_counter()
+    sync_ema_buffers(state.ema, ctx)  # every rank scores rank 0's average
     val_sums = evaluate(
-        state.model,
+        state.eval_model,
         lambda: val_reader.epoch(epoch),
         state.criterion,
         state.normalize,
@@ -144,7 +146,7 @@ def run_epoch(state: TrainState, epoch: int) -> dict[str, float]:
         "train_accuracy": train.correct / train.rows,
         "val_loss": val.loss_sum / val.rows,
         "val_accuracy": val.correct / val.rows,
-        "learning_rate": float(state.optimizer.param_groups[0]["lr"]),
+        "learning_rate": max(float(g["lr"]) for g in state.optimizer.param_groups),
         "epoch_seconds": t2 - t0,
         "train_images_per_second": train.rows / (t1 - t0),
         "images_per_second": (train.rows + val.rows) / (t2 - t0),
@@ -246,6 +248,7 @@ def _checkpoint(
             "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(),
             "scaler": state.scaler.state_dict(),
+            "ema": state.ema.state_dict() if state.ema is not None else None,
             "epoch": epoch,
             "world_size": state.ctx.world_size,
             "saved_at": time.time(),
@@ -268,7 +271,7 @@ def end_epoch(state: TrainState, epoch: int, metrics: dict[str, float]) -> None:
     decision = _decide(state, epoch, metrics)
     if decision.improved:
         state.best_state = {
-            k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()
+            k: v.detach().to("cpu", copy=True) for k, v in state.eval_model.state_dict().items()
         }
     if decision.stop:
         state.stop_reason = decision.reason
@@ -296,12 +299,15 @@ def end_epoch(state: TrainState, epoch: int, metrics: dict[str, float]) -> None:
 
 
 def restore_best(state: TrainState) -> bool:
-    """Every rank: load the best epoch's weights (``early_stopping.restore_best_weights``).
+    """Every rank: load the best epoch's weights (``early_stopping.restore_best_weights``);
+    otherwise, with ``train.ema_decay``, the last weights' average (what validation scored).
 
     Returns:
         True if the best weights were restored.
     """
     if not (state.cfg.train.early_stopping.restore_best_weights and state.best_state is not None):
+        if state.ema is not None:
+            state.model.load_state_dict(state.eval_model.state_dict())
         return False
     state.model.load_state_dict(state.best_state)
     return True
@@ -313,7 +319,12 @@ def _epochs(state: TrainState) -> None:
         for epoch in range(state.start_epoch, state.cfg.train.epochs + 1):
             if state.stop_reason is not None:
                 break
-            end_epoch(state, epoch, run_epoch(state, epoch))
+            metrics = run_epoch(state, epoch)
+            if state.cfg.train.benchmark_test_each_epoch:  # logged only: module quality
+                t0 = time.perf_counter()
+                metrics["benchmark_test_accuracy"] = benchmark_test_accuracy(state, epoch)
+                metrics["benchmark_test_seconds"] = time.perf_counter() - t0
+            end_epoch(state, epoch, metrics)
     finally:
         for reader in (state.train_reader, state.val_reader):
             if reader is not None:

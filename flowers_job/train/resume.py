@@ -123,18 +123,17 @@ def check_resumable(state: dict[str, Any], cfg: JobConfig, label_names: list[str
 
 def _rescale(state: TrainState, saved_world_size: int) -> None:
     """A resume at another world size: the learning rate of this world size
-    (``state.lr``, by ``train.lr_scaling``) replaces the checkpoint's, and the warm-up
-    schedule continues at the same point, counted in epochs."""
+    (``state.lr``, by ``train.lr_scaling``, times each group's ``lr_scale``) replaces the
+    checkpoint's, and the schedule continues at the same point, counted in epochs."""
     cfg, ctx = state.cfg, state.ctx
     old_lr = cfg.train.learning_rate(saved_world_size)
     for group in state.optimizer.param_groups:
-        group["lr"] = group["initial_lr"] = state.lr
+        group["lr"] = group["initial_lr"] = state.lr * group.get("lr_scale", 1.0)
     steps = state.plans.train.steps_per_epoch
     state.scheduler = make_scheduler(cfg, state.optimizer, state.lr, steps)
-    warmup_steps = round(cfg.train.warmup_epochs * steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
-        for _ in range(min((state.start_epoch - 1) * steps, warmup_steps)):
+        for _ in range((state.start_epoch - 1) * steps):
             state.scheduler.step()
     log.warning(
         "resumed at world_size %d (the checkpoint's: %d): learning rate %.4g -> %.4g (%s "
@@ -154,7 +153,7 @@ def _rescale(state: TrainState, saved_world_size: int) -> None:
 
 
 def resume(state: TrainState) -> None:
-    """With ``train.resume``: restore the model, optimizer, schedule, GradScaler, early
+    """With ``train.resume``: restore the model, optimizer, schedule, GradScaler, EMA, early
     stopping and history from the checkpoint (:func:`load_on_rank0`), and, from one inside
     an epoch, this rank's position in it; nothing without a checkpoint.
 
@@ -171,6 +170,8 @@ def resume(state: TrainState) -> None:
     state.scheduler.load_state_dict(saved["scheduler"])
     if saved.get("scaler"):
         state.scaler.load_state_dict(saved["scaler"])
+    if state.ema is not None and saved.get("ema"):
+        state.ema.load_state_dict(saved["ema"])
     state.stopper.load_state_dict(saved["early_stopping"])
     state.history, state.best_state = list(saved["history"]), saved["best_model"]
     state.stop_reason = saved["stop_reason"]

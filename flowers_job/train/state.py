@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel
 
 from flowers_job.config import JobConfig
 from flowers_job.data.batch_decode import BatchDecoder
@@ -23,6 +24,7 @@ from flowers_job.placement import HostLayout
 from flowers_job.train.early_stopping import EarlyStopping
 from flowers_job.train.feed import DeviceReader, decodes_on_device
 from flowers_job.train.midepoch import CheckpointClock, EpochPosition
+from flowers_job.train.recipe import WarmupCosine, attach_ema, make_ema, param_groups
 from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer
 
 if TYPE_CHECKING:
@@ -111,6 +113,14 @@ class TrainState:
     report_dir: Location | None = None
     """The job's report dir: rank 0 writes ``first_step.json`` there after its first step."""
     first_step_seen: bool = False
+    ema: AveragedModel | None = None
+    """The weights' moving average (``train.ema_decay``), updated after every step."""
+
+    @property
+    def eval_model(self) -> Classifier:
+        """What validation scores and the best epoch keeps: the EMA's model with
+        ``train.ema_decay``, else the model."""
+        return self.ema.module if self.ema is not None else self.model  # type: ignore[return-value]
 
 
 def _model(cfg: JobConfig, ctx: DistContext, num_classes: int) -> tuple[Classifier, DDP]:
@@ -131,8 +141,9 @@ def _model(cfg: JobConfig, ctx: DistContext, num_classes: int) -> tuple[Classifi
 def build_state(
     cfg: JobConfig, ctx: DistContext, plans: Plans, label_names: list[str]
 ) -> TrainState:
-    """The model (pretrained, channels-last, DDP), optimizer, warm-up schedule, AMP, loss
-    and early stopping of this rank.
+    """The model (pretrained, channels-last, DDP), optimizer (its parameter groups:
+    :func:`~flowers_job.train.recipe.param_groups`), schedule, EMA, AMP, loss and early
+    stopping of this rank.
 
     The learning rate is ``train.base_learning_rate`` scaled by ``world_size``
     (:meth:`~flowers_job.config.TrainConfig.learning_rate`), reached after a linear warm-up
@@ -143,8 +154,11 @@ def build_state(
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
     model, ddp = _model(cfg, ctx, len(label_names))
     lr = cfg.train.learning_rate(ctx.world_size)
-    optimizer = make_optimizer(cfg.train, [p for p in model.parameters() if p.requires_grad], lr)
+    optimizer = make_optimizer(cfg.train, param_groups(model, cfg.train, lr), lr)
     scheduler = make_scheduler(cfg, optimizer, lr, plans.train.steps_per_epoch)
+    ema = make_ema(model, cfg.train.ema_decay)
+    if ema is not None:
+        attach_ema(optimizer, ema, model)
     dtype = amp_dtype(cfg.train.amp, ctx.device)
     es = cfg.train.early_stopping
     pre = preprocessing_for(cfg.model.architecture)
@@ -166,6 +180,7 @@ def build_state(
         lr=lr,
         val_features=FrozenFeatures() if frozen else None,
         clock=CheckpointClock(cfg, ctx, plans.train.steps_per_epoch),
+        ema=ema,
     )
 
 
@@ -174,8 +189,15 @@ def make_scheduler(
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """The per-step schedule: a linear warm-up from ``train.base_learning_rate`` to ``lr``
     over ``train.warmup_epochs`` epochs of ``steps_per_epoch`` steps (Goyal et al. 2017,
-    section 2.2), then constant."""
+    section 2.2), then constant, or with ``train.lr_schedule: cosine`` a cosine decay to the
+    last step of ``train.epochs`` (:class:`~flowers_job.train.recipe.WarmupCosine`)."""
     warmup_steps = round(cfg.train.warmup_epochs * steps_per_epoch)
+    if cfg.train.lr_schedule == "cosine":
+        total, ratio = cfg.train.epochs * steps_per_epoch, cfg.train.lr_min_ratio
+        start = cfg.train.base_learning_rate / lr if warmup_steps else 1.0
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, WarmupCosine(start, warmup_steps, total, ratio)
+        )
     return torch.optim.lr_scheduler.LinearLR(
         optimizer,
         start_factor=cfg.train.base_learning_rate / lr if warmup_steps else 1.0,

@@ -9,7 +9,7 @@ runs the model under autocast with the padding rows masked out of the loss.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -57,10 +57,11 @@ class DeviceNormalize:
 
 
 def make_optimizer(
-    train: TrainConfig, params: list[nn.Parameter], lr: float
+    train: TrainConfig, params: list[nn.Parameter] | list[dict[str, Any]], lr: float
 ) -> torch.optim.Optimizer:
-    """``train.optimizer`` over ``params`` at learning rate ``lr``: AdamW or Adam with
-    ``weight_decay``, or SGD with Nesterov ``momentum``."""
+    """``train.optimizer`` over ``params`` (parameters, or parameter groups whose own ``lr``
+    and ``weight_decay`` win) at learning rate ``lr``: AdamW or Adam with ``weight_decay``,
+    or SGD with Nesterov ``momentum``."""
     if train.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay, nesterov=True
