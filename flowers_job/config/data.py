@@ -90,8 +90,8 @@ class DataConfig(_Section):
     """Where the stored JPEGs are decoded and augmented. 'loader': one by one in the loader
     (Pillow, on the host's cores); 'device': a whole batch at once on the rank's device
     (``torchvision.io.decode_jpeg``, nvJPEG on a GPU; :mod:`flowers_job.data.batch_decode`);
-    'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one was twice as
-    fast as the batched tensor path)."""
+    'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one is faster: 64
+    photos at 224 px took 0.6 s against 2.0 s batched, 2 cores under load, 2026-11-26)."""
     prefetch_to_device: int | None = Field(None, ge=0, le=64)
     """Batches a background thread of each GPU rank reads, pins, copies to the device and
     (``decode_device``) decodes ahead of the step, so the step never waits for the host.

@@ -104,7 +104,6 @@ class DeviceReader:
         first = start.step if start is not None else 0
         if self.prefetch <= 0:
             for step, batch in enumerate(self.reader.epoch(epoch, start), first):
-                self._position = None
                 yield self._to_device(batch, epoch, step, None)
             return
         yield from self._read_ahead(epoch, start, first)
