@@ -12,6 +12,8 @@ ahead of the others' consequences.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +22,33 @@ from flowers_job.sentinel import KILLED_SUFFIX
 
 __all__ = [
     "CONSEQUENCE_MESSAGES",
+    "DONE_SUFFIX",
     "FATAL_SUFFIX",
     "KINDS",
     "MODEL_FILE",
     "PERMANENT_TYPES",
     "RANKS_FILE",
+    "REPORT_WAIT_SECONDS",
     "TrainingError",
     "check_finished",
     "failure",
     "registered_model",
+    "wait_for_reports",
 ]
+
+log = logging.getLogger(__name__)
 
 FATAL_SUFFIX = ".fatal"
 """``rank-<rank>.fatal`` in the report dir: what :mod:`faulthandler` writes when that rank
 dies of a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE), a crash in native code
 that leaves no Python exception and so no ``rank-<rank>.json``: the signal and every
 thread's Python stack. Empty while the rank lives; the driver reports a non-empty one."""
+DONE_SUFFIX = ".done"
+"""``rank-<rank>.done`` in the report dir: empty, written by a rank whose training function
+returned. With the failure reports it tells the driver that every rank has ended
+(:func:`wait_for_reports`)."""
+REPORT_WAIT_SECONDS = 30.0
+"""Bound on the driver's wait for the ranks' reports after a failed run (seconds)."""
 RANKS_FILE = "ranks.json"
 """Written by rank 0 into the report dir once the group is up: every rank's host, address
 and pid (:func:`~flowers_job.distributed.gather_ranks`), for the driver's failure report."""
@@ -219,6 +232,52 @@ def _fatal_report(path: Location, text: str) -> dict[str, Any]:
         "traceback": text,
         "time": path.mtime(),
     }
+
+
+def wait_for_reports(
+    failure_dir: Location | Path,
+    world_size: int,
+    timeout_seconds: float = REPORT_WAIT_SECONDS,
+    poll_seconds: float = 0.5,
+) -> list[int]:
+    """After a failed run, wait until every rank has said how it ended, at most
+    ``timeout_seconds``: a ``rank-<r>.json``, a non-empty ``rank-<r>.fatal``, a
+    ``rank-<r>.killed`` or a ``rank-<r>.done`` (:data:`DONE_SUFFIX`).
+
+    TorchDistributor raises as soon as Spark fails the barrier stage, while the ranks of
+    other hosts may still be unwinding: one that wrote its report after the driver had read
+    the dir and removed it was missing from the error and left ``rank-3.json`` in the bucket
+    (CI, 2026-11-26, 4 ranks on 2 hosts, S3). A rank that never writes (its host lost with
+    its sentinel) costs the whole bound.
+
+    Returns:
+        The ranks that did not report in time, sorted (empty when all did).
+    """
+    failure_dir = Location.of(failure_dir)
+    deadline = time.monotonic() + timeout_seconds
+    missing = set(range(world_size))
+    while True:
+        for path in failure_dir.glob("rank-*"):
+            rank, _, suffix = path.name.removeprefix("rank-").partition(".")
+            if not rank.isdigit() or f".{suffix}" not in (
+                ".json",
+                DONE_SUFFIX,
+                KILLED_SUFFIX,
+                FATAL_SUFFIX,
+            ):
+                continue
+            if f".{suffix}" != FATAL_SUFFIX or path.size_bytes() > 0:
+                missing.discard(int(rank))
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_seconds)
+    if missing:
+        log.warning(
+            "ranks %s wrote no report within %.0f s of the failure",
+            sorted(missing),
+            timeout_seconds,
+        )
+    return sorted(missing)
 
 
 def check_finished(failure_dir: Location | Path, world_size: int) -> None:

@@ -35,7 +35,13 @@ from flowers_job.data.ingest import IngestReport, check_images_root, ingest
 from flowers_job.data.prepare import PreparedData, prepare_data
 from flowers_job.data.table_ref import table_ref
 from flowers_job.data.tables import TABLE_NAMES
-from flowers_job.failures import TrainingError, check_finished, failure, registered_model
+from flowers_job.failures import (
+    TrainingError,
+    check_finished,
+    failure,
+    registered_model,
+    wait_for_reports,
+)
 from flowers_job.loaders import resolve_loader
 from flowers_job.location import Location
 from flowers_job.placement import check_cluster
@@ -276,6 +282,7 @@ def _attempt(
         except TrainingError as exc:
             error = exc
         except Exception as exc:
+            wait_for_reports(reports, cfg.world_size)  # before reading and removing the dir
             error = failure(reports, exc, cfg.world_size)
             error.__cause__ = exc
         if restarts:

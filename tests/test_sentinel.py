@@ -24,7 +24,15 @@ import psutil
 import pytest
 
 from flowers_job import faults
-from flowers_job.failures import FATAL_SUFFIX, RANKS_FILE, TrainingError, check_finished, failure
+from flowers_job.failures import (
+    DONE_SUFFIX,
+    FATAL_SUFFIX,
+    RANKS_FILE,
+    TrainingError,
+    check_finished,
+    failure,
+    wait_for_reports,
+)
 from flowers_job.faults import ATTEMPT_ENV, FAULT_CGROUP_ENV, FAULT_ENV, delay, inject
 from flowers_job.sentinel import KILLED_SUFFIX, sentinel_done, start_sentinel
 
@@ -284,6 +292,30 @@ def test_a_fatal_signal_still_leads_as_before(tmp_path: Path) -> None:
     error = failure(tmp_path, RuntimeError("torchrun failed"), world_size=2)
     assert str(error).startswith("rank 1 died of a fatal signal on host vm (127.0.0.1)")
     assert (error.rank, error.cause, error.kind) == (1, "FatalSignal: Aborted", "fatal_signal")
+
+
+def test_the_driver_waits_for_a_late_report_and_stops_at_its_bound(tmp_path: Path) -> None:
+    """Rank 0 ended well (``.done``), rank 1's faulthandler file is empty (alive), rank 2
+    raised, and rank 1 reports 1 s later: the wait returns with every rank accounted for, so
+    the error names rank 1 too. Without rank 1's report it gives up at its bound and says
+    which rank stayed silent (CI 2026-11-26: a report written after the driver's read)."""
+    (tmp_path / f"rank-0{DONE_SUFFIX}").write_bytes(b"")
+    (tmp_path / f"rank-1{FATAL_SUFFIX}").write_bytes(b"")
+    _report(tmp_path, 2, "RuntimeError", "injected", 1.0)
+    late = threading.Timer(1.0, _report, (tmp_path, 1, "RuntimeError", GLOO_RESET, 2.0))
+    late.start()
+    started = time.monotonic()
+    assert wait_for_reports(tmp_path, world_size=3, timeout_seconds=30, poll_seconds=0.1) == []
+    assert 0.9 < time.monotonic() - started < 10
+    late.join()
+    assert f"then rank 1: RuntimeError: {GLOO_RESET}" in str(
+        failure(tmp_path, RuntimeError("x"), 3)
+    )
+
+    (tmp_path / "rank-1.json").unlink()
+    started = time.monotonic()
+    assert wait_for_reports(tmp_path, world_size=3, timeout_seconds=1, poll_seconds=0.1) == [1]
+    assert time.monotonic() - started >= 1
 
 
 def test_a_fault_entry_with_an_attempt_fires_on_that_attempt_only(

@@ -47,7 +47,7 @@ from flowers_job.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from flowers_job.failures import FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
+from flowers_job.failures import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
 from flowers_job.faults import ATTEMPT_ENV, join_fault_cgroup
 from flowers_job.loaders.base import ShardPlan
 from flowers_job.location import Location
@@ -111,6 +111,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             result = {**result, **registered}
         sentinel_done()
         _remove_host_reports(job)
+        _report_done(Location.of(job["failure_dir"]))
         return result
     except BaseException as exc:
         _FAILING.set()  # from here on a SIGTERM waits for the report (_terminated)
@@ -279,6 +280,15 @@ def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeo
         f"rank {env_rank()}: a collective waited more than distributed.timeout_seconds="
         f"{seconds} s for the other ranks (one of them hung or died): {exc}"
     )
+
+
+def _report_done(directory: Location) -> None:
+    """``rank-<rank>.done``: this rank ended well (:func:`~flowers_job.failures.wait_for_reports`
+    then need not wait for it when another failed)."""
+    try:
+        (directory / f"rank-{env_rank()}{DONE_SUFFIX}").write_bytes(b"")
+    except OSError:
+        log.exception("could not write the done marker of rank %s", env_rank())
 
 
 def _report_failure(directory: Location, exc: BaseException) -> None:
