@@ -3,11 +3,13 @@
 A :class:`Classifier` is a pretrained feature extractor (``backbone``) plus a new
 ``Dropout -> Linear`` head sized for our labels. With ``freeze_backbone`` the
 backbone runs in inference mode (no autograd graph, BatchNorm statistics fixed), so
-a step costs about one forward pass: the usual fine-tuning recipe for small data.
+a step costs about one forward pass: the usual fine-tuning recipe for small data. With
+``frozen_layers`` only the backbone's first layers do, and the rest is trained.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,7 @@ __all__ = [
     "Classifier",
     "Preprocessing",
     "build_model",
+    "layer_key",
     "native_image_size",
     "preprocessing_for",
 ]
@@ -80,27 +83,78 @@ class _EfficientNetLiteFeatures(nn.Module):
         return torch.flatten(nn.functional.adaptive_avg_pool2d(features, 1), 1)
 
 
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_key(name: str) -> str:
+    """The layer of the parameter ``name`` (as in ``named_parameters()``): the path up to the
+    first numbered module (``backbone.net._blocks.3``, ``backbone.features.5``,
+    ``backbone.layer2.0``) or, outside numbered blocks, its module
+    (``backbone.net._conv_stem``). Layer-wise decay and ``frozen_layers`` count these."""
+    block = _BLOCK.match(name)
+    return block.group(1) if block else name.rpartition(".")[0]
+
+
 class Classifier(nn.Module):
     """``backbone -> dropout -> linear``.
 
     Input: ``[B, 3, H, W]`` float32 (normalised, see :func:`preprocessing_for`).
     Output: ``[B, num_classes]`` float32 logits.
+
+    ``freeze``: the whole backbone runs in inference mode. ``frozen_layers`` (with a
+    trained backbone): its first ``frozen_layers`` layers (:func:`layer_key`, in forward
+    order) get no gradient and keep their BatchNorm statistics (inference mode in
+    training too, as in Keras' fine-tuning guide), so backpropagation stops at the first
+    trained layer: the early layers run at the highest resolution and cost the most to
+    train, and carry the most generic features (Yosinski et al. 2014, "How transferable are
+    features in deep neural networks?").
+
+    Raises:
+        ValueError: ``frozen_layers`` with ``freeze``, or not fewer than the backbone's layers.
     """
 
     def __init__(
-        self, backbone: nn.Module, num_features: int, num_classes: int, dropout: float, freeze: bool
+        self,
+        backbone: nn.Module,
+        num_features: int,
+        num_classes: int,
+        dropout: float,
+        freeze: bool,
+        frozen_layers: int = 0,
     ) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(num_features, num_classes))
         self.freeze_backbone = freeze
+        self._frozen: list[nn.Module] = []
         if freeze:
+            if frozen_layers:
+                raise ValueError("model.frozen_layers: only with model.freeze_backbone: false")
             self.backbone.requires_grad_(False)
+        elif frozen_layers:
+            keys = list(
+                dict.fromkeys(
+                    layer_key(f"backbone.{name}")
+                    for name, param in backbone.named_parameters()
+                    if param.requires_grad
+                )
+            )
+            if frozen_layers >= len(keys):
+                raise ValueError(
+                    f"model.frozen_layers: {frozen_layers} would freeze every one of the "
+                    f"backbone's {len(keys)} layers (use model.freeze_backbone: true)"
+                )
+            for key in keys[:frozen_layers]:
+                module = backbone.get_submodule(key.removeprefix("backbone."))
+                module.requires_grad_(False)
+                self._frozen.append(module)
 
     def train(self, mode: bool = True) -> Classifier:
         super().train(mode)
         if self.freeze_backbone:
             self.backbone.eval()  # frozen BatchNorm statistics and no backbone dropout
+        for module in self._frozen:
+            module.eval()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +208,7 @@ def build_model(
     *,
     weights_path: Path | str | None = None,
     freeze_backbone: bool = True,
+    frozen_layers: int = 0,
     dropout: float = 0.2,
 ) -> Classifier:
     """Build a classifier for ``num_classes`` labels on a (pretrained) backbone.
@@ -168,13 +223,16 @@ def build_model(
             without its ImageNet classifier), or 'none' (random initialisation).
         weights_path: state dict for ``weights='file'``.
         freeze_backbone: train the head only.
+        frozen_layers: with a trained backbone, how many of its first layers stay frozen
+            (:class:`Classifier`).
         dropout: dropout probability before the head.
 
     Returns:
         A :class:`Classifier` on CPU, float32.
 
     Raises:
-        ValueError: unknown architecture or a missing ``weights_path``.
+        ValueError: unknown architecture, a missing ``weights_path``, or ``frozen_layers``
+            that do not fit (:class:`Classifier`).
         RuntimeError: the weights file does not match the architecture.
         OSError: the weights file cannot be read, or torchvision cannot download weights.
     """
@@ -204,4 +262,4 @@ def build_model(
                 f"{len(missing)} tensors missing or mis-shaped, e.g. {missing[:3]}"
             )
         target.load_state_dict(kept, strict=False)
-    return Classifier(backbone, num_features, num_classes, dropout, freeze_backbone)
+    return Classifier(backbone, num_features, num_classes, dropout, freeze_backbone, frozen_layers)

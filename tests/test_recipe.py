@@ -210,6 +210,8 @@ def test_an_explicit_image_size_wins_over_the_native_one(tmp_path: Path) -> None
         (["train.lr_schedule=step"], "train.lr_schedule"),
         (["train.lr_min_ratio=2"], "train.lr_min_ratio"),
         (["model.architecture=efficientnet_lite9"], "model.architecture"),
+        (["model.frozen_layers=4"], "model.frozen_layers"),  # with the frozen default
+        (["model.frozen_layers=-1", "model.freeze_backbone=false"], "model.frozen_layers"),
     ],
 )
 def test_bad_recipe_settings_are_refused_by_name(
@@ -224,3 +226,44 @@ def test_the_gpu_preset_is_lite2_at_260_px_with_the_whole_recipe(tmp_path: Path)
     cfg = load_config(preset, None, **{"paths.output_dir": tmp_path})
     assert (cfg.model.architecture, cfg.data.image_size) == ("efficientnet_lite2", 260)
     assert (cfg.train.lr_schedule, cfg.train.ema_decay, cfg.world_size) == ("cosine", 0.995, 1)
+
+
+def test_frozen_layers_stop_backpropagation_and_keep_their_statistics(tmp_path: Path) -> None:
+    """``model.frozen_layers=10`` on EfficientNet-Lite0: the stem, its norm and blocks 0-7
+    get no gradient, keep their weights and BatchNorm statistics through a training step
+    (inference mode inside ``train()``), and are outside the optimizer; block 8 on trains;
+    layer-wise decay numbers the trained layers only; a checkpoint of another split is
+    refused on resume."""
+    cfg = _cfg(tmp_path, "model.freeze_backbone=false", "model.frozen_layers=10")
+    model = build_model("efficientnet_lite0", 5, "none", freeze_backbone=False, frozen_layers=10)
+    net = model.backbone.get_submodule("net")
+    blocks8 = net.get_submodule("_blocks")
+    frozen = [net.get_submodule("_conv_stem"), net.get_submodule("_bn0")]
+    frozen += [blocks8.get_submodule(str(i)) for i in range(8)]
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    optimizer = make_optimizer(cfg.train, param_groups(model, cfg.train, 0.1), 0.1)
+    model.train()
+    assert not any(m.training for f in frozen for m in f.modules())
+    assert blocks8.get_submodule("8").training
+    loss = model(torch.randn(4, 3, 64, 64)).logsumexp(1).mean()
+    loss.backward()
+    optimizer.step()
+    after = model.state_dict()
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    blocks = [f"backbone.net._blocks.{i}." for i in range(8)]
+    frozen_names = ("backbone.net._conv_stem.", "backbone.net._bn0.", *blocks)
+    assert not [n for n in changed if n.startswith(frozen_names)]
+    assert "backbone.net._blocks.8._bn2.running_mean" in changed
+    assert "backbone.net._blocks.8._project_conv.weight" in changed
+    assert all(p.grad is None for f in frozen for p in f.parameters())
+    assert layer_ids(model)[0]["backbone.net._blocks.8._project_conv.weight"] == 0
+    with pytest.raises(ValueError, match="every one of the backbone's 20 layers"):
+        build_model("efficientnet_lite0", 5, "none", freeze_backbone=False, frozen_layers=20)
+
+    from flowers_job.train.resume import check_resumable
+
+    saved = {"config": cfg.model_dump(mode="json"), "label_names": ["a"]}
+    check_resumable(saved, cfg, ["a"])
+    other = _cfg(tmp_path, "model.freeze_backbone=false")
+    with pytest.raises(ValueError, match=r"model\.frozen_layers=10, not 0"):
+        check_resumable(saved, other, ["a"])

@@ -59,6 +59,12 @@ class ModelConfig(_Section):
     """A state dict (``torch.save(model.state_dict())``) for ``weights: file``."""
     freeze_backbone: bool = True
     """Train only the new head (the feature extractor runs in inference mode: much faster)."""
+    frozen_layers: int = Field(0, ge=0)
+    """With ``freeze_backbone: false``: how many of the backbone's first layers stay frozen,
+    in inference mode (:class:`flowers_job.models.Classifier`). Layers are counted as
+    ``train.layer_decay`` counts them: each numbered block, and each module outside one;
+    EfficientNet-Lite has 20: the stem convolution (1), its BatchNorm (2), blocks 0-15
+    (3-18), the head convolution and its BatchNorm. 0: the whole backbone is trained."""
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
     """Dropout before the new linear head."""
 
@@ -69,6 +75,11 @@ class ModelConfig(_Section):
         if self.weights == "package" and self.architecture not in _LITE:
             raise ValueError(
                 f"weights: 'package' weights exist only for architectures {', '.join(_LITE)}"
+            )
+        if self.frozen_layers and self.freeze_backbone:
+            raise ValueError(
+                f"frozen_layers: {self.frozen_layers} freezes part of a trained backbone; "
+                "set model.freeze_backbone=false (or frozen_layers=0)"
             )
         if self.weights == "none" and self.freeze_backbone:
             raise ValueError(

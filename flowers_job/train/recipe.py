@@ -10,7 +10,6 @@ build what the job built before them (one group, warm-up then constant, no EMA).
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from flowers_job.config import TrainConfig
 from flowers_job.distributed import DistContext, broadcast_tensor
+from flowers_job.models import layer_key
 
 __all__ = [
     "WarmupCosine",
@@ -28,8 +28,6 @@ __all__ = [
     "param_groups",
     "sync_ema_buffers",
 ]
-
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 
 def layer_ids(model: nn.Module) -> tuple[dict[str, int], int]:
@@ -56,9 +54,7 @@ def layer_ids(model: nn.Module) -> tuple[dict[str, int], int]:
         if not name.startswith("backbone."):
             heads.append(name)
             continue
-        block = _BLOCK.match(name)
-        key = block.group(1) if block else name.rpartition(".")[0]
-        ids[name] = keys.setdefault(key, len(keys))
+        ids[name] = keys.setdefault(layer_key(name), len(keys))
     num_layers = len(keys)
     ids.update(dict.fromkeys(heads, num_layers))
     return ids, num_layers

@@ -100,19 +100,26 @@ def load_on_rank0(cfg: JobConfig, ctx: DistContext, plans: Plans) -> dict[str, A
 
 
 def check_resumable(state: dict[str, Any], cfg: JobConfig, label_names: list[str]) -> None:
-    """Refuse a checkpoint of another model, image size or label set.
+    """Refuse a checkpoint of another model, image size, set of trained layers or label set.
 
     Raises:
         ValueError: naming ``--resume``, the setting (``model.architecture``,
-            ``data.image_size``) or the labels, and both values.
+            ``data.image_size``, ``model.freeze_backbone``, ``model.frozen_layers``) or the
+            labels, and both values.
     """
     saved = state.get("config", {})
-    for section, key in (("model", "architecture"), ("data", "image_size")):
-        if saved.get(section, {}).get(key) != getattr(getattr(cfg, section), key):
+    settings: list[tuple[str, str, object]] = [  # (section, key, default in old checkpoints)
+        ("model", "architecture", None),
+        ("data", "image_size", None),
+        ("model", "freeze_backbone", True),  # which parameters train: the optimizer's state
+        ("model", "frozen_layers", 0),
+    ]
+    for section, key, default in settings:
+        was = saved.get(section, {}).get(key, default)
+        if was != getattr(getattr(cfg, section), key):
             raise ValueError(
                 f"--resume: checkpoint in {cfg.paths.checkpoint_dir} was trained with "
-                f"{section}.{key}={saved.get(section, {}).get(key)!r}, not "
-                f"{getattr(getattr(cfg, section), key)!r}"
+                f"{section}.{key}={was!r}, not {getattr(getattr(cfg, section), key)!r}"
             )
     if list(state.get("label_names", [])) != label_names:
         raise ValueError(

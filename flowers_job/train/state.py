@@ -131,6 +131,7 @@ def _model(cfg: JobConfig, ctx: DistContext, num_classes: int) -> tuple[Classifi
         cfg.model.resolved_weights,
         weights_path=cfg.model.weights_path,
         freeze_backbone=cfg.model.freeze_backbone,
+        frozen_layers=cfg.model.frozen_layers,
         dropout=cfg.model.dropout,
     ).to(ctx.device)
     model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
