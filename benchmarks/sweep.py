@@ -13,8 +13,8 @@ and a load above 2 (its cores) slows a run.
 
 The grid covers the trade-off of issue 20: the frozen default, the same with the recipe's
 cosine schedule, the bigger frozen backbones (Lite1, Lite2 at their native resolutions), the fine-tuning
-preset before issue 20, and ``configs/finetune.yaml``, alone and with layer-wise decay and
-an EMA.
+preset before issue 20, and ``configs/finetune.yaml``, alone, with layer-wise decay and
+an EMA, and with every layer trained (``model.frozen_layers=0``).
 
     .venv/bin/python benchmarks/sweep.py --work-dir /tmp/bench-sweep \\
         --report output/benchmarks/sweep.json
@@ -71,6 +71,8 @@ GRID: dict[str, tuple[Path | None, list[str]]] = {
     ),
     # configs/finetune.yaml with layer-wise decay and an EMA of the weights
     "finetune.yaml-layer-decay-ema": (FINETUNE, ["train.layer_decay=0.9", "train.ema_decay=0.98"]),
+    # configs/finetune.yaml with every layer trained (the preset before model.frozen_layers)
+    "finetune.yaml-all-layers": (FINETUNE, ["model.frozen_layers=0"]),
 }
 """Name -> (a ``--config`` file or None, ``--set`` overrides of it or of the defaults).
 Every run also sets ``train.benchmark_test_each_epoch=true`` (the test split scored after
