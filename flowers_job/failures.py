@@ -49,6 +49,7 @@ returned. With the failure reports it tells the driver that every rank has ended
 (:func:`wait_for_reports`)."""
 REPORT_WAIT_SECONDS = 30.0
 """Bound on the driver's wait for the ranks' reports after a failed run (seconds)."""
+_ENDED = (".json", DONE_SUFFIX, KILLED_SUFFIX, FATAL_SUFFIX)
 RANKS_FILE = "ranks.json"
 """Written by rank 0 into the report dir once the group is up: every rank's host, address
 and pid (:func:`~flowers_job.distributed.gather_ranks`), for the driver's failure report."""
@@ -258,15 +259,9 @@ def wait_for_reports(
     missing = set(range(world_size))
     while True:
         for path in failure_dir.glob("rank-*"):
-            rank, _, suffix = path.name.removeprefix("rank-").partition(".")
-            if not rank.isdigit() or f".{suffix}" not in (
-                ".json",
-                DONE_SUFFIX,
-                KILLED_SUFFIX,
-                FATAL_SUFFIX,
-            ):
-                continue
-            if f".{suffix}" != FATAL_SUFFIX or path.size_bytes() > 0:
+            rank, dot, suffix = path.name.removeprefix("rank-").partition(".")
+            kind = dot + suffix
+            if rank.isdigit() and kind in _ENDED and (kind != FATAL_SUFFIX or path.size_bytes()):
                 missing.discard(int(rank))
         if not missing or time.monotonic() >= deadline:
             break
