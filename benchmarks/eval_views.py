@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     facts = machine_facts("torch")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     ckpt = torch.load(
         args.output / "checkpoints" / "last.pt", map_location="cpu", weights_only=False
