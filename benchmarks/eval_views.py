@@ -4,7 +4,8 @@ of one score on the 390 held-out photos, beside the validation split's verdict.
 Reads a finished run's output directory: the best weights of its last checkpoint
 (``checkpoints/last.pt``, ``best_model``) and the ``images`` Delta table at the version the
 run read (``summary.json``'s lineage), through a local Spark session. Then scores the
-validation and the test split once per view, on the CPU:
+validation and the test split once per view, on the CPU, with the job's own pipeline (the
+loaders' evaluation decode, ``DecodeTransform``, and the training loop's normalisation):
 
 - ``resize R, crop C``: the shorter side resized to R px, the centre C x C crop (the job's
   own view is ``resize stored_short_side, crop image_size``: 256 and 224 for Lite0; the
@@ -25,7 +26,6 @@ a 0.95 target on 390 photos (one photo is 0.0026). Run from the repository root,
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 import time
@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
-from torchvision.transforms import v2 as T
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,10 +41,12 @@ sys.path.insert(0, str(REPO))
 from report import machine_facts, write_report  # noqa: E402
 
 from flowers_job.config import JobConfig  # noqa: E402
+from flowers_job.data.images import DecodeTransform  # noqa: E402
 from flowers_job.data.table_ref import TableRef  # noqa: E402
 from flowers_job.data.tables import split_frame  # noqa: E402
 from flowers_job.models import build_model, preprocessing_for  # noqa: E402
 from flowers_job.spark import get_spark  # noqa: E402
+from flowers_job.train.step import DeviceNormalize  # noqa: E402
 
 VIEWS: list[tuple[int | None, int | None, bool]] = [
     (None, None, False),  # the job's own view
@@ -59,9 +59,9 @@ VIEWS: list[tuple[int | None, int | None, bool]] = [
 """(resize px, crop px, flip) per view; None: the run's own (stored short side, image size)."""
 
 
-def _rows(output: Path, split: str) -> list[tuple[bytes, int]]:
-    """(JPEG bytes, label index) of every row of ``split`` at the version the run read."""
-    summary = json.loads((output / "summary.json").read_text())
+def _rows(summary: dict[str, Any], split: str) -> list[tuple[bytes, int]]:
+    """(JPEG bytes, label index) of every row of ``split`` at the version the run read
+    (``summary``: the run's ``summary.json``)."""
     entry = summary["lineage"]["splits"][split]
     spark = get_spark("eval_views", conf={"spark.driver.memory": "2g"})
     frame = split_frame(spark, TableRef.from_lineage(entry), int(entry["version"]), split)
@@ -71,17 +71,18 @@ def _rows(output: Path, split: str) -> list[tuple[bytes, int]]:
 def score(
     model: torch.nn.Module,
     rows: list[tuple[bytes, int]],
-    view: T.Compose,
+    view: DecodeTransform,
+    normalize: DeviceNormalize,
     flip: bool,
     batch: int = 64,
 ) -> int:
-    """How many of ``rows`` the model classifies right under ``view`` (PIL -> float32
-    ``[3, S, S]``), with the mirror image's softmax averaged in when ``flip``."""
+    """How many of ``rows`` the model classifies right under ``view`` (the loaders' evaluation
+    decode: JPEG -> uint8 ``[3, S, S]``) and ``normalize`` (the training loop's), with the
+    mirror image's softmax averaged in when ``flip``."""
     right = 0
     for i in range(0, len(rows), batch):
         chunk = rows[i : i + batch]
-        x = torch.stack([view(Image.open(io.BytesIO(b)).convert("RGB")) for b, _ in chunk])
-        x = x.contiguous(memory_format=torch.channels_last)
+        x = normalize(torch.stack([view.decode(b) for b, _ in chunk]))
         with torch.no_grad():
             p = model(x).softmax(1)
             if flip:
@@ -112,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     model.load_state_dict(ckpt["best_model"])
     model.eval().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     pre = preprocessing_for(cfg.model.architecture)
-    splits = {s: _rows(args.output, s) for s in ("val", "test")}
+    normalize = DeviceNormalize(pre.mean, pre.std, torch.device("cpu"))
+    summary = json.loads((args.output / "summary.json").read_text())
+    splits = {s: _rows(summary, s) for s in ("val", "test")}
 
     results: list[dict[str, Any]] = []
     print("| view | val right (accuracy) | test right (accuracy) | seconds |")
@@ -120,19 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     for resize, crop, flip in VIEWS:
         r = resize or cfg.data.stored_short_side
         c = crop or cfg.data.image_size
-        view = T.Compose(
-            [
-                T.PILToTensor(),
-                T.Resize(r, antialias=True),
-                T.CenterCrop(c),
-                T.ToDtype(torch.float32, scale=True),
-                T.Normalize(pre.mean, pre.std),
-            ]
-        )
+        view = DecodeTransform(False, c, r)
         start = time.perf_counter()
         row: dict[str, Any] = {"resize": r, "crop": c, "flip": flip}
         for split, rows in splits.items():
-            right = score(model, rows, view, flip)
+            right = score(model, rows, view, normalize, flip)
             row[split] = {"right": right, "rows": len(rows), "accuracy": right / len(rows)}
         row["seconds"] = time.perf_counter() - start
         results.append(row)
