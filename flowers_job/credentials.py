@@ -21,9 +21,13 @@ probe, and the storage probe alone needs no MLflow there.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 __all__ = [
     "DATABRICKS_VARIABLES",
@@ -35,6 +39,7 @@ __all__ = [
     "fail_fast",
     "redact",
     "remote_store",
+    "store_client",
 ]
 
 ERROR_CHARS = 300
@@ -67,6 +72,45 @@ def fail_fast(timeout_seconds: int) -> Iterator[None]:
                 var.unset()
             else:
                 var.set(raw)
+
+
+_STORE_LOCK = threading.RLock()
+"""Held while the process-wide tracking URI points at one store (:func:`store_client`)."""
+
+
+@contextmanager
+def store_client(tracking_uri: str) -> Iterator[MlflowClient]:
+    """An ``MlflowClient`` of the store ``tracking_uri``, with MLflow's process-wide tracking
+    URI pointing at the same store within the block, then restored (the variable
+    ``MLFLOW_TRACKING_URI`` as well).
+
+    Why both: MLflow 3.0.1 (Databricks Runtime 17.3 LTS ML's mlflow-skinny) resolves an
+    ``mlflow-artifacts:`` URI through the process-wide tracking URI, not the client's
+    (``MlflowArtifactsRepository.__init__`` calls ``get_tracking_uri()``; later releases
+    take the client's). A client of a tracking server started with
+    ``--artifacts-destination`` then fails to log or download any artifact wherever the
+    process-wide URI names another store: "When an mlflow-artifacts URI was supplied, the
+    tracking URI must be a valid http or https URI". Every MLflow call of the driver and
+    the executors goes through this, so that each reaches the configured store whatever
+    the process-wide URI says. Blocks of different threads take turns (one lock).
+
+    Raises:
+        MlflowException: as the client's calls do.
+    """
+    import mlflow
+
+    with _STORE_LOCK:
+        saved_env = os.environ.get("MLFLOW_TRACKING_URI")
+        saved = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(tracking_uri)
+        try:
+            yield mlflow.MlflowClient(tracking_uri=tracking_uri)
+        finally:
+            mlflow.set_tracking_uri(saved)
+            if saved_env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 
 def remote_store(uri: str) -> bool:
@@ -173,13 +217,11 @@ def executor_report(
         here], "error": None or "<exception type>: <message>", redacted}``: names only,
         never a value.
     """
-    import mlflow
-
     present = [name for name in credential_variables(uri) if os.environ.get(name)]
     error = None
     try:
-        with fail_fast(timeout_seconds):
-            mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+        with fail_fast(timeout_seconds), store_client(uri) as client:
+            client.get_experiment_by_name(experiment)
     except Exception as exc:
         text = " ".join(f"{type(exc).__name__}: {exc}".split())
         error = redact(text)[:ERROR_CHARS]

@@ -151,10 +151,9 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ModelRef:
             first: MLflow would create it), a store that cannot be read, or no such model,
             version or alias (the message lists the versions and aliases it has).
     """
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from flowers_job.credentials import fail_fast
+    from flowers_job.credentials import fail_fast, store_client
 
     m = _MODEL_URI.fullmatch(model_uri)
     if m is None:
@@ -169,8 +168,7 @@ def resolve_model(model_uri: str, tracking_uri: str) -> ModelRef:
             "give the --output-dir of a run, or tracking.tracking_uri"
         )
     try:
-        with fail_fast(FAIL_FAST_SECONDS):
-            client = MlflowClient(tracking_uri=tracking_uri)
+        with fail_fast(FAIL_FAST_SECONDS), store_client(tracking_uri) as client:
             try:
                 mv = (
                     client.get_model_version_by_alias(name, alias)
@@ -234,7 +232,7 @@ def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
     import mlflow
     from mlflow.models import Model
 
-    from flowers_job.credentials import fail_fast
+    from flowers_job.credentials import fail_fast, store_client
     from flowers_job.spark_connect import refuse_spark_connect
 
     refuse_spark_connect(spark)
@@ -245,9 +243,12 @@ def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
     parent = tempfile.mkdtemp(prefix="flowers-model-")
     atexit.register(shutil.rmtree, parent, True)
     name = f"flowers_model_{ref.version}_{uuid.uuid4().hex[:8]}"
-    client = mlflow.MlflowClient(tracking_uri=ref.tracking_uri)
-    source = client.get_model_version_download_uri(ref.name, str(ref.version))
-    with fail_fast(FAIL_FAST_SECONDS), _no_download_bar():
+    with (
+        fail_fast(FAIL_FAST_SECONDS),
+        _no_download_bar(),
+        store_client(ref.tracking_uri) as client,
+    ):
+        source = client.get_model_version_download_uri(ref.name, str(ref.version))
         local = mlflow.artifacts.download_artifacts(
             artifact_uri=source,
             dst_path=os.path.join(parent, "download"),

@@ -34,6 +34,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
+from flowers_job.credentials import store_client
 from flowers_job.data.table_ref import TableRef
 from flowers_job.tracking import TAG_TEST_SPLIT
 
@@ -140,51 +141,55 @@ def promote(spark: SparkSession, cfg: JobConfig, summary: dict[str, Any]) -> Pro
     version = int(version)
     ours = float(summary["test_accuracy"])
     digest = str(summary["lineage"]["test_split_digest"])
-    client = mlflow.MlflowClient(tracking_uri=cfg.tracking_uri)
-    champion = _current_champion(client, name)
-    theirs: float | None = None
-    how: Literal["logged", "rescored", "none"] = "none"
-    if champion is None:
-        promoted, reason = True, "no champion yet"
-    else:
-        run = client.get_run(champion.run_id) if champion.run_id else None
-        logged = run.data.metrics.get("test_accuracy") if run is not None else None
-        if run is not None and run.data.tags.get(TAG_TEST_SPLIT) == digest and logged is not None:
-            theirs, how = float(logged), "logged"
+    with store_client(cfg.tracking_uri) as client:
+        champion = _current_champion(client, name)
+        theirs: float | None = None
+        how: Literal["logged", "rescored", "none"] = "none"
+        if champion is None:
+            promoted, reason = True, "no champion yet"
         else:
-            test = summary["lineage"]["splits"]["test"]
-            theirs = champion_accuracy_on(
-                spark,
-                f"models:/{name}/{champion.version}",
-                TableRef.from_lineage(test),
-                int(test["version"]),
-                cfg.tracking_uri,
-                test.get("split"),
+            run = client.get_run(champion.run_id) if champion.run_id else None
+            logged = run.data.metrics.get("test_accuracy") if run is not None else None
+            if (
+                run is not None
+                and run.data.tags.get(TAG_TEST_SPLIT) == digest
+                and logged is not None
+            ):
+                theirs, how = float(logged), "logged"
+            else:
+                test = summary["lineage"]["splits"]["test"]
+                theirs = champion_accuracy_on(
+                    spark,
+                    f"models:/{name}/{champion.version}",
+                    TableRef.from_lineage(test),
+                    int(test["version"]),
+                    cfg.tracking_uri,
+                    test.get("split"),
+                )
+                how = "rescored"
+            promoted = ours >= theirs
+            reason = (
+                f"test accuracy {ours:.4f} {'>=' if promoted else '<'} the champion's (version "
+                f"{champion.version}) {theirs:.4f} on the same test split ({how})"
             )
-            how = "rescored"
-        promoted = ours >= theirs
-        reason = (
-            f"test accuracy {ours:.4f} {'>=' if promoted else '<'} the champion's (version "
-            f"{champion.version}) {theirs:.4f} on the same test split ({how})"
+        decision = Promotion(
+            promoted=promoted,
+            reason=reason,
+            model_name=name,
+            version=version,
+            test_accuracy=ours,
+            champion_version=int(champion.version) if champion is not None else None,
+            champion_test_accuracy=theirs,
+            champion_scored=how,
+            test_split_digest=digest,
         )
-    decision = Promotion(
-        promoted=promoted,
-        reason=reason,
-        model_name=name,
-        version=version,
-        test_accuracy=ours,
-        champion_version=int(champion.version) if champion is not None else None,
-        champion_test_accuracy=theirs,
-        champion_scored=how,
-        test_split_digest=digest,
-    )
-    if promoted:
-        client.set_registered_model_alias(name, CHAMPION, str(version))
-    run_id = summary["mlflow_run_id"]
-    client.log_dict(run_id, decision.to_dict(), "promotion.json")
-    client.set_tag(run_id, "flowers_job.promoted", str(promoted).lower())
-    client.set_tag(run_id, "flowers_job.promotion", reason[:5000])
-    if theirs is not None:
-        client.log_metric(run_id, "champion_test_accuracy", theirs)
+        if promoted:
+            client.set_registered_model_alias(name, CHAMPION, str(version))
+        run_id = summary["mlflow_run_id"]
+        client.log_dict(run_id, decision.to_dict(), "promotion.json")
+        client.set_tag(run_id, "flowers_job.promoted", str(promoted).lower())
+        client.set_tag(run_id, "flowers_job.promotion", reason[:5000])
+        if theirs is not None:
+            client.log_metric(run_id, "champion_test_accuracy", theirs)
     log.info("%s version %d: %s", name, version, json.dumps(decision.to_dict()))
     return decision

@@ -285,9 +285,7 @@ def list_runs(
     Raises:
         TrackingError: the store cannot be used; the message names ``tracking.tracking_uri``.
     """
-    import mlflow
-
-    from flowers_job.credentials import fail_fast
+    from flowers_job.credentials import fail_fast, store_client
     from flowers_job.tracking import PREFLIGHT_TIMEOUT_SECONDS, TrackingError
     from flowers_job.train.checkpoint import read_run_id
 
@@ -298,8 +296,7 @@ def list_runs(
     current_id = read_run_id(checkpoint_dir)
     driver_state = _driver_state(read_driver(checkpoint_dir))
     try:
-        with fail_fast(PREFLIGHT_TIMEOUT_SECONDS):
-            client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        with fail_fast(PREFLIGHT_TIMEOUT_SECONDS), store_client(tracking_uri) as client:
             experiment = client.get_experiment_by_name(experiment_name)
             if experiment is None:
                 return []

@@ -26,7 +26,7 @@ from mlflow import environment_variables as mlflow_env
 from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
-from flowers_job.credentials import fail_fast
+from flowers_job.credentials import fail_fast, store_client
 from flowers_job.report import TestReport
 
 __all__ = [
@@ -147,15 +147,15 @@ def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) 
         with fail_fast(timeout_seconds):
             if urlparse(uri).scheme.partition("+")[0] in DATABASE_ENGINES:
                 _probe_database(uri)
-            client = mlflow.MlflowClient(tracking_uri=uri)
-            exp = client.get_experiment_by_name(cfg.tracking.experiment_name)
-            if exp is not None:
-                return str(exp.experiment_id)
-            return str(
-                client.create_experiment(
-                    cfg.tracking.experiment_name, artifact_location=cfg.artifact_location
+            with store_client(uri) as client:
+                exp = client.get_experiment_by_name(cfg.tracking.experiment_name)
+                if exp is not None:
+                    return str(exp.experiment_id)
+                return str(
+                    client.create_experiment(
+                        cfg.tracking.experiment_name, artifact_location=cfg.artifact_location
+                    )
                 )
-            )
     except Exception as exc:
         raise TrackingError(
             f"tracking.tracking_uri: the MLflow store {uri} cannot be used: "
@@ -421,8 +421,7 @@ def mark_run_failed(
         request).
     """
     try:
-        with fail_fast(FAILURE_REPORT_SECONDS):
-            client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        with fail_fast(FAILURE_REPORT_SECONDS), store_client(tracking_uri) as client:
             if client.get_run(run_id).info.status != "RUNNING":
                 if correct_cause:
                     client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])

@@ -1,5 +1,6 @@
-"""A registered flowers model in seconds, without training, and the model served over HTTP:
-for the serving and predict tests and the serving benchmark.
+"""A registered flowers model in seconds, without training, the model served over HTTP, and a
+real MLflow tracking server: for the serving, predict, promotion and executor probe tests
+and the serving benchmark.
 
 The model is the job's own: EfficientNet-Lite0 with its offline ImageNet weights and a new,
 untrained head (seeded, so the same every time), logged and registered by the job's own
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +27,11 @@ import mlflow
 import pandas as pd
 import requests
 import torch
+
+sys.path.insert(
+    0, str(Path(os.environ.get("FLOWERS_REPO_ROOT") or Path(__file__).parents[1]) / "tools")
+)
+from cluster import mlflow_server
 
 from flowers_job.config import load_config
 from flowers_job.models import build_model
@@ -81,6 +88,48 @@ def register_model(
         "model_uri": model_uri,
         "label_names": names,
     }
+
+
+SERVER_START_SECONDS = 180.0
+"""Longest wait for a tracking server's ``/health``, seconds."""
+
+
+@contextmanager
+def tracking_server(store: Path, auth: tuple[str, str] | None = None) -> Iterator[str]:
+    """A real MLflow tracking server (``mlflow server``, this environment's mlflow) on a free
+    loopback port: a sqlite store and proxied artifacts under ``store``
+    (``--artifacts-destination``: runs get ``mlflow-artifacts:`` URIs), with ``auth`` (user,
+    password) MLflow's basic-auth app (``tools/cluster.py``, ``mlflow_server``). Yields its
+    URL once ``/health`` answers; stopped on exit (SIGTERM, then SIGKILL).
+
+    Raises:
+        RuntimeError: the server exited or did not answer within
+            :data:`SERVER_START_SECONDS` (the log's tail attached).
+    """
+    port = free_port()
+    argv, env = mlflow_server(Path(sys.executable), "127.0.0.1", port, store, auth)
+    url = f"http://127.0.0.1:{port}"
+    with open(store / "server.log", "wb") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log = (store / "server.log").read_text(errors="replace")
+                    raise RuntimeError(f"the MLflow server did not start:\n{log[-3000:]}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_SECONDS)
 
 
 def free_port() -> int:

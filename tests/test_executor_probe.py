@@ -10,12 +10,7 @@ other hosts, credentials given through ``spark.executorEnv.*``) is in test_clust
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,45 +29,21 @@ from flowers_job.credentials import (
 from flowers_job.probe import check_executors
 from flowers_job.tracking import preflight
 
-from .conftest import stop_server
+from .model_registry import tracking_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from cluster import mlflow_server
-
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 USER = "flowers-probe"
 PASSWORD = "pw-executor-probe-7c1d9e2a"
 """The server's password: found in no error, log record or message."""
 NAMES = ["MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
-SERVER_START_SECONDS = 180.0
 
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A basic-auth MLflow server on a free loopback port; its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    store = tmp_path_factory.mktemp("auth-mlflow")
-    argv, env = mlflow_server(Path(sys.executable), "127.0.0.1", port, store, (USER, PASSWORD))
-    with open(store / "server.log", "wb") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_SECONDS
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log = (store / "server.log").read_text(errors="replace")
-                    pytest.fail(f"the basic-auth MLflow server did not start:\n{log[-3000:]}")
-                time.sleep(0.5)
+    with tracking_server(tmp_path_factory.mktemp("auth-mlflow"), (USER, PASSWORD)) as url:
         yield url
-    finally:
-        stop_server(proc)
 
 
 def _set(monkeypatch: pytest.MonkeyPatch, password: str | None) -> None:

@@ -1,9 +1,18 @@
 """The ``champion`` alias: real registered models in a real sqlite MLflow store, and (for a
-champion scored on another test split) real scoring on the executors of a local Spark."""
+champion scored on another test split) real scoring on the executors of a local Spark; then
+the same through a real MLflow tracking server with proxied artifacts
+(``--artifacts-destination``) while the process-wide tracking URI names another store.
+
+Gate tier, in every environment's suite (the local stack, Databricks Runtime 17.3 and 18):
+MLflow 3.0.1 (17.3's) resolved the server's ``mlflow-artifacts:`` URIs through the
+process-wide URI, and only that environment showed it.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +22,14 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
+from flowers_job.credentials import store_client
 from flowers_job.promotion import CHAMPION, promote
 from flowers_job.tracking import TAG_TEST_SPLIT
 
 from .conftest import LABELS, PHOTOS
-from .model_registry import register_model
+from .model_registry import register_model, tracking_server
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
 
 def _photos(per_label: int) -> list[tuple[str, bytes]]:
@@ -30,9 +40,11 @@ def _photos(per_label: int) -> list[tuple[str, bytes]]:
     ]
 
 
-def _register(out: Path, seed: int, test_accuracy: float, digest: str) -> dict[str, Any]:
+def _register(
+    out: Path, seed: int, test_accuracy: float, digest: str, overrides: list[str] | None = None
+) -> dict[str, Any]:
     """A registered version whose run carries what rank 0 logs: its test score and split."""
-    summary = register_model(out, [_photos(1)[0][1]], seed=seed)
+    summary = register_model(out, [_photos(1)[0][1]], seed=seed, overrides=overrides)
     client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
     version = client.get_model_version(
         summary["registered_model_name"], str(summary["registered_model_version"])
@@ -51,6 +63,22 @@ def _summary(registered: dict[str, Any], digest: str, test_table: str = "") -> d
             "splits": {"test": {"path": test_table, "version": 0, "split": None}},
         },
     }
+
+
+def _test_table(spark: SparkSession, path: Path, photos: list[tuple[str, bytes]]) -> str:
+    """A Delta test table of ``photos`` at ``path`` (``row_id``, ``label``, ``image``)."""
+    spark.createDataFrame(
+        [(i, label, image) for i, (label, image) in enumerate(photos)],
+        "row_id long, label string, image binary",
+    ).write.format("delta").save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server with proxied artifacts; its URL."""
+    with tracking_server(tmp_path_factory.mktemp("server-store")) as url:
+        yield url
 
 
 def _champion(cfg: JobConfig) -> int:
@@ -78,9 +106,10 @@ def test_the_champion_moves_only_to_an_equal_or_better_score_on_the_same_split(
     assert run.data.tags["flowers_job.promoted"] == "false"
     assert "0.7000 < the champion's (version 1) 0.8000" in run.data.tags["flowers_job.promotion"]
     assert run.data.metrics["champion_test_accuracy"] == 0.80
-    logged = json.loads(
-        Path(client.download_artifacts(run.info.run_id, "promotion.json")).read_text()
-    )
+    with store_client(cfg.tracking_uri) as scoped:  # MLflow 3.0.1: see store_client
+        logged = json.loads(
+            Path(scoped.download_artifacts(run.info.run_id, "promotion.json")).read_text()
+        )
     assert logged == decision.to_dict()
 
     equal = promote(spark, cfg, _summary(_register(tmp_path, 2, 0.80, "d1"), "d1"))
@@ -102,11 +131,7 @@ def test_a_champion_scored_on_another_split_is_rescored_on_this_one(
     old = _register(tmp_path, 0, 0.99, "old-split")
     promote(spark, cfg, _summary(old, "old-split"))
     photos = _photos(2)
-    table = str(tmp_path / "test_table")
-    spark.createDataFrame(
-        [(i, label, image) for i, (label, image) in enumerate(photos)],
-        "row_id long, label string, image binary",
-    ).write.format("delta").save(table)
+    table = _test_table(spark, tmp_path / "test_table", photos)
     # the champion's accuracy on these photos, in this process
     mlflow.set_tracking_uri(cfg.tracking_uri)
     champion = mlflow.pyfunc.load_model(old["model_uri"])
@@ -121,3 +146,37 @@ def test_a_champion_scored_on_another_split_is_rescored_on_this_one(
     assert decision.champion_test_accuracy == pytest.approx(expected)
     assert decision.promoted  # equal on the same split: promoted
     assert _champion(cfg) == 2
+
+
+def test_promotion_reaches_the_tracking_server_whatever_the_process_wide_uri(
+    spark: SparkSession, tmp_path: Path, server: str
+) -> None:
+    """The run of issue 34, part 5: the store is a tracking server with proxied artifacts,
+    and the process-wide tracking URI names a ``file:`` store (as a runtime's default does).
+    The first version is promoted (its decision logged as an artifact through the server),
+    a second one on another split rescores the champion (its artifacts downloaded through
+    the server), and the process-wide URI is what it was afterwards."""
+    sets = [f"tracking.tracking_uri={server}", "tracking.experiment_name=promotion"]
+    cfg = load_config(None, sets, **{"paths.output_dir": tmp_path})
+    elsewhere = (tmp_path / "elsewhere").as_uri()
+    first = _register(tmp_path, 0, 0.80, "d1", sets)
+    assert first["model_uri"].startswith("models:/")
+    table = _test_table(spark, tmp_path / "test_table", _photos(1))
+    second = _register(tmp_path, 1, 0.10, "d2", sets)
+    try:
+        mlflow.set_tracking_uri(elsewhere)
+        decision = promote(spark, cfg, _summary(first, "d1"))
+        assert decision is not None and decision.promoted
+        rescored = promote(spark, cfg, _summary(second, "d2", table))
+        assert rescored is not None and rescored.champion_scored == "rescored"
+        assert rescored.champion_test_accuracy is not None
+        assert 0.0 <= rescored.champion_test_accuracy <= 1.0
+        assert mlflow.get_tracking_uri() == elsewhere
+        assert os.environ["MLFLOW_TRACKING_URI"] == elsewhere
+    finally:
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # MLflow's own reset
+    assert _champion(cfg) == (2 if rescored.promoted else 1)
+    with store_client(server) as client:
+        path = client.download_artifacts(first["mlflow_run_id"], "promotion.json", str(tmp_path))
+    assert json.loads(Path(path).read_text()) == decision.to_dict()
+    assert not (tmp_path / "elsewhere").exists()  # nothing went to the other store

@@ -69,19 +69,18 @@ def _registered_versions(cfg: JobConfig, table: TableRef) -> set[int]:
     uri = cfg.tracking_uri
     if not name or (uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists()):
         return set()  # no registry yet: nothing was registered (and none is created here)
-    import mlflow
-
+    from flowers_job.credentials import store_client
     from flowers_job.tracking import use_credentials
 
     use_credentials(cfg)
-    client = mlflow.MlflowClient(tracking_uri=uri)
     found = set()
-    for mv in client.search_model_versions(f"name = '{name}'"):
-        if not mv.run_id:
-            continue
-        tags = client.get_run(mv.run_id).data.tags
-        if tags.get(TAG_IMAGES_TABLE) == table.describe() and TAG_IMAGES_VERSION in tags:
-            found.add(int(tags[TAG_IMAGES_VERSION]))
+    with store_client(uri) as client:
+        for mv in client.search_model_versions(f"name = '{name}'"):
+            if not mv.run_id:
+                continue
+            tags = client.get_run(mv.run_id).data.tags
+            if tags.get(TAG_IMAGES_TABLE) == table.describe() and TAG_IMAGES_VERSION in tags:
+                found.add(int(tags[TAG_IMAGES_VERSION]))
     return found
 
 
