@@ -1,15 +1,23 @@
-# flowers_job: two virtual environments, each pinned by a lock file and built with uv.
-#   make run    set up (first time) and run the whole job on the real photos
-#   make test   set up (first time), lint, type-check, then run the tests twice (the files of
-#               DBR_ONLY in the DBR suite only):
+# flowers_job: virtual environments, each pinned by a lock file and built with uv.
+#   make run        set up (first time) and run the whole job on the real photos
+#   make test       the gate (TIER=gate: the tests marked tier("gate"), docs/testing.md): set
+#                   up (first time), lint, type-check, build the wheel once, then the suites
+#                   below, each with pytest --tier gate
+#   make test-full  everything (TIER=full), the same way; when green it writes .ci/full-pass
+#                   (tools/ci_tier.py), which .ci/run reads to choose the tier
+# Each suite runs under `timeout` (SUITE_SECONDS_*: SIGINT, so pytest prints where it was and
+# its summary) and pytest's --maxfail (MAXFAIL), so that a systematic hang or breakage ends
+# well inside CI's 90 minutes with its cause printed. The suites (the files of DBR_ONLY in
+# the DBR suite only):
 #               test-local  the whole suite in .venv (requirements/lock.txt, both loaders,
 #                           the project installed editable)
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
 #                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
 #                           [streaming] extra, with data.loader=streaming
-#               test-dbr18  after it, on the same side: the Databricks Runtime 18 ML smoke
-#                           job (DBR18_TESTS) in .venv-dbr18 (requirements/dbr-18-ml.txt),
-#                           the same way
+#               test-dbr18  after it, on the same side: the Databricks Runtime 18 ML tests
+#                           (DBR18_TESTS: the light ones and the promotion path; the full
+#                           tier adds the smoke job) in .venv-dbr18
+#                           (requirements/dbr-18-ml.txt), the same way
 #               Where this is root with util-linux's unshare (CI is), the two suites run
 #               side by side, the DBR suite in its own mount namespace (its own /dev/shm
 #               and temp dir, for the Streaming state checks of test_faults.py); each
@@ -48,16 +56,37 @@ UV       := $(BIN)/uv
 # the editable project), hashed.
 LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -c1-12)
 DBR_ID   := $(shell cat $(DBR_LOCK) | sha256sum | cut -c1-12)
-# Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way).
-WHEEL_DIR ?= dist
+# Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way). The
+# one wheel of a run: the DBR environments, the clean install and the test cluster's
+# environment (tools/cluster.py make_env) all take it (FLOWERS_WHEEL).
+WHEEL_DIR ?= $(abspath dist)
+# The tier the suites run (pytest --tier): gate or full. `make test` and `make test-full` set it.
+TIER ?= gate
+# Bounds of each suite, seconds (`timeout -s INT`, then SIGKILL 60 s later), and pytest's
+# --maxfail, per tier: the gate's within 1,200 s on the slower machine of this kind, the full
+# tier's within 3,000 s; these bounds sit well above that and well inside CI's 5,400 s.
+SUITE_SECONDS_gate := 2000
+SUITE_SECONDS_full := 4500
+DBR18_SECONDS_gate := 900
+DBR18_SECONDS_full := 1200
+MAXFAIL_gate := 5
+MAXFAIL_full := 10
+SUITE_SECONDS ?= $(SUITE_SECONDS_$(TIER))
+MAXFAIL ?= $(MAXFAIL_$(TIER))
+SUITE_TIMEOUT = timeout -s INT -k 60 $(SUITE_SECONDS)
 # 0: wheel-dbr installs the wheel already in WHEEL_DIR instead of building it again (`make
 # test` builds it once, for both runtimes).
 BUILD_WHEEL ?= 1
-# The Databricks Runtime 18 ML smoke job (test-dbr18): the CLI's whole job on 60 real photos
+# The Databricks Runtime 18 ML tests (test-dbr18): in both tiers the light ones (the config,
+# the loader check, the packages, the fast failures) and the promotion path through a
+# tracking server; the full tier adds the smoke job, the CLI's whole job on 60 real photos
 # with Mosaic Streaming, then a resume, MLflow, the registry and the champion alias
-# (docs/testing.md has what CI can afford and why this one).
-DBR18_TESTS ?= test_job_e2e.py::test_cli_run_local_mode_then_resume
-# 0: `make test` leaves the 18 smoke job out (`make test-dbr18` still runs it).
+# (docs/testing.md has what CI can afford and why these).
+DBR18_LIGHT := test_config.py test_stack.py test_packages.py test_fail_fast.py test_promotion.py
+DBR18_TESTS_gate := $(DBR18_LIGHT)
+DBR18_TESTS_full := $(DBR18_LIGHT) test_job_e2e.py::test_cli_run_local_mode_then_resume
+DBR18_TESTS ?= $(DBR18_TESTS_$(TIER))
+# 0: `make test` leaves the 18 tests out (`make test-dbr18` still runs them).
 SMOKE_DBR18 ?= 1
 # Test files that `make test` runs in the DBR suite only, which evens out the two suites'
 # times when they run side by side (docs/testing.md): the clean install of the built wheel
@@ -80,7 +109,7 @@ LOCAL_DESELECT ?=
 # The test files that run in the DBR 17.3 environment.
 DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
 	test_faults.py test_restart.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py \
-	test_packages.py $(DBR_ONLY)
+	test_packages.py test_promotion.py $(DBR_ONLY)
 # Test files test-local leaves out (`make test` sets it to DBR_ONLY).
 LOCAL_IGNORE ?=
 # Tests of the DBR files whose guarantee does not depend on the Python stack run once, in
@@ -98,8 +127,8 @@ DBR_DESELECT ?= test_ingest.py::test_changed_clean_input_is_reingested_consisten
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
 LOCAL_LOADERS ?= petastorm
 
-.PHONY: setup setup-dbr setup-dbr18 run test test-local test-dbr test-dbr18 dbr-suite dbr-side \
-	wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars
+.PHONY: setup setup-dbr setup-dbr18 run test test-full tier test-local test-dbr test-dbr18 \
+	dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
 # master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
@@ -130,6 +159,12 @@ endef
 # pytest's exit status, with "no tests collected" (5) named as the failure it is.
 define pytest_status
 if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): failing" >&2; fi
+endef
+
+# A suite stopped by its bound (timeout's 124, or 137 after SIGKILL), named as such.
+define suite_timeout
+if [ $$rc -eq 124 ] || [ $$rc -eq 137 ]; then \
+	echo "the suite ran past its bound of $(SUITE_SECONDS) s and was stopped (exit $$rc)" >&2; fi
 endef
 
 # .venv: the lock file, synced exactly (uv pip sync), then petastorm without its pins, then
@@ -165,7 +200,7 @@ setup-dbr: $(DBR_VENV)/.installed-$(DBR_ID)
 
 # What test-dbr18 passes to test-dbr: 18's lock file, environment, name and tests.
 DBR18 := DBR_LOCK=requirements/dbr-18-ml.txt DBR_VENV=.venv-dbr18 DBR_NAME=dbr18 \
-	DBR_TESTS="$(DBR18_TESTS)" DBR_DESELECT=
+	DBR_TESTS="$(DBR18_TESTS)" DBR_DESELECT= SUITE_SECONDS=$(DBR18_SECONDS_$(TIER))
 
 setup-dbr18:
 	@$(MAKE) --no-print-directory setup-dbr $(DBR18)
@@ -183,10 +218,21 @@ typecheck: setup
 # A private mount namespace can be made here (root, unshare): the suites run side by side.
 ISOLATE := $(shell [ "$$(id -u)" = 0 ] && unshare --mount --propagation private true 2>/dev/null && echo 1)
 
-# Lint and types first (seconds), then the DBR environment and the wheel in it, then both
-# suites: side by side where the DBR suite can have its own /dev/shm (ISOLATE), else one
-# after the other. The measurement behind running them together: docs/testing.md.
-test: lint typecheck
+# The gate: what every landing runs (.ci/run), the README's test command.
+test:
+	@$(MAKE) --no-print-directory tier TIER=gate
+
+# Everything; when it is green, .ci/full-pass records the commit, the date, the seconds and
+# the CPU (tools/ci_tier.py record), and .ci/run trusts it for a day (docs/testing.md).
+test-full:
+	@t0=$$(date +%s); $(MAKE) --no-print-directory tier TIER=full; \
+	$(PYTHON) tools/ci_tier.py record $$(( $$(date +%s) - t0 ))
+
+# One tier (TIER): lint and types first (seconds), then the DBR environment and the wheel in
+# it, then both suites: side by side where the DBR suite can have its own /dev/shm
+# (ISOLATE), else one after the other. The measurement behind running them together:
+# docs/testing.md.
+tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
 	@$(MAKE) --no-print-directory -j2 -O test-local dbr-side LOCAL_IGNORE="$(DBR_ONLY)" \
@@ -207,10 +253,12 @@ dbr-side:
 
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
-	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(BIN)/python -m pytest --durations=0 \
+	wheel=$$(ls $(WHEEL_DIR)/flowers_job-*.whl 2>/dev/null | head -1); \
+	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) FLOWERS_WHEEL=$$wheel \
+	$(SUITE_TIMEOUT) $(BIN)/python -m pytest --tier $(TIER) --maxfail $(MAXFAIL) --durations=0 \
 		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) \
 		$(addprefix --deselect tests/,$(LOCAL_DESELECT)) || rc=$$?; \
-	set +x; $(call took,tests local); $(call pytest_status); exit $$rc
+	set +x; $(call took,tests local); $(call pytest_status); $(call suite_timeout); exit $$rc
 
 # Build the wheel (as the bundle's artifact does; BUILD_WHEEL=0 takes the one in WHEEL_DIR)
 # and install it into .venv-dbr with its [streaming] extra, from the lock file's packages
@@ -255,10 +303,11 @@ dbr-suite:
 	FLOWERS_TEST_LOADERS=streaming FLOWERS_EXPECT_WHEEL=1 \
 	FLOWERS_PHOTOS=$(abspath $(PHOTOS)) FLOWERS_REPO_ROOT=$(CURDIR) \
 	FLOWERS_WHEEL="$$(ls $(abspath $(WHEEL_DIR))/flowers_job-*.whl)" FLOWERS_UV=$(abspath $(UV)) \
-	$$wrap $(DBR_BIN)/python -m pytest -p no:cacheprovider --durations=0 \
+	$(SUITE_TIMEOUT) $$wrap $(DBR_BIN)/python -m pytest -p no:cacheprovider --tier $(TIER) \
+		--maxfail $(MAXFAIL) --durations=0 \
 		--junitxml=$(REPORTS)/junit-$(DBR_NAME).xml $(addprefix tests/,$(DBR_TESTS)) \
 		$(addprefix --deselect tests/,$(DBR_DESELECT)) || rc=$$?; \
-	set +x; $(call took,tests $(DBR_NAME)); $(call pytest_status); exit $$rc
+	set +x; $(call took,tests $(DBR_NAME)); $(call pytest_status); $(call suite_timeout); exit $$rc
 
 clean:
 	rm -rf output reports .pytest_cache .mypy_cache .ruff_cache dist build

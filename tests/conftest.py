@@ -55,8 +55,47 @@ all of them by default. CI runs petastorm in the local stack and streaming in th
 environment, so that each loader's end-to-end and fault tests run once."""
 
 
+TIERS = ("gate", "full")
+"""The test tiers (docs/testing.md): ``gate``, what ``make test`` runs on every landing, and
+``full``, what only ``make test-full`` adds. A test's tier is its closest
+``pytest.mark.tier(...)``: a test's own mark, else its class's, else its module's
+``pytestmark``."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default="full",
+        help="gate: only the tests marked tier('gate'); full (default): every test",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+def tier_of(item: pytest.Item) -> str | None:
+    """``item``'s tier: the first argument of its closest ``tier`` mark (None: unmarked)."""
+    mark = item.get_closest_marker("tier")
+    return str(mark.args[0]) if mark is not None and mark.args else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test has a tier (else the run stops before any test, naming the tests); with
+    ``--tier gate`` the others are deselected."""
+    wrong = [f"{item.nodeid} ({tier_of(item)})" for item in items if tier_of(item) not in TIERS]
+    if wrong:
+        raise pytest.UsageError(
+            f"tests without a tier (pytest.mark.tier('gate') or 'full'): {', '.join(wrong[:20])}"
+        )
+    if config.getoption("tier") != "gate":
+        return
+    keep = [item for item in items if tier_of(item) == "gate"]
+    dropped = [item for item in items if tier_of(item) != "gate"]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -21,7 +21,7 @@ from flowers_job.allocator import (
     tune_this_process,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.tier("gate")]
 
 
 def test_the_driver_sets_the_variables_and_keeps_the_users() -> None:

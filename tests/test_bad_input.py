@@ -19,7 +19,7 @@ from flowers_job.data.ingest import IngestError, IngestReport, ingest
 from .conftest import PHOTOS, sample_photos
 from .test_images import _encode, _gradient, _variants
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
 ADOBE_RGB = PHOTOS / "roses" / "4754734410_94d98463a5.jpg"  # EDGE_CASES.tsv: wide_gamut_icc
 OUTSIDE = PHOTOS / "tulips" / "9446982168_06c4d71da3_n.jpg"  # not among the sampled photos

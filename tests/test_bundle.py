@@ -46,6 +46,8 @@ from packaging.utils import canonicalize_name
 
 from .conftest import clean_env, uv_bin, uv_failure
 
+pytestmark = pytest.mark.tier("gate")
+
 ROOT = Path(os.environ.get("FLOWERS_REPO_ROOT") or Path(__file__).resolve().parents[1])
 BUNDLE = ROOT / "databricks.yml"
 PYPROJECT = ROOT / "pyproject.toml"

@@ -32,7 +32,7 @@ from flowers_job.pipeline import run_training
 
 from .conftest import PHOTOS, sample_photos
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
 
 def _cfg(tmp_path: Path, *overrides: str) -> JobConfig:
@@ -116,6 +116,7 @@ def test_missing_and_foreign_tables_are_named(spark: SparkSession, tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.tier("full")
 def test_ingest_merge_and_training_by_name(spark: SparkSession, tmp_path: Path) -> None:
     """Ingest into ``spark_catalog.<schema>`` (created by the job), change one photo and
     ingest again (one MERGE by name, the version advances, the old one still readable by

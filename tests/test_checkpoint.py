@@ -22,6 +22,8 @@ from flowers_job.train.checkpoint import (
     write_run_id,
 )
 
+pytestmark = pytest.mark.tier("gate")
+
 
 def test_round_trip_and_no_temporary_files_left(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)

@@ -39,7 +39,12 @@ import pytest
 
 from .conftest import LABELS, clean_env, sample_photos, uv_bin, uv_failure
 
-pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.network,
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.tier("full"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_LABEL = 8

@@ -45,7 +45,7 @@ from .s3 import S3Store
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from cluster import Cluster, answers, make_env, unavailable_reason
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.tier("full")]
 
 _REASON = unavailable_reason()
 if _REASON is None and not (Path(__file__).resolve().parents[1] / ".venv").is_dir():
@@ -360,6 +360,7 @@ def _ranks_line_host(log: str) -> str | None:
 
 
 class TestCluster:
+    @pytest.mark.tier("gate")  # the gate's multi-host job (its restart: the test below)
     def test_job_runs_a_rank_on_each_host_and_logs_over_http(
         self, cluster: Cluster, petastorm_job: dict[str, Any]
     ) -> None:
@@ -513,6 +514,7 @@ def _resumable(out: Path) -> None:
 
 
 class TestFaults:
+    @pytest.mark.tier("gate")  # the gate's restart path: the same run as the job above
     def test_killed_rank_is_named_and_the_run_restarts(
         self, cluster: Cluster, petastorm_job: dict[str, Any]
     ) -> None:

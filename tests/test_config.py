@@ -18,6 +18,8 @@ from flowers_job.config import (
 
 from .conftest import run_cli
 
+pytestmark = pytest.mark.tier("gate")
+
 
 def test_defaults_are_valid_and_derived_values_follow(tmp_path: Path) -> None:
     cfg = load_config(None, None, **{"paths.output_dir": tmp_path})

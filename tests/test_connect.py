@@ -29,7 +29,7 @@ from flowers_job.predict import predict
 
 from .conftest import run_cli, stop_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 SERVER_START_SECONDS = 120.0
 """Bound on the Connect server's start (about 12 s on the 2-core machine)."""

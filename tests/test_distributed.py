@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.tier("full")
+
 RANK_SCRIPT = """
 import sys
 import torch
@@ -50,7 +52,7 @@ def _torchrun(script: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("attempt", range(4))
+@pytest.mark.parametrize("attempt", [pytest.param(0, marks=pytest.mark.tier("gate")), 1, 2, 3])
 def test_ranks_exit_cleanly_right_after_the_last_broadcast(tmp_path: Path, attempt: int) -> None:
     """Both ranks get src's objects, and exit 0 right after the last broadcast: no
     "terminate called without an active exception" (four attempts: each run of the

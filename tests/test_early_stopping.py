@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from flowers_job.train.early_stopping import EarlyStopping
+
+pytestmark = pytest.mark.tier("gate")
 
 
 def _run(stopper: EarlyStopping, values: list[float]) -> tuple[int, str | None]:

@@ -26,7 +26,7 @@ from flowers_job.tracking import TrackingError, preflight
 
 from .conftest import run_cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 HANG_GUARD_SECONDS = 30.0
 """MLflow's own retries take minutes (HTTP) or ~100 s (a database store); the preflight

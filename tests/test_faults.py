@@ -47,7 +47,7 @@ from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
 
 from .conftest import MARK_ENV, copy_tables, marked_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
 
 FAST = [
     "data.image_size=32",  # the size the session's tables were ingested at

@@ -42,7 +42,7 @@ from flowers_job.train.sums import PassSums, Sums
 
 from .conftest import PHOTOS
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -363,6 +363,7 @@ def test_served_plain_jpegs_take_the_batched_decoder_and_score_like_pillow(
 
 
 @pytest.mark.slow
+@pytest.mark.tier("full")
 @pytest.mark.timeout(600)
 def test_the_gpu_benchmark_runs_on_a_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu.py --smoke: every stage runs (the CUDA-only checks say so) and the

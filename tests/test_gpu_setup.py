@@ -22,7 +22,7 @@ from flowers_job.config import ConfigError, load_config
 from flowers_job.pipeline import check_cluster
 from flowers_job.spark import driver_gpus, local_gpu_conf
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 _PROBE = """
 import json, sys

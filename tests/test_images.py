@@ -13,6 +13,8 @@ from flowers_job.data.images import ImageRejected, normalize_image, open_rgb
 
 from .conftest import PHOTOS
 
+pytestmark = pytest.mark.tier("gate")
+
 REAL = PHOTOS / "daisy" / "100080576_f52e8ee070_n.jpg"  # 320x263 in MANIFEST.tsv
 
 

@@ -20,7 +20,7 @@ from flowers_job.data.tables import TABLE_NAMES, checked_tables
 
 from .conftest import PHOTOS, sample_photos
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("full")]
 
 SETTINGS = (
     "data.image_size=32",

@@ -21,7 +21,7 @@ from flowers_job.data.tables import SPLITS, TABLE_NAMES
 
 from .conftest import LABELS, PHOTOS, sample_photos
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
 
 def _cfg(images: Path, out: Path, *overrides: str) -> JobConfig:
@@ -238,6 +238,7 @@ def test_changed_clean_input_is_reingested_consistently(
 
 
 @pytest.mark.slow
+@pytest.mark.tier("full")
 @pytest.mark.timeout(900)
 def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     spark: SparkSession, tmp_path: Path

@@ -32,7 +32,7 @@ from flowers_job.pipeline import run_job, run_training, training_job
 
 from .conftest import LABELS, MARK_ENV, PHOTOS, copy_tables, marked_processes, run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
 
 FAST = [
     "data.image_size=32",  # the size of the session's tables
@@ -234,6 +234,7 @@ def _wait_until_gone(mark: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.tier("gate")  # one real TorchDistributor job per loader in the gate
 def test_cli_run_local_mode_then_resume(
     spark: SparkSession,
     photos: Path,

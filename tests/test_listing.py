@@ -20,6 +20,8 @@ from flowers_job.data.listing import (
     read_listed_file,
 )
 
+pytestmark = pytest.mark.tier("gate")
+
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
     """An images root with one entry of every kind, and a folder outside it."""

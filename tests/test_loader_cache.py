@@ -19,7 +19,7 @@ from flowers_job.processes import driver_identity
 
 from .conftest import SELECTED_LOADERS
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("full")]
 
 LOADER = SELECTED_LOADERS[0]
 

@@ -24,7 +24,7 @@ from flowers_job.errors import ShardError
 from flowers_job.loaders.base import ShardPlan, wrap_int64
 from flowers_job.train.sums import PassSums, check_shard, check_totals
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.tier("full")]
 
 
 def _read(

@@ -20,7 +20,7 @@ from flowers_job.spark import object_store_conf
 
 from .s3 import S3Store, s3, s3_jars, s3_server  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 
 @pytest.fixture(params=["local", "s3"])

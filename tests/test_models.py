@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowers_job.models import build_model
+
+pytestmark = pytest.mark.tier("gate")
 
 
 def test_efficientnet_lite0_loads_pretrained_weights_offline_and_freezes() -> None:

@@ -10,8 +10,12 @@ import os
 import shlex
 from pathlib import Path
 
+import pytest
+
 from .conftest import LABELS, sample_photos
 from .s3 import S3Store, s3, s3_jars, s3_server  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.tier("gate")
 
 
 def test_a_photo_sample_uploads_with_its_layout_and_reads_back_through_the_environment(

@@ -18,7 +18,7 @@ import pytest
 from flowers_job.config import ConfigError
 from flowers_job.packages import RUN_PACKAGES, check_run_packages
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
 
 def _forget(monkeypatch: pytest.MonkeyPatch, top: str) -> None:

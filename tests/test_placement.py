@@ -13,6 +13,8 @@ from flowers_job.distributed import shard_environment
 from flowers_job.loaders import loader_class
 from flowers_job.placement import HostLayout
 
+pytestmark = pytest.mark.tier("gate")
+
 
 def layouts(hosts: list[str]) -> list[HostLayout]:
     return [HostLayout.of(hosts, rank) for rank in range(len(hosts))]

@@ -38,7 +38,7 @@ from flowers_job.predict import (
 from .conftest import LABELS, PHOTOS, run_cli, sample_photos
 from .model_registry import register_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("full")]
 
 BAD = {
     "daisy/empty.jpg": "empty_file",

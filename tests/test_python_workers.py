@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    sys.version_info >= (3, 12), reason="Python 3.12 invalidates zip directories lazily itself"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        sys.version_info >= (3, 12), reason="Python 3.12 invalidates zip directories lazily itself"
+    ),
+    pytest.mark.tier("gate"),
+]
 
 SCRIPT = textwrap.dedent(
     """

@@ -26,6 +26,8 @@ from flowers_job.train.recipe import attach_ema, layer_ids, make_ema, param_grou
 from flowers_job.train.state import make_scheduler
 from flowers_job.train.step import make_optimizer
 
+pytestmark = pytest.mark.tier("gate")
+
 
 def _cfg(tmp_path: Path, *overrides: str) -> JobConfig:
     return load_config(None, list(overrides), **{"paths.output_dir": tmp_path})

@@ -25,7 +25,7 @@ from flowers_job.data.cache import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphane
 from flowers_job.processes import driver_identity, process_alive, watched_processes
 from flowers_job.tracking import RunTracker
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 
 def _identity(proc: subprocess.Popen[bytes]) -> dict[str, object]:

@@ -17,6 +17,8 @@ from flowers_job.report import (
     mistakes_figure,
 )
 
+pytestmark = pytest.mark.tier("gate")
+
 NAMES = ["a", "b", "c"]
 
 

@@ -32,7 +32,7 @@ from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME
 
 from .conftest import copy_tables
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
 
 BASE_LR = 0.003
 SETTINGS = [

@@ -20,7 +20,7 @@ from flowers_job.train.checkpoint import (
     write_run_id,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.tier("gate")]
 
 
 def _cfg(out: Path, *sets: str) -> JobConfig:

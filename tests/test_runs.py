@@ -36,7 +36,7 @@ from flowers_job.runs import (
 from flowers_job.tracking import EPOCH_KEY, FAILURE_TAG, TAG_OUTPUT_DIR, RunTracker
 from flowers_job.train.checkpoint import write_run_id
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = "flowers_job"

@@ -13,6 +13,8 @@ from PIL import Image
 
 from tests.conftest import LABELS, PHOTOS
 
+pytestmark = pytest.mark.tier("gate")
+
 spec = importlib.util.spec_from_file_location(
     "corpus", Path(__file__).resolve().parents[1] / "benchmarks" / "corpus.py"
 )

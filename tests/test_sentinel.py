@@ -36,7 +36,7 @@ from flowers_job.failures import (
 from flowers_job.faults import ATTEMPT_ENV, FAULT_CGROUP_ENV, FAULT_ENV, delay, inject
 from flowers_job.sentinel import KILLED_SUFFIX, sentinel_done, start_sentinel
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
 CONFIG = {
     "train": {"per_device_batch_size": 32},

@@ -21,7 +21,7 @@ import requests
 from .conftest import LABELS, PHOTOS
 from .model_registry import register_model, serve
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("full")]
 
 REQUEST_SECONDS = 60  # per HTTP request, seconds
 

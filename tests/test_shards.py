@@ -38,7 +38,7 @@ from flowers_job.train.sums import PassSums, check_shard, check_totals
 
 from .conftest import loader_skip_reason
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 _PETASTORM = loader_skip_reason("petastorm")
 petastorm_only = pytest.mark.skipif(_PETASTORM is not None, reason=str(_PETASTORM))
 _STREAMING = loader_skip_reason("streaming")

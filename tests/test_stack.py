@@ -23,6 +23,8 @@ from flowers_job.loaders import petastorm as petastorm_loader
 
 from .conftest import run_cli
 
+pytestmark = pytest.mark.tier("gate")
+
 
 def _cfg(tmp_path: Path, loader: str) -> JobConfig:
     return load_config(None, [f"data.loader={loader}"], **{"paths.output_dir": tmp_path})

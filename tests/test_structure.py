@@ -15,6 +15,8 @@ import pytest
 
 from flowers_job.loaders import LOADERS
 
+pytestmark = pytest.mark.tier("gate")
+
 PACKAGE = Path(__file__).resolve().parents[1] / "flowers_job"
 MAX_MODULE_LINES = 500
 MAX_TRAIN_FUNCTION_LINES = 60
@@ -109,3 +111,36 @@ def test_no_private_name_crosses_modules() -> None:
         if alias.name.startswith("_") and not alias.name.startswith("__")
     ]
     assert not crossing, crossing
+
+
+def _tier_marks(node: ast.AST) -> list[str]:
+    """The tiers named by ``pytest.mark.tier("...")`` calls anywhere under ``node``."""
+    return [
+        str(call.args[0].value)
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "tier"
+        and call.args
+        and isinstance(call.args[0], ast.Constant)
+    ]
+
+
+def test_every_test_file_names_its_tier() -> None:
+    """Each test file's module-level ``pytestmark`` names its tier, ``gate`` or ``full``
+    (docs/testing.md); a test may override it with its own mark. (tests/conftest.py also
+    refuses, at collection, any test without one.)"""
+    tests = Path(__file__).resolve().parent
+    missing = {}
+    for path in sorted(tests.glob("test_*.py")):
+        tree = _tree(path)
+        marks = [
+            tier
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+            for tier in _tier_marks(node.value)
+        ]
+        if len(marks) != 1 or marks[0] not in ("gate", "full"):
+            missing[path.name] = marks
+    assert not missing, f"test files without exactly one module tier (gate or full): {missing}"

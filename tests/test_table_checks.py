@@ -26,7 +26,7 @@ from flowers_job.loaders import resolve_loader
 
 from .conftest import sample_photos
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
 
 def _cfg(out: Path, images: Path | None = None) -> JobConfig:

@@ -194,7 +194,9 @@ def cluster_python(repo: Path = REPO) -> Path:
 
 
 def make_env(repo: Path = REPO, timeout: float = 300) -> Path:
-    """Build the wheel and install it into ``.venv-cluster`` (dependencies from ``.venv``).
+    """Install the project's wheel into a new ``.venv-cluster`` (dependencies from ``.venv``):
+    ``FLOWERS_WHEEL`` (the one ``make test`` builds for every environment), else a wheel
+    built here.
 
     Returns:
         The cluster's Python interpreter.
@@ -206,18 +208,20 @@ def make_env(repo: Path = REPO, timeout: float = 300) -> Path:
     dist = repo / "build" / "cluster-wheel"
     shutil.rmtree(venv, ignore_errors=True)
     shutil.rmtree(dist, ignore_errors=True)
-    subprocess.run(
-        [str(base / "bin" / "pip"), "wheel", "-q", "--no-deps",
-         "-w", str(dist), str(repo)],
-        check=True, timeout=timeout,
-    )  # fmt: skip
+    given = os.environ.get("FLOWERS_WHEEL")
+    if not given:
+        subprocess.run(
+            [str(base / "bin" / "pip"), "wheel", "-q", "--no-deps",
+             "-w", str(dist), str(repo)],
+            check=True, timeout=timeout,
+        )  # fmt: skip
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     _resolve_delta(base / "bin" / "python", timeout)
     site = "lib/python3.11/site-packages"
     # The locked dependencies of .venv, without its editable flowers_job (a .pth file in
     # .venv's site-packages, which is not processed from here).
     (venv / site / "flowers_deps.pth").write_text(str((base / site).resolve()) + "\n")
-    wheel = next(dist.glob("flowers_job-*.whl"))
+    wheel = Path(given) if given else next(dist.glob("flowers_job-*.whl"))
     subprocess.run(
         [str(base / "bin" / "pip"), "--python", str(venv / "bin" / "python"), "install", "-q",
          "--no-deps", "--no-index", str(wheel)],

@@ -1,10 +1,13 @@
 """Where a test run's time went, from pytest's JUnit XML files (``--junitxml``).
 
     python3 tools/junit_summary.py reports/junit-local.xml reports/junit-dbr.xml [--top 20]
+        [--warn-test 90]
 
 Prints, for each file: its suite's total, the seconds per test file, and the ``--top``
-slowest tests (setup, call and teardown together, as JUnit records them). Standard library
-only: ``.ci/run`` calls it with the system Python, also when a suite failed.
+slowest tests (setup, call and teardown together, as JUnit records them); with
+``--warn-test S``, a ``WARNING`` line for each test that took longer than ``S`` seconds (the
+gate's bound per test, docs/testing.md: a warning, never a failure). Standard library only:
+``.ci/run`` calls it with the system Python, also when a suite failed.
 """
 
 from __future__ import annotations
@@ -57,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="JUnit XML files")
     parser.add_argument("--top", type=int, default=20, help="how many slowest tests to list")
+    parser.add_argument(
+        "--warn-test", type=float, default=None, help="warn of each test over this many seconds"
+    )
     args = parser.parse_args(argv)
+    warnings = []
     for path in args.files:
         if not path.is_file():
             print(f"== {path}: missing (that suite did not run)")
@@ -66,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             print(summarize(path, args.top))
         except ET.ParseError as exc:
             print(f"== {path}: unreadable JUnit XML: {exc}")
+            continue
+        if args.warn_test is not None:
+            warnings += [
+                f"WARNING: {f}::{t} took {s:.0f} s, over the gate's {args.warn_test:.0f} s per test"
+                f" ({path.name})"
+                for f, t, s, _ in _cases(path)
+                if s > args.warn_test
+            ]
+    for line in warnings:
+        print(line)
     return 0
 
 
