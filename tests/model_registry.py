@@ -11,6 +11,7 @@ transform and model path are exactly a trained model's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -185,7 +186,8 @@ def serve(model_uri: str, tracking_uri: str, log_path: Path) -> Iterator[str]:
                 time.sleep(0.5)
             yield url
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+                os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(STOP_SECONDS)
             except subprocess.TimeoutExpired:
