@@ -27,7 +27,7 @@ from flowers_job.data.listing import label_folders, list_entry, listing_units, r
 from .conftest import LABELS, PHOTOS
 from .s3 import S3Store, s3_server  # noqa: F401 (fixture)
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("full")]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
 BUCKET = "flowers-images-test"
 SECRET = "images-test-secret-never-shown"
