@@ -14,12 +14,10 @@ The sentinel
   from the rank: the rank writes ``done`` there (:func:`sentinel_done`) when
   :func:`~flowers_job.train.rank.train_worker` returns or after it has written its own
   failure report, and the sentinel then exits;
-- when the rank exits without saying ``done``, reads its wait status: from the pidfd itself
-  where the kernel keeps it (``PIDFD_GET_INFO`` with ``PIDFD_INFO_EXIT``, Linux >= 6.15),
-  else from the last field of ``/proc/<pid>/stat`` (``exit_code``, Linux >= 3.5). That file
-  lives while the rank is a zombie, until its parent (torchrun) reaps it: a race that the
-  sentinel, woken by the pidfd the moment the rank exits, usually wins against torchrun's
-  polling (every 0.1 s); when it loses, the report says "signal unknown";
+- when the rank exits without saying ``done``, reads its wait status: from the last field
+  of ``/proc/<pid>/stat`` (``exit_code``) while the rank is a zombie, or, once its parent
+  (torchrun) has reaped it, from the pidfd (``PIDFD_INFO_EXIT``, Linux >= 6.15); on older
+  kernels a reap first makes the report say "signal unknown";
 - unless the rank left a ``rank-<r>.json``, a non-empty ``rank-<r>.fatal``, or exited with
   status 0, writes ``rank-<r>.killed`` (JSON, temporary file + rename) into the report dir:
   rank, ``type: "Killed"``, how it ended (signal name and number, or exit status), a
@@ -30,10 +28,8 @@ The sentinel
   When the OOM killer ended the rank, the message names the settings that decide a rank's
   memory (:func:`memory_settings`).
 
-It exits right after the rank (at most about half a second later, while it waits for the
-kernel's OOM record) and leaves no thread or process behind. The driver reads its report
-(:func:`flowers_job.failures.failure`).
-"""
+It exits at most about 0.5 s after the rank and leaves nothing behind; the driver reads its
+report (:func:`flowers_job.failures.failure`)."""
 
 from __future__ import annotations
 
@@ -247,21 +243,28 @@ def _stat_fields(pid: int | str) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
-def _exit_status(pidfd: int, pid: int, start_time: str | None) -> int | None:
-    """The wait status of the exited rank: from its pidfd (``PIDFD_GET_INFO`` with
-    ``PIDFD_INFO_EXIT``, Linux >= 6.15, kept after the rank is reaped), else from
-    ``exit_code``, field 52 of ``/proc/<pid>/stat``, while the rank is a zombie (None once
-    torchrun has reaped it, or its pid is reused)."""
+def _pidfd_exit_status(pidfd: int) -> int | None:
+    """The wait status kept on a reaped process's pidfd (``PIDFD_INFO_EXIT``, Linux >= 6.15)."""
     info = bytearray(_PIDFD_INFO_SIZE)
     struct.pack_into("Q", info, 0, _PIDFD_INFO_EXIT)
     with contextlib.suppress(OSError):
         fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info)
         if struct.unpack_from("Q", info, 0)[0] & _PIDFD_INFO_EXIT:
             return int(struct.unpack_from("i", info, 60)[0])
+    return None
+
+
+def _exit_status(pidfd: int, pid: int, start_time: str | None) -> int | None:
+    """The exited rank's wait status: from its pidfd once reaped, else from ``exit_code``
+    (field 52 of ``/proc/<pid>/stat``) while a zombie, else from the pidfd again (reaped in
+    between). None: reaped first on a kernel before 6.15, or a reused pid."""
+    status = _pidfd_exit_status(pidfd)
+    if status is not None:
+        return status
     fields = _stat_fields(pid)
-    if not fields or len(fields) < 50 or fields[19] != start_time or fields[0] not in "ZX":
-        return None
-    return int(fields[49])
+    if fields and len(fields) >= 50 and fields[19] == start_time and fields[0] in "ZX":
+        return int(fields[49])
+    return _pidfd_exit_status(pidfd)
 
 
 def _open_kmsg() -> int | None:
