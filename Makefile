@@ -227,7 +227,7 @@ test:
 # Everything; when it is green, .ci/full-pass records the commit, the date, the seconds and
 # the CPU (tools/ci_tier.py record), and .ci/run trusts it for a day (docs/testing.md).
 test-full:
-	@t0=$$(date +%s); $(MAKE) --no-print-directory tier TIER=full; \
+	@t0=$$(date +%s); $(MAKE) --no-print-directory tier TIER=full && \
 	$(PYTHON) tools/ci_tier.py record $$(( $$(date +%s) - t0 ))
 
 # One tier (TIER): lint and types first (seconds), then the DBR environment and the wheel in
