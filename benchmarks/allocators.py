@@ -5,7 +5,7 @@ already in memory) under each setting of :data:`inmemory.ALLOCATORS` that can ru
 (the jemalloc ones need ``libjemalloc2``), in turns, ``--repeats`` times, and reports the
 median images/s, the ratio to the job's setting ('tuned'), and the ranks' CPU user and
 system seconds and minor page faults (``getrusage`` of torchrun's children: start-up and
-model build included). This is the measurement behind ``flowers_job/allocator.py``.
+model build included). This is the measurement behind ``flowers_job/runtime/allocator.py``.
 
     .venv/bin/python benchmarks/allocators.py --report output/benchmarks/allocators.json
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path)
     args = p.parse_args(argv)
 
-    from flowers_job.allocator import find_jemalloc
+    from flowers_job.runtime.allocator import find_jemalloc
 
     kinds = [k for k in inmemory.ALLOCATORS if not k.startswith("jemalloc") or find_jemalloc()]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}

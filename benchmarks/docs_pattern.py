@@ -27,7 +27,7 @@ The pattern, step by step:
 4. ``TorchDistributor(num_processes, local_mode=True, use_gpu=False).run(...)`` of
    :func:`train_and_evaluate`: gloo, ``torch.set_num_threads(cpu_count // world_size)``,
    the frozen ImageNet EfficientNet-Lite0 and a new Linear head (the project's
-   :func:`flowers_job.models.build_model`, the backbone standing in for the notebook's
+   :func:`flowers_job.vision.backbones.build_model`, the backbone standing in for the notebook's
    MobileNetV2) wrapped in DDP, ``SGD(head, lr=0.001 * world_size, momentum=0.9)`` (the
    notebook's distributed version scales the learning rate by the number of workers;
    ``--no-scale-lr`` keeps 0.001), ``StepLR(step_size=7, gamma=0.1)``,
@@ -36,7 +36,7 @@ The pattern, step by step:
    Petastorm's default thread reader pool; the ``TransformSpec`` decodes each JPEG with PIL
    and applies torchvision's ``RandomResizedCrop(S), RandomHorizontalFlip()`` (train) or
    ``Resize(round(S * 256 / 224)), CenterCrop(S)`` (val), ``ToTensor()``, ``Normalize`` with
-   the weights' own mean/std (:func:`flowers_job.models.preprocessing_for`), giving float32
+   the weights' own mean/std (:func:`flowers_job.vision.backbones.preprocessing_for`), giving float32
    ``(3, S, S)`` arrays. ``steps_per_epoch = len(converter_train) // (batch * world_size)``
    and ``validation_steps = max(1, len(converter_val) // (batch * world_size))``: the docs
    drop the remainder (and, for a val set smaller than one global batch, the endless reader
@@ -47,9 +47,9 @@ Left out of the docs' pattern: MLflow (autologging, model logging and registry) 
 Horovod (TorchDistributor replaces HorovodRunner, as the TorchDistributor page does).
 The session is a plain local one (``local[2]``, 4 GiB driver, UI off), and the processes
 run with glibc's allocator defaults, as the docs' do (``--allocator glibc``, the default);
-``--allocator tuned`` takes the session from :func:`flowers_job.spark.get_spark` instead,
+``--allocator tuned`` takes the session from :func:`flowers_job.cluster.session.get_spark` instead,
 so that the ranks and Python workers get the project's malloc tuning
-(``flowers_job.allocator``) as the job's do. The JSON records the variables in effect.
+(``flowers_job.runtime.allocator``) as the job's do. The JSON records the variables in effect.
 
 Prints one line per epoch and the results as JSON, also written to ``--output``:
 ``wall_seconds`` (from before the SparkSession start to the converters' deletion: the whole
@@ -294,7 +294,7 @@ def train_and_evaluate(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from flowers_job.models import build_model
+    from flowers_job.vision.backbones import build_model
 
     _quiet_petastorm()
     dist.init_process_group("gloo")
@@ -430,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.ml.torch.distributor import TorchDistributor
     from pyspark.sql import SparkSession
 
-    from flowers_job.models import preprocessing_for
-    from flowers_job.spark import get_spark
+    from flowers_job.cluster.session import get_spark
+    from flowers_job.vision.backbones import preprocessing_for
 
     photos = args.photos.resolve()
     lr = BASE_LR * (args.num_processes if args.scale_lr else 1)

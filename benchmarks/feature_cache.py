@@ -45,18 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path)
     args = p.parse_args(argv)
 
-    from flowers_job.allocator import tune_this_process
+    from flowers_job.runtime.allocator import tune_this_process
 
     tune_this_process()  # this process runs torch itself: glibc's defaults would thrash
     import torch
     from PIL import Image
     from torch import nn
 
+    from flowers_job.cluster.session import get_spark
     from flowers_job.config import DataConfig
-    from flowers_job.data.images import eval_pixels
-    from flowers_job.models import build_model, preprocessing_for
-    from flowers_job.spark import get_spark
     from flowers_job.train.step import DeviceNormalize
+    from flowers_job.vision.backbones import build_model, preprocessing_for
+    from flowers_job.vision.images import eval_pixels
 
     summary: dict[str, Any] = json.loads((args.job_output / "summary.json").read_text())
     history = summary["history"]

@@ -8,9 +8,9 @@ AdamW, the device-side sums) fed three ways:
 - **synthetic**: random uint8 batches already on the device (the model's limit);
 - **device decode**: the real Mosaic Streaming reader (:class:`~flowers_job.loaders.
   streaming.StreamingReader`) over MDS shards of the stored JPEGs, undecoded, through the
-  rank's input stage (:class:`~flowers_job.train.feed.DeviceReader`: a background thread
+  rank's input stage (:class:`~flowers_job.train.device_prefetch.DeviceReader`: a background thread
   pins, copies and decodes each batch on the device with
-  :class:`~flowers_job.data.batch_decode.BatchDecoder`, two batches ahead);
+  :class:`~flowers_job.vision.batch_decode.BatchDecoder`, two batches ahead);
 - **loader decode**: the same reader decoding with Pillow in ``--loader-workers`` DataLoader
   workers, then the same input stage (pinned, asynchronous copy).
 
@@ -18,11 +18,11 @@ each for a frozen and a trained backbone, and prints images/s and the ratios to 
 It also reports the batched decoder alone (images/s), whether the step's loop body makes a
 host sync (``torch.cuda.set_sync_debug_mode('error')`` over the synthetic step), how far the
 decoder's pixels on the device are from the same module's on the CPU (same draws), and the
-served model's latency (:class:`~flowers_job.scorer.Scorer`, the pyfunc's core, without
+served model's latency (:class:`~flowers_job.serving.scorer.Scorer`, the pyfunc's core, without
 the HTTP server) for 1 and 32 images: p50 and p99 in milliseconds.
 
 The MDS shards are written here with Streaming's own ``MDSWriter`` (the job writes them from
-Delta with Spark: same columns, :data:`~flowers_job.loaders.streaming.MDS_COLUMNS`), so the
+Delta with Spark: same columns, :data:`~flowers_job.loaders.streaming.streaming_loader.MDS_COLUMNS`), so the
 benchmark needs neither Spark nor MLflow: it runs on a bare GPU machine with torch,
 torchvision, pydantic and Mosaic Streaming. The photos are the real ones, normalised as
 ingest stores them (or already stored JPEGs with ``--stored``). Weights are random: the
@@ -56,14 +56,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import machine_facts, write_report
 
-from flowers_job.data.batch_decode import BatchDecoder, pad_jpegs, step_seed
-from flowers_job.data.images import DecodeTransform, normalize_image
 from flowers_job.loaders.base import wrap_int64
-from flowers_job.loaders.streaming import MDS_COLUMNS, StreamingPlan, StreamingReader
-from flowers_job.models import build_model, preprocessing_for
-from flowers_job.train.feed import DeviceReader
+from flowers_job.loaders.streaming.streaming_loader import (
+    MDS_COLUMNS,
+    StreamingPlan,
+    StreamingReader,
+)
+from flowers_job.train.device_prefetch import DeviceReader
+from flowers_job.train.metrics import Sums
 from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer, train_one_epoch
-from flowers_job.train.sums import Sums
+from flowers_job.vision.backbones import build_model, preprocessing_for
+from flowers_job.vision.batch_decode import BatchDecoder, pad_jpegs, step_seed
+from flowers_job.vision.images import DecodeTransform, normalize_image
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PHOTOS = REPO.parent / "shared/data/flower_photos"
@@ -284,11 +288,11 @@ def compiled_speed(args: argparse.Namespace, device: torch.device) -> dict[str, 
 
 def ddp_speed(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The synthetic trained step wrapped in DDP, in a process group of one joined as the job
-    joins it (:func:`flowers_job.distributed.init_distributed`: NCCL on a GPU, gloo on CPU),
+    joins it (:func:`flowers_job.runtime.process_group.init_distributed`: NCCL on a GPU, gloo on CPU),
     against the unwrapped step in this run."""
     import os
 
-    from flowers_job.distributed import init_distributed, shutdown_distributed
+    from flowers_job.runtime.process_group import init_distributed, shutdown_distributed
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -393,7 +397,7 @@ def serving_latency(
     jpegs: list[bytes], args: argparse.Namespace, device: torch.device, work: Path
 ) -> dict[str, Any]:
     """p50/p99 milliseconds of :meth:`Scorer.score` for 1 and 32 images."""
-    from flowers_job.scorer import Scorer
+    from flowers_job.serving.scorer import Scorer
 
     model = build_model(args.architecture, 5, "none", freeze_backbone=False)
     torch.save(model.state_dict(), work / "state.pt")

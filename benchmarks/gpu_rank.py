@@ -6,7 +6,7 @@ the CPU machine, and its output travels to the GPU machine with the code.
 
 1. ``prepare DIR`` (any machine with the local stack): ingests ``--per-label`` real photos
    per label with local Spark and writes the three splits' Streaming caches exactly as a
-   run does (:func:`flowers_job.data.prepare.prepare_data`), then copies them to
+   run does (:func:`flowers_job.driver.prepare.prepare_data`), then copies them to
    ``DIR/mds/<split>`` with their plans and the configuration (``DIR/job.json``).
 2. ``run DIR`` (the GPU machine: torch, no Spark): one rank, a real NCCL process group of one,
    :func:`~flowers_job.train.state.build_state` (the pretrained model on ``cuda:0``,
@@ -14,7 +14,7 @@ the CPU machine, and its output travels to the GPU machine with the code.
    (:func:`~flowers_job.train.state.open_readers`, pinned memory), ``--epochs`` of
    :func:`~flowers_job.train.loop.run_epoch` (every row checked against the plan, sums
    all-reduced), a broadcast of the stop decision
-   (:func:`~flowers_job.distributed.broadcast_object`), then the test split scored once
+   (:func:`~flowers_job.runtime.process_group.broadcast_object`), then the test split scored once
    (:func:`~flowers_job.train.evaluate.evaluate_test`, an all-gather). No MLflow: rank 0's
    tracking is the one part of the rank side it leaves out.
 
@@ -52,11 +52,11 @@ def prepare(out: Path, photos: Path, per_label: int, image_size: int) -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import sample_photos
 
+    from flowers_job.cluster.session import get_spark
     from flowers_job.config import load_config
-    from flowers_job.data.ingest import ingest
-    from flowers_job.data.prepare import prepare_data
+    from flowers_job.driver.prepare import prepare_data
+    from flowers_job.ingest.job import ingest
     from flowers_job.loaders import resolve_loader
-    from flowers_job.spark import get_spark
 
     os.environ.setdefault("FLOWERS_PHOTOS", str(photos))
     shutil.rmtree(out, ignore_errors=True)
@@ -111,13 +111,13 @@ def run(job_dir: Path, epochs: int, finetune: bool, workers: int) -> dict[str, A
     import torch
 
     from flowers_job.config import JobConfig
-    from flowers_job.distributed import (
+    from flowers_job.loaders.base import ShardPlan
+    from flowers_job.runtime.process_group import (
         broadcast_object,
         gather_ranks,
         init_distributed,
         shutdown_distributed,
     )
-    from flowers_job.loaders.base import ShardPlan
     from flowers_job.train.early_stopping import Decision
     from flowers_job.train.evaluate import evaluate_test
     from flowers_job.train.loop import run_epoch

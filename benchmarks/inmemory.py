@@ -3,7 +3,7 @@
 No Spark, no loader, no decode in the loop: the photos are decoded once (resized to the
 stored short side, centre-cropped to ``--image-size``, uint8 ``[N, 3, S, S]``) into a file
 that every rank maps, and each rank then runs ``--steps`` training steps of the job's own
-model (:func:`flowers_job.models.build_model`, frozen EfficientNet-Lite0 + linear head by
+model (:func:`flowers_job.vision.backbones.build_model`, frozen EfficientNet-Lite0 + linear head by
 default), optimizer (AdamW) and loss (cross-entropy, label smoothing 0.1), channels-last,
 with the normalisation done on the batch as the job does it
 (:class:`flowers_job.train.step.DeviceNormalize`). Ranks are real processes started by
@@ -77,7 +77,7 @@ ALLOCATORS = ("tuned", "glibc", "mmap-threshold", "jemalloc", "jemalloc-nodecay"
 def allocator_env(kind: str) -> dict[str, str]:
     """Environment for the ranks, from this one without any allocator variable:
 
-    - 'tuned': the job's glibc settings (:data:`flowers_job.allocator.ALLOCATOR_ENV`);
+    - 'tuned': the job's glibc settings (:data:`flowers_job.runtime.allocator.ALLOCATOR_ENV`);
     - 'glibc': glibc's defaults;
     - 'mmap-threshold': only ``MALLOC_MMAP_THRESHOLD_`` raised, to glibc's 32 MiB cap;
     - 'jemalloc': jemalloc preloaded (``LD_PRELOAD``), its defaults;
@@ -87,7 +87,7 @@ def allocator_env(kind: str) -> dict[str, str]:
     Raises:
         SystemExit: a jemalloc kind where jemalloc is not installed.
     """
-    from flowers_job.allocator import ALLOCATOR_ENV, find_jemalloc
+    from flowers_job.runtime.allocator import ALLOCATOR_ENV, find_jemalloc
 
     dropped = {*ALLOCATOR_ENV, "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_THRESHOLD_"}
     env = {k: v for k, v in os.environ.items() if k not in dropped}
@@ -169,8 +169,8 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from flowers_job.models import build_model, preprocessing_for
     from flowers_job.train.step import DeviceNormalize
+    from flowers_job.vision.backbones import build_model, preprocessing_for
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

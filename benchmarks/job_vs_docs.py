@@ -50,7 +50,7 @@ DEFAULT_PHOTOS = REPO.parent / "shared/data/flower_photos"
 
 _VAL_PATHS = """
 import sys
-from flowers_job.spark import get_spark
+from flowers_job.cluster.session import get_spark
 spark = get_spark("val_paths", master="local[2]")
 rows = spark.read.format("delta").load(sys.argv[1]).select("path").collect()
 open(sys.argv[2], "w").write("\\n".join(r.path for r in rows) + "\\n")

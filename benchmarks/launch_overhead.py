@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
 
-    from flowers_job.spark import get_spark
+    from flowers_job.cluster.session import get_spark
 
     facts = machine_facts("torch", "pyspark")
     print(

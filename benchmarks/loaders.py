@@ -7,14 +7,14 @@ TorchDistributor processes (local mode, gloo, CPU):
 - ``plain``: the baseline. Each rank reads its share of the train Delta table's current
   Parquet files with pyarrow only (row group ``i`` of all files, in file order, goes to rank
   ``i % world_size``), decodes every image with the very same
-  :meth:`flowers_job.data.images.DecodeTransform.decode` (the TRAIN transform: decode,
+  :meth:`flowers_job.vision.images.DecodeTransform.decode` (the TRAIN transform: decode,
   RandomResizedCrop, flip; uint8 as the loaders deliver it) and stacks each batch with ``torch.stack``. The same
   work minus the loader library (and minus its shuffling: the plain loop reads in file order).
 - every loader of :data:`flowers_job.loaders.LOADERS` that runs on this stack
   (:func:`~flowers_job.loaders.loader_problem`; the others are skipped with the reason):
   the train split prepared exactly as training prepares it
-  (:func:`flowers_job.data.prepare.prepare_data`, timed), then read for ``--epochs`` epochs
-  with :func:`flowers_job.train.probe.read_shards` (the training loader boundary,
+  (:func:`flowers_job.driver.prepare.prepare_data`, timed), then read for ``--epochs`` epochs
+  with :func:`flowers_job.train.shard_read.read_shards` (the training loader boundary,
   ``shuffle=True``, no model).
 
 For each: rows per epoch (summed over the ranks; checked to be every train row exactly
@@ -89,7 +89,7 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
             ``timeout_seconds`` (process-group timeout, seconds).
 
     Returns:
-        The same keys as :func:`flowers_job.train.probe.read_shards` (``row_ids``,
+        The same keys as :func:`flowers_job.train.shard_read.read_shards` (``row_ids``,
         ``padding``, ``steps``, ``seconds``, ``rows_read``: ``[rank][epoch_index]``;
         ``peak_rss_bytes``: ``[rank]``, ``ru_maxrss`` in bytes) plus ``threads``: ``[rank]``
         torch intra-op threads and ``vm_hwm_bytes``: ``[rank]`` ``VmHWM``, bytes; identical
@@ -99,8 +99,12 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from flowers_job.data.images import DecodeTransform
-    from flowers_job.distributed import broadcast_object, init_distributed, shutdown_distributed
+    from flowers_job.runtime.process_group import (
+        broadcast_object,
+        init_distributed,
+        shutdown_distributed,
+    )
+    from flowers_job.vision.images import DecodeTransform
 
     ctx = init_distributed(use_gpu=False, timeout_seconds=float(job["timeout_seconds"]))
     try:
@@ -265,12 +269,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from pyspark.ml.torch.distributor import TorchDistributor
 
+    from flowers_job.cluster.session import get_spark
     from flowers_job.config import load_config
-    from flowers_job.data.ingest import ingest
-    from flowers_job.data.prepare import prepare_data
+    from flowers_job.driver.prepare import prepare_data
+    from flowers_job.ingest.job import ingest
     from flowers_job.loaders import LOADERS, loader_problem
-    from flowers_job.spark import get_spark
-    from flowers_job.train.probe import read_shards
+    from flowers_job.train.shard_read import read_shards
 
     facts = machine_facts()
     out = args.output_dir.resolve()

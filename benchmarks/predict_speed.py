@@ -1,7 +1,7 @@
 """Batch scoring against the model's speed: ``flowers-job predict`` beside the training job's
 test pass, on the same rows and cores, in one run.
 
-On a fresh output directory it ingests the photos (``flowers_job.data.ingest.ingest``,
+On a fresh output directory it ingests the photos (``flowers_job.ingest.job.ingest``,
 in-process, default settings; ingest's own log line gives its decode rate: listing done, the
 decode job's files / seconds) and registers a model of the job's architecture without
 training (``tests/model_registry.py``: EfficientNet-Lite0 with its offline weights and a
@@ -83,9 +83,9 @@ def prepare(photos: Path, output_dir: Path, repeat: int = 1) -> dict[str, Any]:
         ``ingest_decode`` (files, seconds, files/s of ingest's decode job), ``files`` (the
         images table's current Parquet files) and ``model`` (its ``model_config``).
     """
+    from flowers_job.cluster.session import get_spark
     from flowers_job.config import load_config
-    from flowers_job.data.ingest import ingest
-    from flowers_job.spark import get_spark
+    from flowers_job.ingest.job import ingest
     from tests.model_registry import register_model
 
     shutil.rmtree(output_dir, ignore_errors=True)
@@ -112,7 +112,7 @@ def prepare(photos: Path, output_dir: Path, repeat: int = 1) -> dict[str, Any]:
         spark.stop()
     assert handler.decoded is not None, "ingest logged no decode time"
     files_n, seconds = handler.decoded
-    from flowers_job.serving import model_config
+    from flowers_job.serving.pyfunc_model import model_config
 
     return {
         "summary": summary,
@@ -166,10 +166,10 @@ def _rank_pass(
     import torch
     from torch import nn
 
-    from flowers_job.allocator import tune_this_process
-    from flowers_job.data.images import DecodeTransform
+    from flowers_job.runtime.allocator import tune_this_process
     from flowers_job.train.evaluate import score_shard
     from flowers_job.train.step import DeviceNormalize
+    from flowers_job.vision.images import DecodeTransform
 
     tune_this_process()
     torch.set_num_threads(threads)

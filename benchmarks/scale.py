@@ -94,7 +94,7 @@ INGEST_LINE = re.compile(r"ingest: (\d+) files -> .* in ([\d.]+) s")
 CACHE_LINE = re.compile(
     r"\b(train|val|test): loader cache (reused|written:) \S+ \(([\d.]+) MiB written, ([\d.]+) s\)"
 )
-"""The job's log line of each split's loader cache entry (flowers_job.data.cache)."""
+"""The job's log line of each split's loader cache entry (flowers_job.loaders.cache_dir)."""
 MARKERS = {
     "split_prepared": re.compile(r"\b(train|val|test): \d+ rows"),
     "ranks_banner": re.compile(r"world_size \d+ \("),

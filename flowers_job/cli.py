@@ -2,7 +2,7 @@
 
 Configuration is parsed and validated before Spark starts: an invalid value exits
 with status 2 and a message naming the field, within a second or two. The checks that need
-no Spark follow, still before Spark starts (:func:`flowers_job.pipeline.preflight`): the
+no Spark follow, still before Spark starts (:func:`flowers_job.driver.pipeline.preflight`): the
 images root (``ingest``, ``run``: status 1), the loader on this stack and the packages the
 run needs (status 2), the MLflow store (status 1). The cluster is checked once, right after
 Spark starts (status 2).
@@ -13,7 +13,7 @@ and creates no store.
 Spark Connect (``SPARK_REMOTE``, spark-submit ``--remote``, Databricks serverless compute or
 standard access mode) is refused with status 2 by every command that uses Spark, predict
 included, before Spark starts or as soon as the session is seen
-(:mod:`flowers_job.spark_connect`).
+(:mod:`flowers_job.cluster.connect`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.config import ConfigError, JobConfig, load_config
-from flowers_job.spark_connect import refuse_spark_connect
 
 if TYPE_CHECKING:
-    from flowers_job.data.table_ref import TableRef
+    from flowers_job.tables.table_ref import TableRef
 
 __all__ = ["build_parser", "main"]
 
@@ -38,7 +38,7 @@ log = logging.getLogger("flowers_job")
 
 def _table_arg(text: str) -> TableRef:
     """``--table``/``--output-table``: a path table or a catalog name (TableRef.from_arg)."""
-    from flowers_job.data.table_ref import TableRef
+    from flowers_job.tables.table_ref import TableRef
 
     try:
         return TableRef.from_arg(text)
@@ -171,16 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from flowers_job import pipeline
-    from flowers_job.data.ingest import IngestError
+    from flowers_job.driver import pipeline
     from flowers_job.errors import DataError
-    from flowers_job.tracking import TrackingError
+    from flowers_job.ingest.job import IngestError
+    from flowers_job.tracking.mlflow_run import TrackingError
 
     try:
         cfg = pipeline.preflight(cfg, args.command)  # seconds, and no JVM yet
         if args.command != "ingest":
             pipeline.check_tracking(cfg)
-        from flowers_job.spark import get_spark
+        from flowers_job.cluster.session import get_spark
 
         stores = [str(cfg.paths.output_dir), cfg.paths.cache_parent_url, str(cfg.data.images)]
         spark = get_spark(object_stores=stores)
@@ -245,8 +245,8 @@ def _predict(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"flowers-job predict: {exc}", file=sys.stderr)
         return 2
-    from flowers_job import predict
-    from flowers_job.tracking import use_credentials
+    from flowers_job.serving import batch_predict as predict
+    from flowers_job.tracking.mlflow_run import use_credentials
 
     try:
         # paths.output_dir only locates the defaults (summary.json, the sqlite store); "."
@@ -268,7 +268,7 @@ def _predict(args: argparse.Namespace) -> int:
     except predict.PredictError as exc:
         print(f"flowers-job predict: {exc}", file=sys.stderr)
         return 1
-    from flowers_job.spark import get_spark
+    from flowers_job.cluster.session import get_spark
 
     try:
         report = predict.predict(
@@ -280,7 +280,7 @@ def _predict(args: argparse.Namespace) -> int:
             split=args.split,
             data=cfg.data,
         )
-    except ConfigError as exc:  # a Spark Connect session (flowers_job.spark_connect)
+    except ConfigError as exc:  # a Spark Connect session (flowers_job.cluster.connect)
         print(f"flowers-job predict: {exc}", file=sys.stderr)
         return 2
     except predict.PredictError as exc:
@@ -293,8 +293,8 @@ def _predict(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     """``flowers-job runs``: the output dir's MLflow runs, newest first, as a table or JSON
     lines; no Spark, and a store or experiment that does not exist is not created."""
-    from flowers_job.runs import format_runs, list_runs
-    from flowers_job.tracking import TrackingError, use_credentials
+    from flowers_job.driver.runs import format_runs, list_runs
+    from flowers_job.tracking.mlflow_run import TrackingError, use_credentials
 
     try:
         cfg = _config(args)

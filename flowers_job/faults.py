@@ -14,7 +14,7 @@ kind                what that rank does at that epoch
 ``abort``           the rank calls ``os.abort()`` half-way through the epoch: it dies of
                     SIGABRT without a Python exception, as a crash in native code does
 ``kill``            the rank SIGKILLs itself half-way through the epoch: no exception, no
-                    fatal-signal report; its sentinel (:mod:`flowers_job.sentinel`) names it
+                    fatal-signal report; its sentinel (:mod:`flowers_job.runtime.watchdog`) names it
 ``oom``             the rank allocates and touches memory half-way through the epoch until
                     the kernel's OOM killer ends it (at most :data:`OOM_MAX_BYTES` or
                     :data:`OOM_MAX_SECONDS`, then it raises). Only in a memory cgroup with a
@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from flowers_job.sentinel import memory_cgroup, memory_limit
+from flowers_job.runtime.watchdog import memory_cgroup, memory_limit
 
 __all__ = [
     "ATTEMPT_ENV",

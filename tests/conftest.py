@@ -192,7 +192,7 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """Local Spark with 2 task slots (barrier mode needs one per training process). Its
     session catalog (``spark_catalog``, in memory) keeps managed tables under a temp
     ``spark.sql.warehouse.dir``, not ``./spark-warehouse``."""
-    from flowers_job.spark import get_spark
+    from flowers_job.cluster.session import get_spark
 
     short = os.environ.get("SPARK_SUBMIT_OPTS")
     os.environ["SPARK_SUBMIT_OPTS"] = SESSION_JVM
@@ -223,7 +223,7 @@ def tables(spark: object, photos: Path, tmp_path_factory: pytest.TempPathFactory
     """An output dir holding the four Delta tables of ``photos`` ingested at 32 px, shared by
     the tests that prepare loader caches from them (each cache lives in its own run folder)."""
     from flowers_job.config import load_config
-    from flowers_job.data.ingest import ingest
+    from flowers_job.ingest.job import ingest
 
     out = tmp_path_factory.mktemp("tables32")
     cfg = load_config(

@@ -4,7 +4,7 @@ and the serving benchmark.
 
 The model is the job's own: EfficientNet-Lite0 with its offline ImageNet weights and a new,
 untrained head (seeded, so the same every time), logged and registered by the job's own
-:meth:`flowers_job.tracking.RunTracker.log_model` with the ``model_config`` the worker builds (:func:`flowers_job.serving.model_config`),
+:meth:`flowers_job.tracking.mlflow_run.RunTracker.log_model` with the ``model_config`` the worker builds (:func:`flowers_job.serving.pyfunc_model.model_config`),
 into a sqlite store under ``output_dir``. Its probabilities are not meaningful; its decode,
 transform and model path are exactly a trained model's.
 """
@@ -35,9 +35,9 @@ sys.path.insert(
 from cluster import mlflow_server
 
 from flowers_job.config import load_config
-from flowers_job.models import build_model
-from flowers_job.serving import model_config
-from flowers_job.tracking import RunTracker, preflight
+from flowers_job.serving.pyfunc_model import model_config
+from flowers_job.tracking.mlflow_run import RunTracker, preflight
+from flowers_job.vision.backbones import build_model
 
 LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 START_SECONDS = 120

@@ -91,7 +91,7 @@ class S3Store:
 
     def submit_args(self) -> str:
         """``PYSPARK_SUBMIT_ARGS`` that give a local session built by pyspark (the CLI's
-        ``flowers_job.spark.get_spark``) :meth:`spark_conf`. ``--packages`` names Delta
+        ``flowers_job.cluster.session.get_spark``) :meth:`spark_conf`. ``--packages`` names Delta
         too: an explicit ``--packages`` wins over the ``spark.jars.packages`` that
         ``configure_spark_with_delta_pip`` sets, which would otherwise leave hadoop-aws out."""
         conf = self.spark_conf()

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from flowers_job.allocator import (
+from flowers_job.runtime.allocator import (
     ALLOCATOR_ENV,
     allocator_report,
     apply_to_environ,
@@ -38,7 +38,7 @@ def test_a_process_reports_the_environment_it_started_with() -> None:
     later change to ``os.environ``."""
     code = (
         "import os, json; os.environ['MALLOC_TOP_PAD_'] = 'changed'; "
-        "from flowers_job.allocator import allocator_report; print(json.dumps(allocator_report()))"
+        "from flowers_job.runtime.allocator import allocator_report; print(json.dumps(allocator_report()))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
     started = {**env, "MALLOC_MMAP_MAX_": "0"}

@@ -14,7 +14,7 @@ from PIL import Image
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.ingest import IngestError, IngestReport, ingest
+from flowers_job.ingest.job import IngestError, IngestReport, ingest
 
 from .conftest import PHOTOS, sample_photos
 from .test_images import _encode, _gradient, _variants

@@ -326,7 +326,7 @@ def test_score_task_scores_the_test_table_with_the_model_train_registered(
     assert _flag(args, "--table") == "${var.tables_catalog}.${var.tables_schema}.images"
     assert _flag(args, "--split") == "test"  # the held-out split, a partition of images
     from flowers_job.cli import build_parser
-    from flowers_job.data.table_ref import TableRef
+    from flowers_job.tables.table_ref import TableRef
 
     values = _variables(bundle, "dev")
     parsed = build_parser().parse_args(  # what the entry point parses
@@ -511,7 +511,7 @@ def test_every_third_party_import_is_declared() -> None:
     mlflow pulls scikit-learn and matplotlib; mlflow-skinny, what runtimes ship, does not).
     And what the end of a run imports is a requirement of the wheel itself, not an extra's."""
     import flowers_job
-    from flowers_job.packages import RUN_PACKAGES
+    from flowers_job.tracking.packages import RUN_PACKAGES
 
     project = _project()
     base = {canonicalize_name(r.name) for r in _requirements(project["dependencies"])}
@@ -944,8 +944,8 @@ def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
 
 @pytest.mark.parametrize("target", ["dev", "prod"])
 def test_clusters_run_with_the_allocator_tuning(bundle: dict[str, Any], target: str) -> None:
-    """Every process of the job cluster gets flowers_job.allocator's glibc settings."""
-    from flowers_job.allocator import ALLOCATOR_ENV
+    """Every process of the job cluster gets flowers_job.runtime.allocator's glibc settings."""
+    from flowers_job.runtime.allocator import ALLOCATOR_ENV
 
     env = _job_cluster(bundle, target)["spark_env_vars"]
     assert {name: env.get(name) for name in ALLOCATOR_ENV} == dict(ALLOCATOR_ENV)

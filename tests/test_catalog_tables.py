@@ -22,13 +22,13 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import ConfigError, JobConfig, load_config
-from flowers_job.data.ingest import ingest
-from flowers_job.data.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION, vacuum_tables
-from flowers_job.data.table_ref import TableRef, ensure_schema, table_ref
-from flowers_job.data.tables import checked_tables, latest_commit
+from flowers_job.driver.pipeline import run_training
 from flowers_job.errors import DataError
+from flowers_job.ingest.job import ingest
 from flowers_job.location import Location
-from flowers_job.pipeline import run_training
+from flowers_job.tables.delta_tables import checked_tables, latest_commit
+from flowers_job.tables.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION, vacuum_tables
+from flowers_job.tables.table_ref import TableRef, ensure_schema, table_ref
 
 from .conftest import PHOTOS, sample_photos
 

@@ -84,7 +84,7 @@ password is found in no log, summary or MLflow param."""
 TRAIN_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
 """spark-submit settings of the fault runs that train (``train``) on tables already
 ingested: Delta rebuilds a table's state in 2 partitions, as local mode does
-(flowers_job.spark), instead of 50, which on two 1-core executors is some 800 tasks of
+(flowers_job.cluster.session), instead of 50, which on two 1-core executors is some 800 tasks of
 nothing per run (about 30 s at a load of 5 on the 2-core CI machine). The job's first
 end-to-end run (``run``, killed in epoch 2 and restarted) keeps Spark's defaults, as
 docs/cluster.md runs it."""
@@ -323,7 +323,7 @@ def check_registered(
     assert version.run_id == run.info.run_id
     assert summary["model_uri"].startswith("models:/")
     # the driver's champion decision, made and recorded through the server
-    assert "flowers_job.promotion" in run.data.tags
+    assert "flowers_job.driver.promotion" in run.data.tags
     promotion = summary["promotion"]
     champion = client.get_model_version_by_alias(summary["registered_model_name"], "champion")
     expected = version.version if promotion["promoted"] else str(promotion["champion_version"])

@@ -23,9 +23,9 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, load_config
-from flowers_job.model_ref import ModelRef
-from flowers_job.pipeline import run_ingest, run_job, run_training
-from flowers_job.predict import predict
+from flowers_job.driver.pipeline import run_ingest, run_job, run_training
+from flowers_job.serving.batch_predict import predict
+from flowers_job.serving.model_ref import ModelRef
 
 from .conftest import run_cli, stop_server
 

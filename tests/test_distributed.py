@@ -1,4 +1,4 @@
-"""flowers_job.distributed with real processes: 2 gloo ranks started by torchrun.
+"""flowers_job.runtime.process_group with real processes: 2 gloo ranks started by torchrun.
 
 The teardown test reproduces a race seen in CI and in test runs here (core dumps:
 ``ProcessGroupGloo::runLoop`` destroying an ``AsyncBroadcastWork`` while the interpreter
@@ -22,7 +22,7 @@ RANK_SCRIPT = """
 import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from flowers_job.distributed import broadcast_object, init_distributed
+from flowers_job.runtime.process_group import broadcast_object, init_distributed
 
 ctx = init_distributed(use_gpu=False, timeout_seconds=60)
 DDP(torch.nn.Linear(3, 3))  # DDP keeps the process group's threads alive after it is left
@@ -67,8 +67,8 @@ def test_ranks_exit_cleanly_right_after_the_last_broadcast(tmp_path: Path, attem
 
 
 REDUCE_SCRIPT = """
-from flowers_job.distributed import init_distributed, shutdown_distributed
-from flowers_job.train.sums import PassSums, reduce_sums
+from flowers_job.runtime.process_group import init_distributed, shutdown_distributed
+from flowers_job.train.metrics import PassSums, reduce_sums
 
 ctx = init_distributed(use_gpu=False, timeout_seconds=60)
 mine = PassSums(0.5 + ctx.rank, 1, 2**61, 2**63 - 1 if ctx.rank == 0 else 5, 3)

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from flowers_job.cluster.executor_probe import check_executors
 from flowers_job.config import ConfigError, load_config
-from flowers_job.credentials import (
+from flowers_job.tracking.credentials import (
     DATABRICKS_VARIABLES,
     credential_problems,
     credential_variables,
@@ -26,8 +27,7 @@ from flowers_job.credentials import (
     executor_tracking,
     redact,
 )
-from flowers_job.probe import check_executors
-from flowers_job.tracking import preflight
+from flowers_job.tracking.mlflow_run import preflight
 
 from .model_registry import tracking_server
 

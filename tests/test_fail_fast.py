@@ -21,8 +21,8 @@ import torch
 from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, load_config
-from flowers_job.pipeline import run_job, run_training
-from flowers_job.tracking import TrackingError, preflight
+from flowers_job.driver.pipeline import run_job, run_training
+from flowers_job.tracking.mlflow_run import TrackingError, preflight
 
 from .conftest import run_cli
 

@@ -35,14 +35,14 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.prepare import prepare_data
+from flowers_job.driver.pipeline import TrainingError, run_training
+from flowers_job.driver.prepare import prepare_data
+from flowers_job.driver.runs import list_runs
 from flowers_job.errors import DataError
 from flowers_job.faults import FAULT_ENV
-from flowers_job.loaders.petastorm import write_balanced
-from flowers_job.loaders.streaming import write_mds
-from flowers_job.pipeline import TrainingError, run_training
-from flowers_job.runs import list_runs
-from flowers_job.tracking import FAILURE_TAG
+from flowers_job.loaders.petastorm.petastorm_loader import write_balanced
+from flowers_job.loaders.streaming.streaming_loader import write_mds
+from flowers_job.tracking.mlflow_run import FAILURE_TAG
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
 
 from .conftest import MARK_ENV, copy_tables, marked_processes

@@ -25,7 +25,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flowers_job.config import load_config
-from flowers_job.data.batch_decode import (
+from flowers_job.loaders.base import wrap_int64
+from flowers_job.runtime.devices import check_own_gpus, rank_device, serving_device
+from flowers_job.train.metrics import PassSums, Sums
+from flowers_job.train.step import DeviceNormalize, amp_dtype, train_one_epoch
+from flowers_job.vision.backbones import build_model
+from flowers_job.vision.batch_decode import (
     CROP_RATIO,
     CROP_SCALE,
     BatchDecoder,
@@ -33,12 +38,7 @@ from flowers_job.data.batch_decode import (
     pad_jpegs,
     step_seed,
 )
-from flowers_job.data.images import DecodeTransform, normalize_image
-from flowers_job.devices import check_own_gpus, rank_device, serving_device
-from flowers_job.loaders.base import wrap_int64
-from flowers_job.models import build_model
-from flowers_job.train.step import DeviceNormalize, amp_dtype, train_one_epoch
-from flowers_job.train.sums import PassSums, Sums
+from flowers_job.vision.images import DecodeTransform, normalize_image
 
 from .conftest import PHOTOS
 
@@ -274,7 +274,7 @@ def test_the_ema_update_reads_only_its_host_count_and_averages_as_torch_does() -
     step), and the average equals ``AveragedModel.update_parameters``' on the same steps."""
     import copy
 
-    from flowers_job.train.recipe import attach_ema, make_ema
+    from flowers_job.train.fine_tuning import attach_ema, make_ema
 
     torch.manual_seed(0)
     model = build_model("efficientnet_lite0", 5, "none", freeze_backbone=False)
@@ -328,7 +328,7 @@ def test_served_plain_jpegs_take_the_batched_decoder_and_score_like_pillow(
     """FLOWERS_SERVING_DECODE=device runs the GPU's serving path on the CPU: the plain JPEGs
     go through the batched decoder, a PNG and an EXIF-rotated JPEG through Pillow, and the
     probabilities match the Pillow-only scorer's to 0.05."""
-    from flowers_job.scorer import Scorer
+    from flowers_job.serving.scorer import Scorer
 
     torch.manual_seed(0)
     model = build_model("efficientnet_lite0", 5, "none", freeze_backbone=False)

@@ -2,7 +2,7 @@
 
 What cannot run here: CUDA itself (no GPU in CI). What runs for real: a new local Spark
 session (its own JVM, in a subprocess: the tests' session already exists) started with
-:func:`flowers_job.spark.local_gpu_conf`, Spark running the discovery script, and
+:func:`flowers_job.cluster.session.local_gpu_conf`, Spark running the discovery script, and
 TorchDistributor's own checks and GPU assignment for local mode with ``use_gpu=True``.
 """
 
@@ -18,16 +18,16 @@ import pytest
 import torch
 from pyspark.sql import SparkSession
 
+from flowers_job.cluster.session import driver_gpus, local_gpu_conf
 from flowers_job.config import ConfigError, load_config
-from flowers_job.pipeline import check_cluster
-from flowers_job.spark import driver_gpus, local_gpu_conf
+from flowers_job.driver.pipeline import check_cluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
 _PROBE = """
 import json, sys
 from pathlib import Path
-from flowers_job.spark import driver_gpus, get_spark, local_gpu_conf
+from flowers_job.cluster.session import driver_gpus, get_spark, local_gpu_conf
 from pyspark.ml.torch.distributor import TorchDistributor, _get_gpus_owned
 
 spark = get_spark("gpu-probe", master="local[2]", conf=local_gpu_conf(2, Path(sys.argv[1])))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flowers_job.data.images import ImageRejected, normalize_image, open_rgb
+from flowers_job.vision.images import ImageRejected, normalize_image, open_rgb
 
 from .conftest import PHOTOS
 
@@ -117,7 +117,7 @@ def test_ingest_does_not_load_torch() -> None:
     import sys
 
     code = (
-        "import sys, flowers_job.data.ingest, flowers_job.data.prepare; "
+        "import sys, flowers_job.ingest.job, flowers_job.driver.prepare; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')))"
     )
     out = subprocess.run(

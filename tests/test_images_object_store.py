@@ -20,9 +20,9 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import ConfigError, JobConfig, load_config
-from flowers_job.data.images import ImageRejected
-from flowers_job.data.ingest import IngestError, check_images_root, ingest
-from flowers_job.data.listing import label_folders, list_entry, listing_units, read_listed_file
+from flowers_job.ingest.job import IngestError, check_images_root, ingest
+from flowers_job.photos.listing import label_folders, list_entry, listing_units, read_listed_file
+from flowers_job.vision.images import ImageRejected
 
 from .conftest import LABELS, PHOTOS
 from .s3 import S3Store, s3_server  # noqa: F401 (fixture)

@@ -15,8 +15,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.ingest import ingest
-from flowers_job.data.tables import TABLE_NAMES, checked_tables
+from flowers_job.ingest.job import ingest
+from flowers_job.tables.delta_tables import TABLE_NAMES, checked_tables
 
 from .conftest import PHOTOS, sample_photos
 
@@ -127,7 +127,7 @@ def test_too_many_bad_files_counts_the_whole_table_after_the_change(
     assert first.quarantined_rows == 1
     history = {n: DeltaTable.forPath(spark, p).history().count() for n, p in first.tables.items()}
     (images / "tulips" / "bad2.jpg").write_bytes(b"no")  # 2 of 12 = 16.7% > 10%
-    from flowers_job.data.ingest import IngestError
+    from flowers_job.ingest.job import IngestError
 
     with pytest.raises(IngestError, match=r"2 of 12 files .* not_an_image 2"):
         ingest(spark, cfg)
@@ -143,7 +143,7 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     versions, except those of a version a loader cache entry was built from. The changes
     are full rebuilds (``--full``): an incremental MERGE marks rows in deletion vectors and
     leaves every data file of the older versions in use."""
-    from flowers_job.data.cache import ENTRIES, ENTRY_FILE, PLAN_FILE
+    from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, PLAN_FILE
 
     images = sample_photos(tmp_path / "images", per_label=2)
     cfg = _cfg(images, tmp_path / "out", "data.retention_hours=0")

@@ -15,9 +15,9 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data import ingest_write
-from flowers_job.data.ingest import IngestError, ingest
-from flowers_job.data.tables import SPLITS, TABLE_NAMES
+from flowers_job.ingest import write as ingest_write
+from flowers_job.ingest.job import IngestError, ingest
+from flowers_job.tables.delta_tables import SPLITS, TABLE_NAMES
 
 from .conftest import LABELS, PHOTOS, sample_photos
 
@@ -153,8 +153,8 @@ def test_splits_are_partitions_of_the_one_images_table(spark: SparkSession, inge
     partition pruning, and the report's counts are the partitions' rows."""
     from delta.tables import DeltaTable
 
-    from flowers_job.data.table_ref import table_ref
-    from flowers_job.data.tables import split_frame
+    from flowers_job.tables.delta_tables import split_frame
+    from flowers_job.tables.table_ref import table_ref
 
     cfg, report = ingested
     detail = DeltaTable.forPath(spark, report.tables["images"]).detail().first()
@@ -222,7 +222,7 @@ def test_changed_clean_input_is_reingested_consistently(
     """Both ingests have an empty quarantine. Delta skips an empty overwrite of an empty
     table by default, which would leave the first run's metadata on the quarantine table and
     tables that training refuses however often ingest is re-run."""
-    from flowers_job.data.tables import checked_tables
+    from flowers_job.tables.delta_tables import checked_tables
 
     images = sample_photos(tmp_path / "images", per_label=1)
     cfg = _cfg(images, tmp_path / "out", *SMALL_SPLITS)
@@ -246,8 +246,8 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     """`flowers-job ingest` is killed with SIGKILL (with its JVM) after MERGEing the changes of
     the input into the quarantine table: the images table is unchanged, training refuses
     the mix, and a re-run writes the same tables as a fresh ingest."""
-    from flowers_job.data.tables import checked_tables
     from flowers_job.errors import DataError
+    from flowers_job.tables.delta_tables import checked_tables
 
     images = sample_photos(tmp_path / "images", per_label=2)
     (images / "roses" / "notes.jpg").write_text("not an image\n")  # a non-empty quarantine

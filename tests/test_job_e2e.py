@@ -25,10 +25,10 @@ import pytest
 from pyspark.sql import SparkSession
 
 import flowers_job
-from flowers_job.allocator import ALLOCATOR_ENV
 from flowers_job.config import JobConfig, load_config
-from flowers_job.distributed import DistContext, init_distributed, shutdown_distributed
-from flowers_job.pipeline import run_job, run_training, training_job
+from flowers_job.driver.pipeline import run_job, run_training, training_job
+from flowers_job.runtime.allocator import ALLOCATOR_ENV
+from flowers_job.runtime.process_group import DistContext, init_distributed, shutdown_distributed
 
 from .conftest import LABELS, MARK_ENV, PHOTOS, copy_tables, marked_processes, run_cli
 
@@ -214,7 +214,7 @@ def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path)
     {}))`` written by its own ``FunctionPickler``, the job built as ``run_training`` does."""
     from pyspark.ml.dl_util import FunctionPickler
 
-    from flowers_job.data.prepare import prepare_data
+    from flowers_job.driver.prepare import prepare_data
     from flowers_job.train.rank import train_worker
 
     with prepare_data(spark, cfg) as data:
@@ -379,7 +379,7 @@ def test_frozen_backbone_validation_features_once_give_the_same_metrics(
     tests'."""
     import matplotlib.pyplot as plt
 
-    from flowers_job.data.prepare import prepare_data
+    from flowers_job.driver.prepare import prepare_data
     from flowers_job.train.loop import fit
     from flowers_job.train.state import Plans
 

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from flowers_job.data.images import ImageRejected
-from flowers_job.data.listing import (
+from flowers_job.photos.listing import (
     entry_shard,
     label_folders,
     list_entry,
     read_listed_file,
 )
+from flowers_job.vision.images import ImageRejected
 
 pytestmark = pytest.mark.tier("gate")
 
@@ -180,7 +180,7 @@ def test_one_large_folder_is_listed_by_several_tasks(spark: SparkSession, tmp_pa
     walk, none twice, and they come from more than one task."""
     from pyspark.sql import functions as F
 
-    from flowers_job.data.files import list_files
+    from flowers_job.photos.files import list_files
 
     root = tmp_path / "root"
     (root / "daisy" / "sub").mkdir(parents=True)
@@ -198,9 +198,9 @@ def test_one_large_folder_is_listed_by_several_tasks(spark: SparkSession, tmp_pa
 
 def test_many_folders_are_listed_in_two_tasks_per_slot(spark: SparkSession, tmp_path: Path) -> None:
     """7 label folders of 4 units each (28 units) are listed by 2 tasks per task slot, not
-    one task per unit: each Python task has a fixed cost (flowers_job.data.files), and every
+    one task per unit: each Python task has a fixed cost (flowers_job.photos.files), and every
     entry is still listed once."""
-    from flowers_job.data.files import list_files, listing_shards
+    from flowers_job.photos.files import list_files, listing_shards
 
     root = tmp_path / "root"
     for label in range(7):

@@ -13,9 +13,9 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.cache import ENTRIES, PLAN_FILE, USERS
-from flowers_job.data.prepare import prepare_data
-from flowers_job.processes import driver_identity
+from flowers_job.driver.prepare import prepare_data
+from flowers_job.loaders.cache_dir import ENTRIES, PLAN_FILE, USERS
+from flowers_job.runtime.parent_watch import driver_identity
 
 from .conftest import SELECTED_LOADERS
 

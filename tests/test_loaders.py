@@ -2,7 +2,7 @@
 
 Each case prepares the train split exactly as training does (Delta -> the loader's cache ->
 a shard plan), then reads it on every rank with real TorchDistributor processes (gloo)
-through :func:`flowers_job.train.probe.read_shards`, the same loader code the training loop
+through :func:`flowers_job.train.shard_read.read_shards`, the same loader code the training loop
 uses. It checks the invariants of issues 2 and 3 for both loaders: every rank runs the same
 number of steps, every row is read exactly once per epoch (and the worker's row-count and
 checksum checks catch a dropped or repeated row), a new order every epoch, and the same
@@ -19,10 +19,10 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.prepare import prepare_data
+from flowers_job.driver.prepare import prepare_data
 from flowers_job.errors import ShardError
 from flowers_job.loaders.base import ShardPlan, wrap_int64
-from flowers_job.train.sums import PassSums, check_shard, check_totals
+from flowers_job.train.metrics import PassSums, check_shard, check_totals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.tier("full")]
 
@@ -34,7 +34,7 @@ def _read(
     image size and loader settings."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    from flowers_job.train.probe import read_shards
+    from flowers_job.train.shard_read import read_shards
 
     job = {
         "plan": plan.to_dict(),

@@ -1,6 +1,6 @@
 """Where shared files live (flowers_job/location.py): one behaviour on a local disk and in a
 bucket of a real S3 API server (moto, tests/s3.py), and the helpers around it: the
-Streaming host cache (loaders/streaming_remote.py), the local session's S3 settings
+Streaming host cache (loaders/streaming/remote.py), the local session's S3 settings
 (spark.object_store_conf), the config's refusals. No Spark: seconds."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from flowers_job.cluster.session import object_store_conf
 from flowers_job.config import ConfigError, load_config
-from flowers_job.loaders.streaming_remote import dataset_source, enter_host_cache, leave_host_cache
+from flowers_job.loaders.streaming.remote import dataset_source, enter_host_cache, leave_host_cache
 from flowers_job.location import Location, copy_files_up, is_remote
-from flowers_job.spark import object_store_conf
 
 from .s3 import S3Store, s3, s3_jars, s3_server  # noqa: F401 (fixtures)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowers_job.models import build_model
+from flowers_job.vision.backbones import build_model
 
 pytestmark = pytest.mark.tier("gate")
 

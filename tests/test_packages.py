@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flowers_job.config import ConfigError
-from flowers_job.packages import RUN_PACKAGES, check_run_packages
+from flowers_job.tracking.packages import RUN_PACKAGES, check_run_packages
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 

@@ -1,4 +1,4 @@
-"""Ranks placed on hosts in Spark's order (flowers_job.placement.HostLayout): which shard each
+"""Ranks placed on hosts in Spark's order (flowers_job.cluster.placement.HostLayout): which shard each
 rank reads, and which loader can serve which layout. The same on a real cluster:
 tests/test_cluster.py::TestLoopbackNames (4 ranks on 2 hosts, 3 ranks on 2 hosts)."""
 
@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from flowers_job.distributed import shard_environment
+from flowers_job.cluster.placement import HostLayout
 from flowers_job.loaders import loader_class
-from flowers_job.placement import HostLayout
+from flowers_job.runtime.process_group import shard_environment
 
 pytestmark = pytest.mark.tier("gate")
 

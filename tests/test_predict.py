@@ -22,8 +22,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.cli import main
-from flowers_job.model_ref import ship_model
-from flowers_job.predict import (
+from flowers_job.serving.batch_predict import (
     OUTPUT_COLUMNS,
     ROWS_PER_PARTITION,
     PredictError,
@@ -34,6 +33,7 @@ from flowers_job.predict import (
     score_images,
     scoring_partitions,
 )
+from flowers_job.serving.model_ref import ship_model
 
 from .conftest import LABELS, PHOTOS, run_cli, sample_photos
 from .model_registry import register_model
@@ -204,7 +204,7 @@ def test_model_loaded_once_per_python_worker(spark: SparkSession, registry: dict
 
         import torch
 
-        from flowers_job import scoring
+        from flowers_job.serving import score_udf as scoring
 
         for _ in batches:
             yield pd.DataFrame(

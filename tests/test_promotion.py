@@ -22,9 +22,9 @@ import pytest
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.credentials import store_client
-from flowers_job.promotion import CHAMPION, promote
-from flowers_job.tracking import TAG_TEST_SPLIT
+from flowers_job.driver.promotion import CHAMPION, promote
+from flowers_job.tracking.credentials import store_client
+from flowers_job.tracking.mlflow_run import TAG_TEST_SPLIT
 
 from .conftest import LABELS, PHOTOS
 from .model_registry import register_model, tracking_server
@@ -104,7 +104,10 @@ def test_the_champion_moves_only_to_an_equal_or_better_score_on_the_same_split(
     client = mlflow.MlflowClient(cfg.tracking_uri)
     run = client.get_run(worse["mlflow_run_id"])
     assert run.data.tags["flowers_job.promoted"] == "false"
-    assert "0.7000 < the champion's (version 1) 0.8000" in run.data.tags["flowers_job.promotion"]
+    assert (
+        "0.7000 < the champion's (version 1) 0.8000"
+        in run.data.tags["flowers_job.driver.promotion"]
+    )
     assert run.data.metrics["champion_test_accuracy"] == 0.80
     with store_client(cfg.tracking_uri) as scoped:  # MLflow 3.0.1: see store_client
         logged = json.loads(

@@ -1,4 +1,4 @@
-"""flowers_job.python_workers: the zip importer's lazy invalidation (CPython gh-103200), in a
+"""flowers_job.cluster.python_workers: the zip importer's lazy invalidation (CPython gh-103200), in a
 fresh interpreter as a PySpark worker uses it."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     reads = []
     original = zipimport._read_directory
     zipimport._read_directory = lambda path: reads.append(path) or original(path)
-    from flowers_job.python_workers import lazy_zip_directories
+    from flowers_job.cluster.python_workers import lazy_zip_directories
     assert lazy_zip_directories() and not lazy_zip_directories()  # once per process
     sys.path.insert(0, archive)
     import first

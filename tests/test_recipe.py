@@ -15,16 +15,16 @@ from torch.optim.swa_utils import AveragedModel
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.config.load import ConfigError
-from flowers_job.models import (
+from flowers_job.train.checkpoint import load_checkpoint, save_checkpoint
+from flowers_job.train.fine_tuning import attach_ema, layer_ids, make_ema, param_groups
+from flowers_job.train.state import make_scheduler
+from flowers_job.train.step import make_optimizer
+from flowers_job.vision.backbones import (
     LITE_MEAN,
     build_model,
     native_image_size,
     preprocessing_for,
 )
-from flowers_job.train.checkpoint import load_checkpoint, save_checkpoint
-from flowers_job.train.recipe import attach_ema, layer_ids, make_ema, param_groups
-from flowers_job.train.state import make_scheduler
-from flowers_job.train.step import make_optimizer
 
 pytestmark = pytest.mark.tier("gate")
 

@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from flowers_job.config import load_config
-from flowers_job.data.cache import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
-from flowers_job.processes import driver_identity, process_alive, watched_processes
-from flowers_job.tracking import RunTracker
+from flowers_job.loaders.cache_dir import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
+from flowers_job.runtime.parent_watch import driver_identity, process_alive, watched_processes
+from flowers_job.tracking.mlflow_run import RunTracker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
@@ -42,7 +42,7 @@ def test_a_rank_and_its_children_exit_when_the_driver_dies(tmp_path: Path) -> No
     driver = subprocess.Popen(["sleep", "600"])
     code = (
         "import json, subprocess, sys, time\n"
-        "from flowers_job.processes import watch_driver\n"
+        "from flowers_job.runtime.parent_watch import watch_driver\n"
         "assert watch_driver(json.loads(sys.argv[1]), interval_seconds=0.2)\n"
         "child = subprocess.Popen(['sleep', '600'])\n"
         "open(sys.argv[2], 'w').write(str(child.pid))\n"
@@ -149,7 +149,7 @@ def test_the_shared_memory_of_a_killed_runs_streaming_datasets_is_swept(tmp_path
 
     from streaming.base.shared.prefix import _pack_locals
 
-    from flowers_job.loaders.streaming import remove_streaming_state
+    from flowers_job.loaders.streaming.streaming_loader import remove_streaming_state
 
     ours, other = tmp_path / "run-a", tmp_path / "run-b"
     blocks = []
@@ -227,7 +227,7 @@ def test_a_sigterm_during_a_ranks_failure_report_does_not_cut_it_short(tmp_path:
 def test_the_driver_ends_a_run_its_ranks_left_running(tmp_path: Path) -> None:
     """A rank 0 SIGKILLed mid-run cannot end its run: the driver's backstop marks it FAILED
     with the cause, and leaves an ended run as it is."""
-    from flowers_job.tracking import mark_run_failed
+    from flowers_job.tracking.mlflow_run import mark_run_failed
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flowers_job.report import (
+from flowers_job.tracking.class_report import (
     WORST_MISTAKES,
     Mistake,
     build_test_report,

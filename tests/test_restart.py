@@ -25,9 +25,9 @@ import torch
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
+from flowers_job.driver.pipeline import TrainingError, run_training
 from flowers_job.faults import FAULT_ENV
-from flowers_job.pipeline import TrainingError, run_training
-from flowers_job.tracking import FAILURE_TAG
+from flowers_job.tracking.mlflow_run import FAILURE_TAG
 from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME
 
 from .conftest import copy_tables

@@ -1,6 +1,6 @@
 """The driver's restart policy and the checkpoint dir a run starts with, without Spark:
-which failures are restarted (:func:`flowers_job.restarts.refusal`), and what
-:func:`flowers_job.restarts.begin_training` keeps or removes for a new run, a resume and a
+which failures are restarted (:func:`flowers_job.driver.restarts.refusal`), and what
+:func:`flowers_job.driver.restarts.begin_training` keeps or removes for a new run, a resume and a
 resume under another key. The restarts themselves, with real processes:
 tests/test_restart.py and tests/test_cluster.py."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.failures import TrainingError
-from flowers_job.restarts import begin_training, refusal
+from flowers_job.driver.failures import TrainingError
+from flowers_job.driver.restarts import begin_training, refusal
 from flowers_job.train.checkpoint import (
     CHECKPOINT_NAME,
     RUN_FILE_NAME,

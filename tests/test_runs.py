@@ -1,4 +1,4 @@
-"""The runs of an output dir and their true state (flowers_job.runs, ``flowers-job runs``).
+"""The runs of an output dir and their true state (flowers_job.driver.runs, ``flowers-job runs``).
 
 A real MLflow sqlite store per test (a copy of one made per module), real driver processes
 (a Python process that records itself with ``record_driver``, SIGKILLed where the test needs
@@ -26,14 +26,14 @@ import pytest
 
 from flowers_job.cli import main
 from flowers_job.config import load_config
-from flowers_job.runs import (
+from flowers_job.driver.runs import (
     ABANDONED,
     UNKNOWN,
     end_abandoned_run,
     list_runs,
     read_driver,
 )
-from flowers_job.tracking import EPOCH_KEY, FAILURE_TAG, TAG_OUTPUT_DIR, RunTracker
+from flowers_job.tracking.mlflow_run import EPOCH_KEY, FAILURE_TAG, TAG_OUTPUT_DIR, RunTracker
 from flowers_job.train.checkpoint import write_run_id
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = "flowers_job"
 DRIVER_START_SECONDS = 60.0
-"""Bound on the wait for a driver process to record itself (an import of flowers_job.runs)."""
+"""Bound on the wait for a driver process to record itself (an import of flowers_job.driver.runs)."""
 
 
 @dataclass
@@ -106,7 +106,7 @@ def driver_process(checkpoint_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A process that records itself as the driver of ``checkpoint_dir`` and sleeps;
     killed on exit."""
     code = (
-        "import sys, time; from pathlib import Path; from flowers_job.runs import "
+        "import sys, time; from pathlib import Path; from flowers_job.driver.runs import "
         "record_driver; record_driver(Path(sys.argv[1])); time.sleep(600)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(checkpoint_dir)], cwd=REPO)
@@ -137,7 +137,7 @@ def job_warnings() -> Iterator[list[logging.LogRecord]]:
     MLflow's alembic migrations, whose ``logging.config.fileConfig`` (mlflow 3.0.1, the DBR
     environment) replaces the root logger's handlers and disables the loggers that exist by
     then (``disable_existing_loggers``)."""
-    for name in ("flowers_job", "flowers_job.runs", "flowers_job.tracking"):
+    for name in ("flowers_job", "flowers_job.driver.runs", "flowers_job.tracking.mlflow_run"):
         logging.getLogger(name).disabled = False
     logger = logging.getLogger("flowers_job")
     handler, level = logging.handlers.BufferingHandler(capacity=1_000), logger.level

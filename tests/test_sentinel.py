@@ -1,10 +1,10 @@
 """A killed rank is named, with its signal (issue 18, part 5): each rank's sentinel
-(:mod:`flowers_job.sentinel`) with real processes, no Spark, no torch.
+(:mod:`flowers_job.runtime.watchdog`) with real processes, no Spark, no torch.
 
 A stand-in rank (``python -c``) starts its sentinel through :func:`start_sentinel`, as
 :func:`flowers_job.train.rank.train_worker` does, and then sleeps, says done, reports an
 exception, SIGKILLs itself or runs out of memory in a real memory cgroup. The driver's side
-(:func:`flowers_job.failures.failure`) reads what the sentinel wrote.
+(:func:`flowers_job.driver.failures.failure`) reads what the sentinel wrote.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from flowers_job import faults
-from flowers_job.failures import (
+from flowers_job.driver.failures import (
     DONE_SUFFIX,
     FATAL_SUFFIX,
     RANKS_FILE,
@@ -34,7 +34,7 @@ from flowers_job.failures import (
     wait_for_reports,
 )
 from flowers_job.faults import ATTEMPT_ENV, FAULT_CGROUP_ENV, FAULT_ENV, delay, inject
-from flowers_job.sentinel import KILLED_SUFFIX, sentinel_done, start_sentinel
+from flowers_job.runtime.watchdog import KILLED_SUFFIX, sentinel_done, start_sentinel
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
@@ -47,7 +47,7 @@ _RANK = """
 import json, sys, time
 from pathlib import Path
 from flowers_job.faults import inject, join_fault_cgroup
-from flowers_job.sentinel import sentinel_done, start_sentinel
+from flowers_job.runtime.watchdog import sentinel_done, start_sentinel
 
 directory, mode = Path(sys.argv[1]), sys.argv[2]
 join_fault_cgroup(1)

@@ -21,11 +21,10 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import load_config
-from flowers_job.data.images import DecodeTransform
-from flowers_job.data.prepare import prepare_data
+from flowers_job.driver.prepare import prepare_data
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders.base import ShardPlan, row_stats, wrap_int64
-from flowers_job.loaders.petastorm import (
+from flowers_job.loaders.petastorm.petastorm_loader import (
     PetastormLoader,
     PetastormPlan,
     cache_partitions,
@@ -34,7 +33,8 @@ from flowers_job.loaders.petastorm import (
     rebatch,
     shard_batches,
 )
-from flowers_job.train.sums import PassSums, check_shard, check_totals
+from flowers_job.train.metrics import PassSums, check_shard, check_totals
+from flowers_job.vision.images import DecodeTransform
 
 from .conftest import loader_skip_reason
 
@@ -175,7 +175,7 @@ def test_training_refuses_too_large_a_batch_before_any_worker_starts(
     """The real path: Delta -> the loader's cache -> shard plan, then no TorchDistributor."""
     import mlflow
 
-    from flowers_job.pipeline import run_training
+    from flowers_job.driver.pipeline import run_training
 
     cfg = load_config(
         None,
@@ -231,7 +231,7 @@ def test_petastorm_shards_stay_within_one_row_whatever_the_input_partitions(
     cache has more partitions than configured (bytes decide), each of floor or ceil(N/P)
     rows, one row group per file; Petastorm's readers read exactly the planned rows and
     checksum per shard, every row once."""
-    from flowers_job.data import balanced
+    from flowers_job.loaders.petastorm import balanced
 
     jpeg = _jpeg()
     df = _skewed_split(spark, SKEWED, jpeg)
@@ -276,7 +276,7 @@ def test_streaming_shards_are_equal_whatever_the_input_partitions(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """The same skewed split as MDS for 3 ranks: 349 rows + 2 padding, 117 per rank."""
-    from flowers_job.loaders.streaming import write_mds
+    from flowers_job.loaders.streaming.streaming_loader import write_mds
 
     df = _skewed_split(spark, SKEWED, b"\xff" * 64)
     plan = write_mds(
@@ -305,7 +305,7 @@ def test_row_checksums_are_exact_at_twenty_million_rows(spark: SparkSession) -> 
     rows, checksum = row_stats(df)
 
     def rank_sums(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from flowers_job.train.sums import row_checksum
+        from flowers_job.train.metrics import row_checksum
 
         total, count, exact = torch.zeros((), dtype=torch.int64), 0, 0
         for b in batches:

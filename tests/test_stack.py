@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from flowers_job.config import ConfigError, JobConfig, load_config
 from flowers_job.loaders import LOADERS, loader_problem, resolve_loader
-from flowers_job.loaders import petastorm as petastorm_loader
+from flowers_job.loaders.petastorm import petastorm_loader
 
 from .conftest import run_cli
 
@@ -103,7 +103,7 @@ def test_streaming_imports_without_its_example_datasets_which_still_load_when_us
     code = textwrap.dedent(
         """
         import sys
-        from flowers_job.loaders.streaming import import_streaming
+        from flowers_job.loaders.streaming.streaming_loader import import_streaming
         streaming = import_streaming()
         from streaming import StreamingDataLoader, StreamingDataset
         from streaming.base.converters import dataframe_to_mds

@@ -12,17 +12,17 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.data.ingest import ingest
-from flowers_job.data.prepare import example_images, prepare_data
-from flowers_job.data.table_ref import table_ref
-from flowers_job.data.tables import (
+from flowers_job.driver.prepare import example_images, prepare_data
+from flowers_job.errors import DataError
+from flowers_job.ingest.job import ingest
+from flowers_job.loaders import resolve_loader
+from flowers_job.tables.delta_tables import (
     PARTITION_COLUMNS,
     TABLE_NAMES,
     checked_tables,
     read_table_metadata,
 )
-from flowers_job.errors import DataError
-from flowers_job.loaders import resolve_loader
+from flowers_job.tables.table_ref import table_ref
 
 from .conftest import sample_photos
 

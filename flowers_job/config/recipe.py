@@ -1,7 +1,7 @@
 """The fine-tuning recipe's settings, part of ``train`` (:class:`~flowers_job.config.TrainConfig`
 derives from :class:`RecipeConfig`), and the checks that span sections.
 
-What each does in training: :mod:`flowers_job.train.recipe`.
+What each does in training: :mod:`flowers_job.train.fine_tuning`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def check_recipe(freeze_backbone: bool, train: TrainConfig) -> None:
 
 def native_image_size_default(data: dict[str, Any], lite: tuple[str, ...]) -> dict[str, Any]:
     """``data.image_size``, when not given, set to the native resolution of
-    ``model.architecture`` (:func:`flowers_job.models.native_image_size`)."""
+    ``model.architecture`` (:func:`flowers_job.vision.backbones.native_image_size`)."""
     section = data.get("data")
     model = data.get("model")
     if (section is not None and not isinstance(section, dict)) or "image_size" in (section or {}):
@@ -86,6 +86,6 @@ def native_image_size_default(data: dict[str, Any], lite: tuple[str, ...]) -> di
     )
     if not isinstance(architecture, str) or architecture not in lite:
         return data
-    from flowers_job.models import native_image_size
+    from flowers_job.vision.backbones import native_image_size
 
     return {**data, "data": {**(section or {}), "image_size": native_image_size(architecture)}}

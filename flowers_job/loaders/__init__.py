@@ -1,10 +1,10 @@
 """The data loaders, one module each behind :class:`~flowers_job.loaders.base.Loader`, and
 the registry that picks one from ``data.loader``.
 
-- ``petastorm`` (:mod:`flowers_job.loaders.petastorm`): Petastorm 0.13.1, its latest
+- ``petastorm`` (:mod:`flowers_job.loaders.petastorm.petastorm_loader`): Petastorm 0.13.1, its latest
   release; runs on the local pinned stack and on Databricks Runtime ML up to 15.4 LTS
   (pyarrow < 15, NumPy < 2).
-- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, pre-installed on
+- ``streaming`` (:mod:`flowers_job.loaders.streaming.streaming_loader`): Mosaic Streaming, pre-installed on
   Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare data for
   distributed training" now recommends.
 
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["LOADERS", "loader_class", "loader_problem", "resolve_loader"]
 
 LOADERS: dict[str, str] = {
-    "petastorm": "flowers_job.loaders.petastorm:PetastormLoader",
-    "streaming": "flowers_job.loaders.streaming:StreamingLoader",
+    "petastorm": "flowers_job.loaders.petastorm.petastorm_loader:PetastormLoader",
+    "streaming": "flowers_job.loaders.streaming.streaming_loader:StreamingLoader",
 }
 """Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
 order and takes the first that runs here."""

@@ -3,7 +3,7 @@
 A loader turns a split's Delta table into a cache that ``world_size`` ranks read in exactly
 ``steps_per_epoch`` batches each, every row once per epoch:
 
-- **driver side** (Spark, :mod:`flowers_job.data.prepare` calls it): ``Loader(cfg)``, then
+- **driver side** (Spark, :mod:`flowers_job.driver.prepare` calls it): ``Loader(cfg)``, then
   :meth:`Loader.write` once per split (write the split's cache, plan its shards: a
   :class:`ShardPlan`), :meth:`Loader.release` when the run ends, and
   :meth:`Loader.sweep` for what a killed run left on this host;
@@ -14,7 +14,7 @@ A loader turns a split's Delta table into a cache that ``world_size`` ranks read
 Every batch is a dict of tensors (:data:`Batch`):
 
 - ``image``: uint8 ``[B, 3, S, S]``, decoded and, for training, augmented
-  (:class:`~flowers_job.data.images.DecodeTransform`); normalised later, on the device;
+  (:class:`~flowers_job.vision.images.DecodeTransform`); normalised later, on the device;
 - ``label_index``: int64 ``[B]``; ``row_id``: int64 ``[B]``;
 - ``valid``: bool ``[B]``: False for padding rows, which count in no loss, metric or checksum.
 
@@ -43,10 +43,10 @@ if TYPE_CHECKING:
     import torch
     from pyspark.sql import DataFrame, SparkSession
 
+    from flowers_job.cluster.placement import HostLayout
     from flowers_job.config import JobConfig
-    from flowers_job.data.images import DecodeTransform
     from flowers_job.loaders.position import EpochStart
-    from flowers_job.placement import HostLayout
+    from flowers_job.vision.images import DecodeTransform
 
 __all__ = [
     "CHECKSUM_MODULUS",
@@ -249,7 +249,7 @@ class Loader(ABC):
 
     def cache_settings(self, split: str) -> dict[str, Any]:
         """The settings that decide the bytes and the plan of ``split``'s cache: part of its
-        key in the loader cache (:func:`flowers_job.data.cache.entry_key`). The base: the
+        key in the loader cache (:func:`flowers_job.loaders.cache_dir.entry_key`). The base: the
         world size, the partitions, the batch size and whether full batches are required."""
         cfg = self.cfg
         return {
@@ -274,14 +274,14 @@ class Loader(ABC):
 
     places_ranks: ClassVar[bool] = False
     """:meth:`check_layout` can refuse a layout: the driver asks Spark where barrier mode
-    places the ranks before any work (:func:`flowers_job.placement.check_placement`)."""
+    places the ranks before any work (:func:`flowers_job.cluster.placement.check_placement`)."""
 
     @classmethod
     def check_layout(cls, layout: HostLayout) -> None:
         """Refuse a layout of ranks on hosts this loader cannot read with.
 
         Args:
-            layout: the ranks' hosts (:func:`flowers_job.distributed.describe_hosts`).
+            layout: the ranks' hosts (:func:`flowers_job.runtime.process_group.describe_hosts`).
 
         Raises:
             RuntimeError: naming the loader and what it needs.
@@ -314,7 +314,7 @@ class Loader(ABC):
         Args:
             plan: the split's plan, from the driver.
             transform: decodes (and for training augments) one stored image.
-            rank: the shard this process reads (:attr:`~flowers_job.distributed.HostLayout.shard`:
+            rank: the shard this process reads (:attr:`~flowers_job.runtime.process_group.HostLayout.shard`:
                 its global rank where the ranks are consecutive on each host);
             world_size: number of ranks (shards); num_nodes: hosts the ranks run on.
             shuffle: a new order every epoch (training) or the stored order.

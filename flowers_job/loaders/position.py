@@ -4,7 +4,7 @@ from a checkpoint inside it with the batches the uninterrupted epoch would have 
 The readers of :mod:`flowers_job.loaders` keep an :class:`EpochCursor`: the loader's own
 random stream (:class:`LoaderRng`) and the batches yielded. A mid-epoch checkpoint stores
 :meth:`~flowers_job.loaders.base.ShardReader.position` per rank; the resumed epoch starts
-from an :class:`EpochStart` (:mod:`flowers_job.train.midepoch`).
+from an :class:`EpochStart` (:mod:`flowers_job.train.step_checkpoint`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A checkpoint holds the model, optimizer, scheduler and GradScaler state, the epo
 completed, the early-stopping state and the best weights so far, the per-epoch
 history, the world size and the configuration (the torchvision reference layout); one
 inside an epoch adds the step and every rank's running sums, loader position and random
-state (:mod:`flowers_job.train.midepoch`). The MLflow run id lives next to them in
+state (:mod:`flowers_job.train.step_checkpoint`). The MLflow run id lives next to them in
 ``mlflow_run.json`` (:func:`write_run_id`).
 It is written to a temporary file in the same directory, flushed to disk and renamed
 over ``last.pt``, so a crash mid-write never leaves a torn ``last.pt``; in an object store

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from flowers_job.distributed import all_gather_object
-from flowers_job.models import Classifier
-from flowers_job.report import WORST_MISTAKES, Mistake, TestReport, build_test_report
+from flowers_job.runtime.process_group import all_gather_object
+from flowers_job.tracking.class_report import WORST_MISTAKES, Mistake, TestReport, build_test_report
+from flowers_job.train.metrics import PassSums, Sums, check_shard, check_totals, reduce_sums
 from flowers_job.train.state import FrozenFeatures, TrainState, open_reader
 from flowers_job.train.step import DeviceNormalize, autocast, forward, masked_loss
-from flowers_job.train.sums import PassSums, Sums, check_shard, check_totals, reduce_sums
+from flowers_job.vision.backbones import Classifier
 
 __all__ = ["ShardScores", "evaluate", "evaluate_test", "score_shard"]
 
@@ -39,11 +39,11 @@ def evaluate(
     Args:
         batches: opens this epoch's validation batches (uint8 images, unaugmented); not
             called when ``features`` holds the shard already.
-        features: with a frozen backbone (:class:`~flowers_job.models.Classifier`), the
+        features: with a frozen backbone (:class:`~flowers_job.vision.backbones.Classifier`), the
             kept features (filled on the first call); None: run the whole model.
 
     Returns:
-        This rank's :meth:`Sums.values <flowers_job.train.sums.Sums.values>`.
+        This rank's :meth:`Sums.values <flowers_job.train.metrics.Sums.values>`.
     """
     model.eval()
     device = normalize.device
@@ -88,7 +88,7 @@ class ShardScores:
     """One rank's scores of its test shard (:func:`score_shard`).
 
     Attributes:
-        sums: :meth:`Sums.values <flowers_job.train.sums.Sums.values>`.
+        sums: :meth:`Sums.values <flowers_job.train.metrics.Sums.values>`.
         labels / predicted: int64 ``[rows]`` label indices of every valid row.
         mistakes: this rank's worst misclassified rows (highest loss first), with pixels.
     """
@@ -170,7 +170,7 @@ def evaluate_test(state: TrainState) -> TestReport | None:
     stopping or the choice of the best epoch.
 
     Returns:
-        On rank 0 the :class:`~flowers_job.report.TestReport` over all ranks; None elsewhere.
+        On rank 0 the :class:`~flowers_job.tracking.class_report.TestReport` over all ranks; None elsewhere.
 
     Raises:
         ShardError: a rank read other rows than planned, or a row was dropped or read twice.

@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from flowers_job import faults
 from flowers_job.config import JobConfig
-from flowers_job.distributed import DistContext, broadcast_object, gather_ranks
+from flowers_job.driver.restarts import FIRST_STEP_FILE, write_json
 from flowers_job.location import Location
-from flowers_job.restarts import FIRST_STEP_FILE, write_json
+from flowers_job.runtime.process_group import DistContext, broadcast_object, gather_ranks
 from flowers_job.train.checkpoint import (
     CHECKPOINT_NAME,
     STEP_CHECKPOINT_NAME,
@@ -34,14 +34,14 @@ from flowers_job.train.checkpoint import (
 )
 from flowers_job.train.early_stopping import Decision
 from flowers_job.train.evaluate import evaluate, evaluate_test
-from flowers_job.train.midepoch import EpochPosition, gather_positions, restore_rng
+from flowers_job.train.fine_tuning import sync_ema_buffers
+from flowers_job.train.metrics import Sums, check_shard, check_totals, reduce_sums
 from flowers_job.train.quality import benchmark_test_accuracy
 from flowers_job.train.rank0 import finish, start_tracking
-from flowers_job.train.recipe import sync_ema_buffers
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers, place_ranks
 from flowers_job.train.step import train_one_epoch
-from flowers_job.train.sums import Sums, check_shard, check_totals, reduce_sums
+from flowers_job.train.step_checkpoint import EpochPosition, gather_positions, restore_rng
 
 __all__ = ["end_epoch", "fit", "run_epoch", "train_one_epoch"]  # train_one_epoch: step.py
 
@@ -195,7 +195,7 @@ def _mid_epoch_checkpoints(
 def _first_step(state: TrainState) -> None:
     """Rank 0, after its first step in this process: when it began training again after a
     restart or resume, and from which checkpoint (``first_step.json``, read by the driver:
-    :mod:`flowers_job.restarts`)."""
+    :mod:`flowers_job.driver.restarts`)."""
     if state.report_dir is None or state.first_step_seen:
         return
     state.first_step_seen = True
@@ -267,7 +267,7 @@ def _checkpoint(
 
 def end_epoch(state: TrainState, epoch: int, metrics: dict[str, float]) -> None:
     """The decision (:func:`_decide`), the best weights kept, then (rank 0) the checkpoint
-    and the MLflow metrics, in that order (see :class:`~flowers_job.tracking.RunTracker`)."""
+    and the MLflow metrics, in that order (see :class:`~flowers_job.tracking.mlflow_run.RunTracker`)."""
     decision = _decide(state, epoch, metrics)
     if decision.improved:
         state.best_state = {
@@ -346,8 +346,8 @@ def fit(
     test split once; (rank 0) log to MLflow.
 
     ``example_images`` (stored JPEG bytes) become the registered model's input example;
-    ``lineage`` (:func:`flowers_job.data.prepare.lineage`) is logged with the run;
-    ``ranks`` (:func:`~flowers_job.distributed.gather_ranks`, gathered when None) go into
+    ``lineage`` (:func:`flowers_job.driver.prepare.lineage`) is logged with the run;
+    ``ranks`` (:func:`~flowers_job.runtime.process_group.gather_ranks`, gathered when None) go into
     the summary. On resume, rank 0 alone reads the checkpoint and broadcasts it
     (:func:`~flowers_job.train.resume.resume`).
 

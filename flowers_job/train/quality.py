@@ -12,8 +12,8 @@ has stopped, so ``epoch_seconds`` leaves it out.
 from __future__ import annotations
 
 from flowers_job.train.evaluate import evaluate
+from flowers_job.train.metrics import check_shard, check_totals, reduce_sums
 from flowers_job.train.state import TrainState, open_reader
-from flowers_job.train.sums import check_shard, check_totals, reduce_sums
 
 __all__ = ["benchmark_test_accuracy"]
 

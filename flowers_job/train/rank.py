@@ -9,13 +9,13 @@ returns a small summary dict, identical on every rank (rank 0's, broadcast: STAC
   job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);
 - a rank that dies of a fatal signal leaves ``rank-<r>.fatal`` (:mod:`faulthandler`);
 - a rank that dies without either (SIGKILL, the OOM killer) is named by its sentinel
-  (:mod:`flowers_job.sentinel`, started first thing): ``rank-<r>.killed``;
+  (:mod:`flowers_job.runtime.watchdog`, started first thing): ``rank-<r>.killed``;
 - SIGTERM (torchrun stopping the others) unwinds as :class:`Terminated`, so the rank reports
   and rank 0 marks its MLflow run FAILED with the cause; once a rank is reporting a failure,
   a SIGTERM no longer cuts the report short (it is logged and the report goes on: torchrun
   SIGKILLs 30 s later, and the driver ends a run still RUNNING then);
 - rank 0 writes ``ranks.json`` (every rank's host) and, once the model is registered,
-  ``model.json``; the driver reads them (:mod:`flowers_job.pipeline`).
+  ``model.json``; the driver reads them (:mod:`flowers_job.driver.pipeline`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,14 @@ from typing import Any
 
 import torch
 
-from flowers_job.allocator import tune_this_process
 from flowers_job.config import JobConfig
-from flowers_job.distributed import (
+from flowers_job.driver.failures import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
+from flowers_job.faults import ATTEMPT_ENV, join_fault_cgroup
+from flowers_job.loaders.base import ShardPlan
+from flowers_job.location import Location
+from flowers_job.runtime.allocator import tune_this_process
+from flowers_job.runtime.parent_watch import watch_driver
+from flowers_job.runtime.process_group import (
     DistContext,
     broadcast_object,
     env_rank,
@@ -47,12 +52,7 @@ from flowers_job.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from flowers_job.failures import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
-from flowers_job.faults import ATTEMPT_ENV, join_fault_cgroup
-from flowers_job.loaders.base import ShardPlan
-from flowers_job.location import Location
-from flowers_job.processes import watch_driver
-from flowers_job.sentinel import sentinel_done, start_sentinel
+from flowers_job.runtime.watchdog import sentinel_done, start_sentinel
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
 
@@ -84,11 +84,11 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     """Entry point on every rank (top level and importable, so TorchDistributor can pickle it).
 
     Args:
-        job: plain data from the driver (:func:`flowers_job.pipeline.training_job`):
+        job: plain data from the driver (:func:`flowers_job.driver.pipeline.training_job`):
             ``config`` (``JobConfig.model_dump(mode="json")``), ``train``/``val``/``test``
             (:meth:`ShardPlan.to_dict`), ``label_names``, ``lineage``, ``example_images``,
             ``use_gpu``, ``threads_per_process``, ``executor_cores``, ``task_cpus``,
-            ``failure_dir`` and ``driver`` (:func:`~flowers_job.processes.driver_identity`;
+            ``failure_dir`` and ``driver`` (:func:`~flowers_job.runtime.parent_watch.driver_identity`;
             this rank exits if the driver dies).
 
     Returns:
@@ -120,7 +120,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         sentinel_done()  # the report says how this rank ended
         _remove_host_reports(job)
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
-            from flowers_job.tracking import end_failed_run
+            from flowers_job.tracking.mlflow_run import end_failed_run
 
             end_failed_run(f"rank {env_rank()}: {_one_line(explained or exc)}")
         if explained is not None:
@@ -283,7 +283,7 @@ def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeo
 
 
 def _report_done(directory: Location) -> None:
-    """``rank-<rank>.done``: this rank ended well (:func:`~flowers_job.failures.wait_for_reports`
+    """``rank-<rank>.done``: this rank ended well (:func:`~flowers_job.driver.failures.wait_for_reports`
     then need not wait for it when another failed)."""
     try:
         (directory / f"rank-{env_rank()}{DONE_SUFFIX}").write_bytes(b"")

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from flowers_job import faults
-from flowers_job.report import TestReport, report_figures
+from flowers_job.tracking.class_report import TestReport, report_figures
 from flowers_job.train.checkpoint import read_run_id, write_run_id
 from flowers_job.train.state import TrainState
 
@@ -28,7 +28,7 @@ log = logging.getLogger("flowers_job.train")
 
 def _run_params(state: TrainState) -> dict[str, Any]:
     """The run's parameters: the configuration (flattened) and its derived sizes."""
-    from flowers_job.tracking import flatten
+    from flowers_job.tracking.mlflow_run import flatten
 
     cfg, ctx, plans = state.cfg, state.ctx, state.plans
     return {
@@ -76,13 +76,13 @@ def start_tracking(state: TrainState) -> None:
 
     Raises:
         ConfigError: a package the test report needs cannot be imported on this host
-            (:func:`~flowers_job.packages.check_run_packages`), before the first epoch.
+            (:func:`~flowers_job.tracking.packages.check_run_packages`), before the first epoch.
     """
     cfg = state.cfg
     if not state.ctx.is_main:
         return
-    from flowers_job.packages import check_run_packages
-    from flowers_job.tracking import RunTracker
+    from flowers_job.tracking.mlflow_run import RunTracker
+    from flowers_job.tracking.packages import check_run_packages
 
     check_run_packages()
 
@@ -160,7 +160,7 @@ def finish(
         if restored
         else state.history[-1]
     )
-    from flowers_job.serving import model_config  # MLflow: rank 0 only
+    from flowers_job.serving.pyfunc_model import model_config  # MLflow: rank 0 only
 
     config = model_config(state.cfg, state.label_names)
     figures = report_figures(test, state.history, best_epoch)

@@ -20,11 +20,11 @@ import warnings
 from typing import Any
 
 from flowers_job.config import JobConfig
-from flowers_job.distributed import DistContext, broadcast_object
 from flowers_job.loaders import loader_class
+from flowers_job.runtime.process_group import DistContext, broadcast_object
 from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME, load_checkpoint
-from flowers_job.train.midepoch import EpochPosition
 from flowers_job.train.state import Plans, TrainState, make_scheduler
+from flowers_job.train.step_checkpoint import EpochPosition
 
 __all__ = ["check_resumable", "choose_checkpoint", "load_on_rank0", "resume"]
 

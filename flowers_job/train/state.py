@@ -12,23 +12,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
+from flowers_job.cluster.placement import HostLayout
 from flowers_job.config import JobConfig
-from flowers_job.data.batch_decode import BatchDecoder
-from flowers_job.data.images import DecodeTransform
-from flowers_job.distributed import DistContext, describe_hosts
 from flowers_job.loaders import loader_class
 from flowers_job.loaders.base import ShardPlan
 from flowers_job.location import Location
-from flowers_job.models import Classifier, build_model, preprocessing_for
-from flowers_job.placement import HostLayout
+from flowers_job.runtime.process_group import DistContext, describe_hosts
+from flowers_job.train.device_prefetch import DeviceReader, decodes_on_device
 from flowers_job.train.early_stopping import EarlyStopping
-from flowers_job.train.feed import DeviceReader, decodes_on_device
-from flowers_job.train.midepoch import CheckpointClock, EpochPosition
-from flowers_job.train.recipe import WarmupCosine, attach_ema, make_ema, param_groups
+from flowers_job.train.fine_tuning import WarmupCosine, attach_ema, make_ema, param_groups
 from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer
+from flowers_job.train.step_checkpoint import CheckpointClock, EpochPosition
+from flowers_job.vision.backbones import Classifier, build_model, preprocessing_for
+from flowers_job.vision.batch_decode import BatchDecoder
+from flowers_job.vision.images import DecodeTransform
 
 if TYPE_CHECKING:
-    from flowers_job.tracking import RunTracker
+    from flowers_job.tracking.mlflow_run import RunTracker
 
 __all__ = [
     "FrozenFeatures",
@@ -93,7 +93,7 @@ class TrainState:
     lr: float
     num_nodes: int = 1
     shard: int = 0
-    """The shard this rank reads (:class:`~flowers_job.placement.HostLayout`)."""
+    """The shard this rank reads (:class:`~flowers_job.cluster.placement.HostLayout`)."""
     layout: HostLayout | None = None
     train_reader: DeviceReader | None = None
     val_reader: DeviceReader | None = None
@@ -107,7 +107,7 @@ class TrainState:
     """Where ``start_epoch`` continues, when resumed from a checkpoint inside it."""
     clock: CheckpointClock | None = None
     attempt: int = 0
-    """0, or the automatic restart this process belongs to (:mod:`flowers_job.restarts`)."""
+    """0, or the automatic restart this process belongs to (:mod:`flowers_job.driver.restarts`)."""
     resumed_from: dict[str, Any] | None = None
     """The checkpoint this run continues: ``{"epoch", "step", "saved_at"}``."""
     report_dir: Location | None = None
@@ -143,7 +143,7 @@ def build_state(
     cfg: JobConfig, ctx: DistContext, plans: Plans, label_names: list[str]
 ) -> TrainState:
     """The model (pretrained, channels-last, DDP), optimizer (its parameter groups:
-    :func:`~flowers_job.train.recipe.param_groups`), schedule, EMA, AMP, loss and early
+    :func:`~flowers_job.train.fine_tuning.param_groups`), schedule, EMA, AMP, loss and early
     stopping of this rank.
 
     The learning rate is ``train.base_learning_rate`` scaled by ``world_size``
@@ -191,7 +191,7 @@ def make_scheduler(
     """The per-step schedule: a linear warm-up from ``train.base_learning_rate`` to ``lr``
     over ``train.warmup_epochs`` epochs of ``steps_per_epoch`` steps (Goyal et al. 2017,
     section 2.2), then constant, or with ``train.lr_schedule: cosine`` a cosine decay to the
-    last step of ``train.epochs`` (:class:`~flowers_job.train.recipe.WarmupCosine`)."""
+    last step of ``train.epochs`` (:class:`~flowers_job.train.fine_tuning.WarmupCosine`)."""
     warmup_steps = round(cfg.train.warmup_epochs * steps_per_epoch)
     if cfg.train.lr_schedule == "cosine":
         total, ratio = cfg.train.epochs * steps_per_epoch, cfg.train.lr_min_ratio
@@ -209,7 +209,7 @@ def make_scheduler(
 def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> DeviceReader:
     """This rank's reader of ``plan``, from the loader that wrote it: augmented and shuffled
     for training, in stored order with the eval resize/crop otherwise; its batches on the
-    device (:class:`~flowers_job.train.feed.DeviceReader`), decoded there when
+    device (:class:`~flowers_job.train.device_prefetch.DeviceReader`), decoded there when
     :func:`decodes_on_device`, read ahead by ``data.prefetch_to_device`` on a GPU."""
     cfg, ctx = state.cfg, state.ctx
     size, resize = cfg.data.image_size, cfg.data.stored_short_side
@@ -237,7 +237,7 @@ def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> DeviceReader
 
 
 def place_ranks(state: TrainState, ranks: list[dict[str, Any]]) -> None:
-    """Group the ranks by host (:func:`~flowers_job.distributed.describe_hosts`): this
+    """Group the ranks by host (:func:`~flowers_job.runtime.process_group.describe_hosts`): this
     rank's shard, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; before resuming, which continues the
     shard's position."""
     state.layout = describe_hosts(state.ctx, ranks)

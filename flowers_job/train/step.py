@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flowers_job.train.sums import PassSums, Sums
+from flowers_job.train.metrics import PassSums, Sums
 
 if TYPE_CHECKING:
     from flowers_job.config import TrainConfig
@@ -165,11 +165,11 @@ def train_one_epoch(
     ``batches`` yields dicts with ``image`` uint8 ``[B, 3, S, S]`` (normalised here, on the
     device, by ``normalize``), ``label_index`` int64 ``[B]``, ``row_id`` int64 ``[B]`` and
     ``valid`` bool ``[B]`` (False: padding, masked out). ``sums``: the running sums to add
-    to (a resumed epoch's, :class:`~flowers_job.train.midepoch.EpochPosition`); new ones
+    to (a resumed epoch's, :class:`~flowers_job.train.step_checkpoint.EpochPosition`); new ones
     by default. ``after_step(sums)`` runs after each step (the mid-epoch checkpoint).
 
     Returns:
-        This rank's :meth:`Sums.values <flowers_job.train.sums.Sums.values>`: sums over the
+        This rank's :meth:`Sums.values <flowers_job.train.metrics.Sums.values>`: sums over the
         valid rows (loss summed over images), and every row read, padding included.
     """
     model.train()

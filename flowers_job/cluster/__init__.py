@@ -1,0 +1,1 @@
+"""The Spark side of the driver: the session, Spark Connect detection, the executor probe, where ranks run, the shared storage check, and what a PySpark Python worker does first. Runs on the driver (the probe's tasks and the Python-worker setup on executors)."""

@@ -1,0 +1,270 @@
+"""Where the ranks of a barrier-mode run sit, and which shard each reads.
+
+TorchDistributor's barrier mode (``distributed.local_mode=false``) runs one Spark task per
+rank and sets ``RANK`` from the task's partition id. Spark places those tasks on its
+executors in its own order: it offers the executors in a shuffled order and gives each
+offer one task per pass (``TaskSchedulerImpl.resourceOffers``), so with 2 hosts of 2 slots
+ranks 0 and 2 share one host and ranks 1 and 3 the other. :class:`HostLayout` groups the
+ranks by host and gives each rank the shard it reads, so that consecutive shards share a
+host whatever the order (what Mosaic Streaming needs); :func:`check_placement` asks Spark
+where a stage of ``distributed.num_processes`` barrier tasks goes, before any work, and
+refuses a layout the loader cannot serve (unequal ranks per host for Streaming).
+
+:func:`check_cluster` checks that a run fits the Spark cluster before any work: task slots,
+GPUs, the tracking store's reach, and the placement. Torch-free: the driver imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from pyspark.sql import SparkSession
+
+from flowers_job.cluster.connect import refuse_spark_connect
+from flowers_job.cluster.executor_probe import PROBE_TIMEOUT_SECONDS
+from flowers_job.cluster.session import driver_gpus, run_probe, task_slots, wait_for_slots
+from flowers_job.cluster.storage import is_local_master
+from flowers_job.config import ConfigError, JobConfig
+from flowers_job.loaders import loader_class
+
+__all__ = [
+    "HostLayout",
+    "check_cluster",
+    "check_placement",
+    "placement_hosts",
+    "ranks_by_host",
+    "use_gpu",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """How the ranks of a job sit on its hosts, and which shard of the data each reads.
+
+    Spark places the tasks of a barrier stage on its executors in its own order (it
+    round-robins over the executors' offers), so global ranks 0 and 2 may share a host
+    while rank 1 is on another. A loader that needs consecutive ranks per host (Mosaic
+    Streaming derives a rank's node from ``RANK // LOCAL_WORLD_SIZE``) reads shard
+    :attr:`shard` instead of the global rank: the ranks' position when they are grouped by
+    host (hosts in the order of their lowest rank, ranks ascending within a host). Rank 0
+    always reads shard 0, and where the ranks already are consecutive per host, every
+    rank's shard is its rank. DDP's process group keeps the global ranks.
+
+    Attributes:
+        hosts: the host of each global rank (index = rank).
+        rank: this process's global rank.
+        shard: the shard this rank reads, 0..world_size-1 (a permutation of the ranks).
+        local_rank: this rank's index among the ranks of its host, 0-based.
+        local_world_size: ranks on this rank's host.
+        num_nodes: number of hosts.
+    """
+
+    hosts: tuple[str, ...]
+    rank: int
+    shard: int
+    local_rank: int
+    local_world_size: int
+    num_nodes: int
+
+    @classmethod
+    def of(cls, hosts: Sequence[str], rank: int) -> HostLayout:
+        """The layout of ranks whose hosts are ``hosts`` (index = global rank), seen from
+        ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is not an index of ``hosts``.
+        """
+        if not 0 <= rank < len(hosts):
+            raise ValueError(f"rank {rank} is not one of the {len(hosts)} ranks")
+        groups = ranks_by_host(hosts)
+        shard = 0
+        for host, ranks in groups.items():
+            if host == hosts[rank]:
+                return cls(
+                    tuple(hosts),
+                    rank,
+                    shard + ranks.index(rank),
+                    ranks.index(rank),
+                    len(ranks),
+                    len(groups),
+                )
+            shard += len(ranks)
+        raise AssertionError("unreachable: every rank's host is a group")
+
+    @property
+    def equal(self) -> bool:
+        """Every host runs the same number of ranks (what Mosaic Streaming can serve)."""
+        return len({len(r) for r in ranks_by_host(self.hosts).values()}) == 1
+
+    def describe(self) -> str:
+        """``"fl-w1: ranks 0, 2; fl-w2: ranks 1, 3"``: the ranks on each host."""
+        return "; ".join(
+            f"{host}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            for host, ranks in ranks_by_host(self.hosts).items()
+        )
+
+
+def ranks_by_host(hosts: Sequence[str]) -> dict[str, list[int]]:
+    """``{host: its global ranks, ascending}``, hosts in the order of their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return groups
+
+
+def _task_host(_: Iterable[int]) -> Iterator[tuple[int, str]]:
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    ctx.barrier()  # every task placed before any answers, as in TorchDistributor's stage
+    yield ctx.partitionId(), socket.gethostname()
+
+
+def placement_hosts(spark: SparkSession, num_processes: int, timeout_seconds: float) -> list[str]:
+    """The host name of each rank (index = partition id = ``RANK``) of a barrier stage of
+    ``num_processes`` tasks, as TorchDistributor's would be placed now.
+
+    Raises:
+        RuntimeError: the stage did not end within ``timeout_seconds``.
+    """
+    sc = spark.sparkContext
+    rdd = sc.parallelize(range(num_processes), num_processes).barrier().mapPartitions(_task_host)
+    found = dict(run_probe(spark, rdd, "placement probe", timeout_seconds))
+    return [found[i] for i in range(num_processes)]
+
+
+def check_placement(
+    spark: SparkSession, loader: str, num_processes: int, timeout_seconds: float
+) -> str:
+    """Refuse, before any work, a placement of ranks on hosts that ``loader`` cannot read
+    with: a barrier stage of ``num_processes`` tasks reports its hosts
+    (:func:`placement_hosts`, seconds).
+
+    Spark fills the executors' slots one task per executor per pass, in a shuffled order:
+    where ``num_processes`` equals the cluster's slots the placement is fixed; below it,
+    which executors get the last pass's tasks may differ from run to run, and the ranks
+    check again (:meth:`~flowers_job.loaders.base.Loader.check_layout`) when they start.
+
+    Returns:
+        The layout seen (:meth:`HostLayout.describe`).
+
+    Raises:
+        ConfigError: the loader cannot serve it, naming ``data.loader`` and the layout.
+    """
+    layout = HostLayout.of(placement_hosts(spark, num_processes, timeout_seconds), 0)
+    try:
+        loader_class(loader).check_layout(layout)
+    except RuntimeError as exc:
+        raise ConfigError(f"invalid configuration:\n  {exc}") from None
+    return layout.describe()
+
+
+def use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
+    """Whether the ranks train on GPUs: ``distributed.use_gpu`` when set; otherwise, in local
+    mode, a CUDA device on the driver; in barrier mode, tasks that ask for GPUs
+    (``spark.task.resource.gpu.amount`` > 0)."""
+    if cfg.distributed.use_gpu is not None:
+        return cfg.distributed.use_gpu
+    if cfg.distributed.local_mode:
+        import torch
+
+        return torch.cuda.is_available()
+    return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
+
+
+def _local_store(uri: str) -> bool:
+    """An MLflow store on a local path (``sqlite:``, ``file:`` or a bare path)."""
+    return urlparse(uri).scheme in ("", "file", "sqlite")
+
+
+def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
+    """Check ``distributed`` and ``tracking`` against this Spark cluster, before any data is
+    touched (seconds: on a cluster it waits for executors to register, at most
+    ``distributed.executor_wait_seconds``).
+
+    Raises:
+        ConfigError: a Spark Connect session (:mod:`flowers_job.cluster.connect`), or when
+            - barrier mode (``local_mode=false``) asks for more processes than the cluster's
+              task slots (:func:`~flowers_job.cluster.session.task_slots`: GPU slots when tasks ask
+              for GPUs);
+            - barrier mode on a real cluster (not ``local[...]``) with a ``sqlite:``/``file:``
+              tracking store not declared shared (``tracking.store_is_shared``): rank 0
+              writes it from an executor, on another host than the driver;
+            - GPUs are requested in local mode with fewer CUDA devices on the driver than
+              processes, or a session whose driver has fewer ``gpu`` resources than
+              processes (TorchDistributor would refuse only after the data is prepared);
+            - barrier mode on a cluster with a loader that needs equal ranks per host
+              (Streaming) where Spark places them unequally (:func:`check_placement`).
+    """
+    refuse_spark_connect(spark)
+    d = cfg.distributed
+    problems = []
+    local_master = is_local_master(spark)
+    if not d.local_mode:
+        slots = (
+            task_slots(spark)
+            if local_master
+            else wait_for_slots(spark, d.num_processes, d.executor_wait_seconds)
+        )
+        if d.num_processes > slots:
+            gpus = float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0)
+            kind = (
+                f"GPU task slots (spark.task.resource.gpu.amount={gpus:g} per task)"
+                if gpus > 0
+                else f"task slots (spark.task.cpus={spark.conf.get('spark.task.cpus', '1')})"
+            )
+            problems.append(
+                f"distributed.num_processes: {d.num_processes} processes, but this Spark cluster "
+                f"({spark.sparkContext.master}) has {slots} {kind}"
+                + (
+                    ""
+                    if local_master
+                    else " on the executors registered (distributed.executor_wait_seconds="
+                    f"{d.executor_wait_seconds:g})"
+                )
+                + "; barrier mode (distributed.local_mode=false) runs one task per process, "
+                "all at once"
+            )
+        if not local_master and _local_store(cfg.tracking_uri) and not cfg.tracking.store_is_shared:
+            problems.append(
+                f"tracking.tracking_uri: {cfg.tracking_uri} is a store on a local path, and with "
+                "distributed.local_mode=false rank 0 logs and registers from an executor on "
+                "another host: use an MLflow tracking server (http://HOST:5000, databricks), "
+                "or set tracking.store_is_shared=true if the path is on storage every host "
+                "shares (checked; sqlite over NFS or FUSE is unreliable)"
+            )
+    elif use_gpu(spark, cfg):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        spark_gpus = driver_gpus(spark)
+        if gpus == 0:
+            problems.append(
+                "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
+                "(local mode runs every process on the driver)"
+            )
+        elif d.num_processes > gpus:
+            problems.append(
+                f"distributed.num_processes: {d.num_processes} processes, but the driver has "
+                f"{gpus} CUDA devices (local mode on GPUs: one device per process; set "
+                f"distributed.num_processes={gpus})"
+            )
+        elif len(spark_gpus) < d.num_processes:
+            problems.append(
+                f"distributed.use_gpu: the Spark session's driver has {len(spark_gpus)} GPUs "
+                f"as a resource and TorchDistributor's local mode needs {d.num_processes}: "
+                "start the session with spark.driver.resource.gpu.amount and "
+                "spark.driver.resource.gpu.discoveryScript (flowers_job.cluster.session.get_spark does "
+                "when it finds CUDA devices; flowers_job.cluster.session.local_gpu_conf gives them)"
+            )
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    if not d.local_mode and not local_master and loader_class(cfg.data.loader).places_ranks:
+        layout = check_placement(spark, cfg.data.loader, d.num_processes, PROBE_TIMEOUT_SECONDS)
+        log.info("barrier tasks placed on the hosts as %s", layout)

@@ -1,0 +1,184 @@
+"""Prepare (driver side): the ``images`` table -> the loader cache and a shard plan per split.
+
+Each split is read from ``images`` at the Delta version that was checked
+(:func:`~flowers_job.tables.delta_tables.checked_tables`) and recorded in the run's lineage, and
+handed to the configured loader (``data.loader``, resolved by
+:func:`flowers_job.loaders.resolve_loader`), which writes it into the loader cache and plans
+how ``world_size`` ranks read it (:class:`~flowers_job.loaders.base.ShardPlan`). The cache
+keeps one entry per (images version, split, loader, settings) and a later run on the same
+version reuses it (:mod:`flowers_job.loaders.cache_dir`). Which loader it is does not matter here:
+see :mod:`flowers_job.loaders`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from flowers_job.config import JobConfig
+from flowers_job.errors import DataError
+from flowers_job.loaders import loader_class
+from flowers_job.loaders.base import ShardPlan
+from flowers_job.loaders.cache_dir import cache_bytes_needed, loader_cache
+from flowers_job.photos.files import digest, hash_sums
+from flowers_job.tables.delta_tables import SPLITS, CheckedTables, checked_tables, split_frame
+from flowers_job.tables.table_ref import table_ref
+
+__all__ = [
+    "LOADER_COLUMNS",
+    "DataError",
+    "PreparedData",
+    "example_images",
+    "lineage",
+    "prepare_data",
+    "split_digest",
+]
+
+log = logging.getLogger(__name__)
+
+LOADER_COLUMNS = ("row_id", "image", "label_index")
+"""The columns a loader writes: ``row_id`` long, ``image`` binary, ``label_index`` long."""
+
+
+@dataclass
+class PreparedData:
+    """The per-run cache and plans. ``train``/``val``/``test`` are sent to the ranks as
+    dicts."""
+
+    train: ShardPlan
+    val: ShardPlan
+    test: ShardPlan
+    num_partitions: int
+    label_names: list[str]
+    cache_dir_url: str
+    example_images: list[bytes]
+    """A few stored val images: the registered model's input example."""
+    lineage: dict[str, object]
+    """What the run was trained and scored on (:func:`lineage`): each table's path or
+    catalog name and the Delta version read, each split's, the ingest fingerprint and the
+    test split's digest."""
+    loader_cache: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Split -> how its loader cache was got (:class:`~flowers_job.loaders.cache_dir.CacheUse`):
+    ``entry``, ``reused``, ``bytes_written``, ``seconds``, ``waited_seconds``."""
+
+
+def split_digest(df: DataFrame, label_names: list[str]) -> str:
+    """A digest (SHA-256 hex) of the set of ``(content_sha256, label)`` pairs of a split table,
+    and of ``label_names``: equal digests mean the same photos with the same labels, however
+    the table was partitioned or re-written. Two models' test scores are comparable only on
+    splits with the same digest (the ``champion`` rule, :mod:`flowers_job.driver.promotion`)."""
+    return digest(hash_sums(df, ["content_sha256", "label"]), labels=label_names)
+
+
+def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict[str, object]:
+    """What a run reads, for its MLflow run (rank 0 logs it; :mod:`flowers_job.tracking.mlflow_run`):
+    the checked tables (:func:`~flowers_job.tables.delta_tables.checked_tables`).
+
+    Returns:
+        ``{"tables": {name: {"path" | "name", "version"}}, "splits": {split: {"path" |
+        "name", "version", "split"}}, "ingest_fingerprint": str, "test_split_digest":
+        str}``; a path table is named by ``path``, a catalog table by ``name``
+        (``main.flowers.images``: :meth:`~flowers_job.tables.table_ref.TableRef.lineage`);
+        a split is the ``images`` table's rows with that ``split`` at that version.
+    """
+    images = table_ref(cfg, "images")
+    version = checked.versions["images"]
+    test = split_frame(spark, images, version, "test")
+    return {
+        "tables": {
+            name: {**table_ref(cfg, name).lineage(), "version": v}
+            for name, v in checked.versions.items()
+        },
+        "splits": {
+            split: {**images.lineage(), "version": version, "split": split} for split in SPLITS
+        },
+        "ingest_fingerprint": str(checked.meta.get("fingerprint", "")),
+        "test_split_digest": split_digest(test, checked.label_names),
+    }
+
+
+def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2) -> list[bytes]:
+    """Up to ``n`` stored images of the val split at Delta ``version`` of ``images`` (the
+    smallest ``row_id`` first): the registered model's input example. Bytes of re-encoded
+    JPEGs, a few kB each. The smallest ids are found on the ``row_id`` column alone, then
+    only their images are read."""
+    val = split_frame(spark, table_ref(cfg, "images"), version, "val")
+    ids = [int(r["row_id"]) for r in val.select("row_id").orderBy("row_id").limit(n).collect()]
+    rows = val.where(F.col("row_id").isin(ids)).orderBy("row_id").select("image").collect()
+    return [bytes(r["image"]) for r in rows]
+
+
+def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> DataFrame:
+    """The loader's columns of ``split`` at Delta ``version`` of ``images``."""
+    return (
+        split_frame(spark, table_ref(cfg, "images"), version, split)
+        .select(*LOADER_COLUMNS)
+        .withColumn("label_index", F.col("label_index").cast("long"))
+    )
+
+
+@contextmanager
+def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
+    """Get each split's loader cache (reused, or written now) and its shard plan.
+
+    ``cfg.data.loader`` must be resolved already (:func:`flowers_job.loaders.resolve_loader`:
+    the pipeline does it once, before Spark starts).
+
+    Yields:
+        :class:`PreparedData` with one :class:`~flowers_job.loaders.base.ShardPlan` per split.
+
+    Raises:
+        DataError: missing or inconsistent tables, an empty split, unworkable shards, or no
+            space for the cache (naming the directory; nothing of a partial write is left).
+        ValueError: ``data.loader`` is 'auto' (unresolved) or not a registered loader.
+    """
+    if cfg.data.loader == "auto":
+        raise ValueError(
+            "prepare_data: data.loader is 'auto'; resolve it first with "
+            "flowers_job.loaders.resolve_loader (the pipeline's preflight does)"
+        )
+    loader = loader_class(cfg.data.loader)(cfg)
+    checked = checked_tables(spark, cfg)
+    version = checked.versions["images"]
+    images = table_ref(cfg, "images")
+    detail = images.delta(spark).detail().select("id", "sizeInBytes").first()
+    size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
+    total = sum(checked.split_rows.values())
+    with loader_cache(cfg, loader) as cache:
+        plans: dict[str, ShardPlan] = {}
+        uses = {}
+        for split in SPLITS:
+            fields = {
+                "table": images.describe(),
+                "table_id": detail["id"] if detail is not None else None,
+                "version": version,
+                "split": split,
+                "loader": loader.name,
+                "settings": loader.cache_settings(split),
+            }
+            plans[split], use = cache.split(
+                spark,
+                loader,
+                split,
+                fields,
+                lambda split=split: _split(spark, cfg, split, version),  # type: ignore[misc]
+                cache_bytes_needed(size, checked.split_rows[split] / total),
+            )
+            uses[split] = use.to_dict()
+        yield PreparedData(
+            plans["train"],
+            plans["val"],
+            plans["test"],
+            cfg.num_partitions,
+            checked.label_names,
+            plans["train"].cache_dir_url,
+            example_images(spark, cfg, version),
+            lineage(spark, cfg, checked),
+            uses,
+        )

@@ -1,0 +1,344 @@
+"""Ingest (driver side): photo folders -> Delta tables, with nothing lost, decoding only
+what changed.
+
+The images root ``<images>/<label>/**/<file>``, a directory or an object-store prefix
+(``s3a://bucket/photos``, read through pyarrow: :mod:`flowers_job.photos.object_listing`), is
+listed on the executors (:mod:`flowers_job.photos.listing`), each new or changed file is read
+and decoded there (:func:`~flowers_job.vision.images.normalize_image`), and two Delta tables under
+``<output_dir>/tables`` are brought up to date (:mod:`flowers_job.tables.delta_tables`):
+
+- ``images``: every photo that decoded (source_path, label, label_index, image, width, height,
+  split, row_id, content_sha256, num_bytes, mtime_ns, notes), partitioned by ``split``
+  (``train``, ``val`` picks the best epoch and early-stops, ``test`` is held out of both and
+  scored once at the end);
+- ``quarantine``: every other entry under the root, with ``reason_code`` and ``reason``
+  (undecodable files, and hidden, linked, misplaced or special entries that are never read).
+
+Every entry of the listing ends in exactly one of ``images`` and ``quarantine``; set-level
+problems (no label folder, a label without images, too many bad files, counted over the
+whole table after the change) stop ingest before anything is written. Neither the listing
+nor any image passes through the driver: it collects only counts per label and reason.
+
+The tables are path tables under ``<output_dir>/tables`` by default, or managed tables in a
+catalog, by name, with ``tables.schema`` (:mod:`flowers_job.tables.table_ref`): the same
+writes, commits, metadata and checks either way.
+
+**Incremental.** A re-run compares the listing with what the tables hold (``relative_path``,
+``num_bytes``, ``mtime_ns``) in one outer join that reads no image bytes, written to a
+staging folder that the decode, the set-level checks and both MERGEs read instead of the
+tables, and decodes only new and changed files; it MERGEs them into
+both tables and deletes the rows of files that are gone (:func:`~flowers_job.tables.delta_tables.
+merge_table`). An entry that now decodes leaves quarantine and one that no longer does
+enters it. Entries refused at listing (links, special files, hidden names) are never
+opened, so their verdicts are re-derived on every run at no cost. A full rebuild (both
+tables overwritten, every file decoded) happens on the first run, after a change of the
+ingest settings or of the label folders (every ``label_index`` would change), after an
+interrupted ingest, and with ``data.full_ingest`` (``--full``).
+
+The split is a pure function of the photo's bytes and ``split_seed`` (a SHA-256 hash), so
+a photo lands in the same split on every run whatever the partitioning, an unchanged photo
+never moves between splits, and byte-identical duplicates always share a split (no leakage
+between train, val and test).
+
+Consistency: each table's Delta commit carries, in its ``userMetadata``, a fingerprint of
+the listing (relative path, kind, size and modification time of every entry) and of the
+ingest settings, plus the ``run_id`` of the ingest that wrote it. The two tables form one
+ingest only if their latest commits carry the same fingerprint and run id
+(:func:`~flowers_job.tables.delta_tables.tables_mismatch`); each run that writes commits to both,
+so an interrupted run leaves tables that training refuses and that the next ingest
+rebuilds. Re-running on unchanged input writes nothing.
+
+Retention: after an ingest that writes, both tables are vacuumed
+(:func:`flowers_job.tables.retention.vacuum_tables`).
+
+Test-only fault injection: ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>`` stops ingest
+right after that table is written, so that a test can kill it there
+(:func:`flowers_job.faults.ingest_pause`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pyspark import StorageLevel
+from pyspark.sql import SparkSession
+
+from flowers_job.cluster.connect import refuse_spark_connect
+from flowers_job.config import JobConfig
+from flowers_job.ingest.write import (
+    Changes,
+    IngestError,
+    sweep_staging,
+    write_full,
+    write_incremental,
+)
+from flowers_job.photos.files import (
+    digest,
+    hash_sums,
+    list_files,
+    listing_key,
+)
+from flowers_job.photos.listing import images_root, label_folders, listing_units
+from flowers_job.tables.delta_tables import (
+    TABLE_NAMES,
+    latest_commit,
+    tables_mismatch,
+)
+from flowers_job.tables.table_ref import TableRef, ensure_schema, table_ref
+
+__all__ = ["INGEST_FORMAT_VERSION", "IngestError", "IngestReport", "check_images_root", "ingest"]
+
+log = logging.getLogger(__name__)
+
+INGEST_FORMAT_VERSION = 5
+"""Bump when the table layout or the image normalisation changes: forces a full rebuild.
+4: ``images`` partitioned by ``split``, no split tables, ``mtime_ns`` stored.
+5: deletion vectors on both tables; the source file's URI in ``source_path`` (was ``path``;
+:data:`~flowers_job.tables.delta_tables.TABLE_PROPERTIES` says why)."""
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """What ingest found and wrote.
+
+    Attributes:
+        files: entries listed under the images root (files, links, special files); also
+            ``files_listed``.
+        images_rows / train_rows / val_rows / test_rows / quarantined_rows: row counts of
+            the tables after this ingest; ``images_rows + quarantined_rows == files``.
+        quarantine_reasons: quarantined entries per ``reason_code``.
+        label_names: sorted labels; a label's index is its position here.
+        tables: table name -> path, or catalog name (``main.flowers.images``).
+        fingerprint: hash of the listing (path, kind, size, modification time of every
+            entry) and the ingest settings.
+        written: False when the tables were already up to date and nothing was written.
+        mode: ``unchanged``, ``incremental`` or ``full`` (and why, for a full rebuild:
+            ``full: <reason>``).
+        files_listed: entries listed; files_decoded: files read and decoded by this run.
+        rows_inserted / rows_updated / rows_deleted: changes to ``images`` (for a full
+            rebuild: every row inserted, the previous table's rows deleted).
+        rows_quarantined: entries this run put into quarantine or whose verdict changed.
+        seconds: wall time of the ingest (s).
+    """
+
+    files: int
+    images_rows: int
+    train_rows: int
+    val_rows: int
+    test_rows: int
+    quarantined_rows: int
+    quarantine_reasons: dict[str, int]
+    label_names: list[str]
+    tables: dict[str, str]
+    fingerprint: str
+    written: bool
+    mode: str = "unchanged"
+    files_listed: int = 0
+    files_decoded: int = 0
+    rows_inserted: int = 0
+    rows_updated: int = 0
+    rows_deleted: int = 0
+    rows_quarantined: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _settings(cfg: JobConfig) -> dict[str, object]:
+    d = cfg.data
+    return {
+        "format": INGEST_FORMAT_VERSION,
+        "stored_short_side": d.stored_short_side,
+        "jpeg_quality": d.jpeg_quality,
+        "val_fraction": d.val_fraction,
+        "test_fraction": d.test_fraction,
+        "split_seed": d.split_seed,
+        "extensions": sorted(e.lower() for e in d.extensions),
+        "max_image_pixels": d.max_image_pixels,
+    }
+
+
+def check_images_root(cfg: JobConfig) -> tuple[str, list[str], list[str]]:
+    """Check ``data.images`` before any Spark work: a directory, or an object-store prefix
+    (``s3a://bucket/photos``), with label folders.
+
+    Returns:
+        ``(root, labels, others)``: the root's real path, or its URI
+        (:func:`~flowers_job.photos.listing.images_root`), its label folders (sorted; a
+        label's index is its position) and its other top-level entries
+        (:func:`~flowers_job.photos.listing.label_folders`).
+
+    Raises:
+        IngestError: ``data.images`` unset, not a directory, unreadable, or without a label
+            folder (naming the path and what was found); for an object store, also no key
+            under the prefix, and a LIST that fails (no such bucket, credentials, network:
+            the store's error, which never holds credentials).
+    """
+    if cfg.data.images is None:
+        raise IngestError("data.images: not set (use --images DIR)")
+    if isinstance(cfg.data.images, str):  # an object-store URI (DataConfig.images)
+        root = real_root = images_root(cfg.data.images)
+        try:
+            labels, others = label_folders(real_root)
+        except FileNotFoundError:
+            raise IngestError(f"data.images: {root}: no object under this prefix") from None
+        except (OSError, ValueError) as exc:
+            raise IngestError(
+                f"data.images: cannot list {root}: {exc} (check the bucket, the endpoint and "
+                "the credentials: AWS_* in the environment, ~/.aws, or the instance's role)"
+            ) from None
+    else:
+        path = Path(cfg.data.images)
+        root = str(path)
+        if not path.is_dir():
+            raise IngestError(f"data.images: {root} is not a directory")
+        real_root = images_root(path)
+        try:
+            labels, others = label_folders(real_root)
+        except OSError as exc:
+            raise IngestError(f"data.images: cannot list {root}: {exc}") from None
+    if not labels:
+        found = f" (found only {others[:10]}, which are not label folders)" if others else ""
+        raise IngestError(
+            f"data.images: {root} has no label folders{found}; expected <images>/<label>/<file>"
+            " with label folder names not starting with '.' or '_'"
+        )
+    return real_root, labels, others
+
+
+def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
+    """List the images root, decode new and changed files on the executors, and bring the
+    Delta tables up to date (module docstring).
+
+    Returns:
+        An :class:`IngestReport` with the row counts of the tables after this ingest and
+        what it changed.
+
+    Raises:
+        IngestError: no images root, no label folder, a label folder with no file or no
+            decodable image, or more than ``data.max_bad_fraction`` of the entries
+            quarantined after the change (the message counts them per reason and names
+            examples). Raised before any table is written.
+        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.cluster.connect`),
+            before anything is read or written.
+    """
+    refuse_spark_connect(spark)
+    start = time.perf_counter()
+    root = cfg.data.images
+    real_root, labels, others = check_images_root(cfg)
+    settings = _settings(cfg)
+    tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
+    sweep_staging(cfg)
+    ensure_schema(spark, cfg)
+
+    t0 = time.perf_counter()
+    units = listing_units(real_root, labels, others)
+    listing = list_files(spark, real_root, labels, units).persist(StorageLevel.DISK_ONLY)
+    try:
+        groups = hash_sums(listing, listing_key(), by=("label", "reason_code"))
+        fingerprint = digest(groups, settings=settings)
+        n_files = sum(int(g["n"]) for g in groups)
+        log.info("listed %d entries in %.1f s", n_files, time.perf_counter() - t0)
+        readable = {g["label"] for g in groups if g["reason_code"] is None}
+        no_files = [label for label in labels if label not in readable]
+        if no_files:
+            raise IngestError(
+                f"data.images: label folder(s) {no_files} under {root} have no file that could "
+                "be an image (hidden names, links to directories or outside the root, and "
+                "special files do not count); every label needs at least one image"
+            )
+        commits = {name: latest_commit(spark, p) for name, p in tables.items()}
+        metas = {name: None if c is None else c[1] for name, c in commits.items()}
+        stored = metas["images"] or {}
+        full = _full_rebuild_reason(cfg, metas, settings, labels)
+        if full is None and stored.get("fingerprint") == fingerprint:
+            log.info("tables are up to date with %s (fingerprint %s…)", root, fingerprint[:12])
+            changes = Changes("unchanged")
+        else:
+            meta: dict[str, object] = {
+                "fingerprint": fingerprint,
+                "run_id": uuid.uuid4().hex,
+                "label_names": labels,
+                "settings": settings,
+            }
+            if full is not None:
+                log.info("full ingest: %s", full)
+                changes = write_full(spark, cfg, listing, labels, tables, meta, n_files, full)
+            else:
+                changes = write_incremental(spark, cfg, listing, labels, tables, meta, n_files)
+    finally:
+        listing.unpersist()
+    if changes.mode != "unchanged":
+        from flowers_job.tables.retention import vacuum_tables
+
+        vacuum_tables(spark, cfg)
+    return _report(spark, cfg, tables, n_files, fingerprint, labels, changes, start)
+
+
+def _full_rebuild_reason(
+    cfg: JobConfig,
+    metas: dict[str, dict[str, object] | None],
+    settings: dict[str, object],
+    labels: list[str],
+) -> str | None:
+    """Why this ingest must decode everything and overwrite both tables; None when an
+    incremental MERGE is enough."""
+    if cfg.data.full_ingest:
+        return "data.full_ingest is set (--full)"
+    mismatch = tables_mismatch(metas)
+    if mismatch is not None:
+        if all(m is None for m in metas.values()):
+            return "no tables yet"
+        return f"the tables are not one complete ingest ({mismatch})"
+    stored = metas["images"] or {}
+    if stored.get("settings") != settings:
+        return f"the ingest settings changed (stored {stored.get('settings')}, now {settings})"
+    if list(stored.get("label_names") or []) != labels:  # type: ignore[call-overload]
+        return f"the label folders changed (stored {stored.get('label_names')}, now {labels})"
+    return None
+
+
+def _report(
+    spark: SparkSession,
+    cfg: JobConfig,
+    tables: dict[str, TableRef],
+    n_files: int,
+    fingerprint: str,
+    labels: list[str],
+    changes: Changes,
+    start: float,
+) -> IngestReport:
+    """The row counts of the tables as they are now (Delta's file statistics and the split
+    partitions: no image is read)."""
+    images = tables["images"].read(spark)
+    per_split = {r["split"]: int(r["count"]) for r in images.groupBy("split").count().collect()}
+    q = tables["quarantine"].read(spark)
+    reasons = {
+        r["reason_code"]: int(r["count"]) for r in q.groupBy("reason_code").count().collect()
+    }
+    return IngestReport(
+        files=n_files,
+        images_rows=sum(per_split.values()),
+        train_rows=per_split.get("train", 0),
+        val_rows=per_split.get("val", 0),
+        test_rows=per_split.get("test", 0),
+        quarantined_rows=sum(reasons.values()),
+        quarantine_reasons=reasons,
+        label_names=labels,
+        tables={name: t.describe() for name, t in tables.items()},
+        fingerprint=fingerprint,
+        written=changes.mode != "unchanged",
+        mode=changes.mode,
+        files_listed=n_files,
+        files_decoded=changes.files_decoded,
+        rows_inserted=changes.inserted,
+        rows_updated=changes.updated,
+        rows_deleted=changes.deleted,
+        rows_quarantined=changes.quarantined,
+        seconds=round(time.perf_counter() - start, 3),
+    )

@@ -1,0 +1,1 @@
+"""What every training-rank process needs: the process group and collectives, its device, the allocator, the watchdogs beside it, where ranks run (plain data), the rank-to-driver report files and the one extension point for test hooks. Imports neither pyspark nor the driver."""

@@ -1,0 +1,1 @@
+"""The model after training: the pyfunc model and its entry, model references, the scorer, the pandas UDF and batch predict. Runs in the served model, in Spark tasks and on the driver; imports neither training nor ingest."""

@@ -1,0 +1,412 @@
+"""The job's Delta tables: their names and schemas, the metadata each commit carries, the
+writes that record it, and the checks that the tables are one complete ingest.
+
+Two tables, each image stored once:
+
+- ``images``: every photo that decoded, **partitioned by** ``split`` (``train``, ``val``,
+  ``test``). A split is read as ``images`` at one Delta version where ``split = <name>``
+  (:func:`split_frame`): partition pruning reads only that split's files, and one pinned
+  version of one table fixes all three splits at once. (Split tables holding row ids only
+  would need a join of every read against ``images``; full copies, as before version 4 of
+  the layout, stored every image twice and grew by a copy per re-ingest.)
+- ``quarantine``: every other entry under the images root, with its reason.
+
+Each table's Delta commit carries, in its ``userMetadata``, a fingerprint of the listing and
+of the ingest settings, plus the ``run_id`` of the ingest that wrote it
+(:mod:`flowers_job.ingest.job`). The tables form one ingest only if their latest commits
+carry the same fingerprint and run id (:func:`tables_mismatch`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.types import StructType
+
+from flowers_job.config import JobConfig
+from flowers_job.errors import DataError
+from flowers_job.tables.table_ref import TableRef, table_ref
+
+__all__ = [
+    "SPLITS",
+    "TABLE_NAMES",
+    "TABLE_SCHEMAS",
+    "CheckedTables",
+    "checked_tables",
+    "latest_commit",
+    "merge_table",
+    "read_table_metadata",
+    "split_frame",
+    "tables_mismatch",
+    "write_table",
+]
+
+TABLE_NAMES = ("images", "quarantine")
+SPLITS = ("train", "val", "test")
+META_KEY = "flowers_job"
+"""The key of the job's metadata in a commit's ``userMetadata`` JSON."""
+
+_IMAGE_COLUMNS = T.StructType(
+    [
+        T.StructField("row_id", T.LongType()),
+        T.StructField("source_path", T.StringType()),
+        T.StructField("relative_path", T.StringType()),
+        T.StructField("label", T.StringType()),
+        T.StructField("label_index", T.IntegerType()),
+        T.StructField("split", T.StringType()),
+        T.StructField("image", T.BinaryType()),
+        T.StructField("width", T.IntegerType()),
+        T.StructField("height", T.IntegerType()),
+        T.StructField("content_sha256", T.StringType()),
+        T.StructField("num_bytes", T.LongType()),
+        T.StructField("mtime_ns", T.LongType()),
+        T.StructField("notes", T.StringType()),
+    ]
+)
+TABLE_SCHEMAS: dict[str, T.StructType] = {
+    "images": _IMAGE_COLUMNS,
+    "quarantine": T.StructType(
+        [
+            T.StructField("source_path", T.StringType()),
+            T.StructField("relative_path", T.StringType()),
+            T.StructField("label", T.StringType()),
+            T.StructField("reason_code", T.StringType()),
+            T.StructField("reason", T.StringType()),
+            T.StructField("num_bytes", T.LongType()),
+            T.StructField("mtime_ns", T.LongType()),
+            T.StructField("content_sha256", T.StringType()),
+        ]
+    ),
+}
+"""Columns and types of each table (nullability aside): what training expects to read.
+``num_bytes`` and ``mtime_ns`` are the source file's size (bytes) and modification time
+(nanoseconds since the epoch) when it was ingested: with ``relative_path``, what the next
+ingest compares to know whether a file changed."""
+PARTITION_COLUMNS: dict[str, list[str]] = {"images": ["split"], "quarantine": []}
+"""The Delta partition columns of each table."""
+TABLE_PROPERTIES = {"delta.enableDeletionVectors": "true"}
+"""Delta table properties of ``images`` and ``quarantine``, set when ingest writes them in
+full. Deletion vectors: a MERGE that deletes or replaces a row marks it deleted in a small
+bitmap file beside its data file instead of rewriting that file with every other row of it
+(Delta's documentation, "What are deletion vectors?"), so an incremental ingest writes about
+what changed, not every file a changed photo shares. Readers need Delta 2.3 or later
+(reader version 3, the ``deletionVectors`` table feature); Databricks Runtime 12.2 LTS and
+later. The column that holds the source file's URI is ``source_path``, not ``path``: Delta
+4.0's MERGE with deletion vectors fails on a table with a column named ``path``
+(``AMBIGUOUS_REFERENCE filePath``, delta-io/delta#2943, fixed in Delta 4.3)."""
+
+
+MAINTENANCE_OPERATIONS = frozenset(
+    {"VACUUM START", "VACUUM END", "OPTIMIZE", "SET TBLPROPERTIES", "UNSET TBLPROPERTIES"}
+)
+"""Delta operations that change no row: the retention's VACUUM, a compaction, a property."""
+_HISTORY_DEPTH = 50
+
+
+def latest_commit(
+    spark: SparkSession, table: TableRef
+) -> tuple[int, dict[str, object] | None] | None:
+    """The latest version of the Delta ``table`` and the flowers_job metadata of its
+    latest commit that changed rows (``fingerprint``, ``run_id``, ``label_names``,
+    ``settings``; None when that commit is not flowers_job's); None if there is no Delta
+    table there. Maintenance commits after it (:data:`MAINTENANCE_OPERATIONS`: VACUUM,
+    OPTIMIZE) change no row, so the latest version holds the rows that commit wrote, and it
+    is the one to read (an OPTIMIZE's older files may be vacuumed). One ``history`` read
+    of the last 50 commits.
+
+    Raises:
+        DataError: a catalog table of that name that is not a Delta table.
+    """
+    if not table.exists(spark):
+        return None
+    rows = (
+        table.delta(spark)
+        .history(_HISTORY_DEPTH)
+        .select("version", "operation", "userMetadata")
+        .collect()
+    )
+    if not rows:
+        return None
+    latest = int(rows[0]["version"])
+    for row in rows:  # newest first
+        if row["operation"] in MAINTENANCE_OPERATIONS:
+            continue
+        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else None
+        value = meta.get(META_KEY) if isinstance(meta, dict) else None
+        return latest, value if isinstance(value, dict) else None
+    return latest, None
+
+
+def read_table_metadata(spark: SparkSession, table: TableRef) -> dict[str, object] | None:
+    """The flowers_job metadata stored in the latest commit of the Delta ``table``
+    (:func:`latest_commit`); None if there is no such Delta table or its latest commit is
+    not flowers_job's."""
+    commit = latest_commit(spark, table)
+    return None if commit is None else commit[1]
+
+
+def tables_mismatch(metas: Mapping[str, Mapping[str, object] | None]) -> str | None:
+    """Why the tables' latest commits are not one complete ingest; None when they are.
+
+    One ingest writes both tables with the same fingerprint and ``run_id``, so equal
+    pairs mean that one run wrote every table and no other run wrote any since.
+
+    Args:
+        metas: table name -> :func:`read_table_metadata`.
+
+    Returns:
+        None, or a description naming each table's fingerprint and run.
+    """
+    missing = sorted(name for name, meta in metas.items() if meta is None)
+    if missing:
+        return f"no flowers_job commit in {missing}"
+    runs = {name: (str(m.get("fingerprint")), str(m.get("run_id"))) for name, m in metas.items()}  # type: ignore[union-attr]
+    if len(set(runs.values())) == 1:
+        return None
+    return "; ".join(f"{name}: fingerprint {fp[:12]} run {run}" for name, (fp, run) in runs.items())
+
+
+@contextmanager
+def _commit_metadata(spark: SparkSession, meta: dict[str, object]) -> Iterator[None]:
+    """Session settings for one commit that carries ``meta``: its ``userMetadata``, and no
+    skipped empty commit (Delta skips the commit of a write that changes nothing, for example
+    an empty overwrite of an empty quarantine, which would leave the previous run's metadata
+    in place)."""
+    settings = {
+        "spark.databricks.delta.skipRecordingEmptyCommits": "false",
+        "spark.databricks.delta.commitInfo.userMetadata": json.dumps(
+            {META_KEY: meta}, sort_keys=True
+        ),
+    }
+    before = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, old in before.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
+
+
+def _check_commit(spark: SparkSession, table: TableRef, meta: dict[str, object]) -> None:
+    if (read_table_metadata(spark, table) or {}).get("run_id") != meta["run_id"]:
+        raise DataError(
+            f"the commit to {table} does not carry this write's metadata (run_id "
+            f"{meta['run_id']}): another job wrote the table at the same time"
+        )
+
+
+def write_table(
+    spark: SparkSession,
+    df: DataFrame,
+    table: TableRef,
+    meta: dict[str, object],
+    partition_by: Sequence[str] = (),
+    properties: Mapping[str, str] | None = None,
+) -> None:
+    """Overwrite the Delta ``table`` (path or name; created if need be) with ``df``
+    (partitioned by ``partition_by``, with the table ``properties``), committing ``meta``;
+    one commit, also when ``df`` is empty.
+
+    Raises:
+        DataError: the latest commit does not carry ``meta['run_id']`` (another writer
+            committed at the same time).
+    """
+    with _commit_metadata(spark, meta):
+        table.overwrite(df, partition_by, properties)
+    _check_commit(spark, table, meta)
+
+
+def merge_table(
+    spark: SparkSession,
+    source: DataFrame,
+    table: TableRef,
+    meta: dict[str, object],
+    *,
+    keep: Column,
+    changed: Column,
+) -> dict[str, int]:
+    """MERGE the changes in ``source`` into the Delta ``table`` (path or name), keyed by
+    ``relative_path``, in one commit that carries ``meta``.
+
+    ``source`` has the table's columns plus ``_gone`` (boolean: the path must leave the
+    table). For each source row, as target alias ``t`` and source alias ``s``:
+
+    - matched, and ``keep`` is false or ``_gone``: the row is deleted;
+    - matched, ``keep`` and ``changed``: the row is replaced;
+    - not matched, ``keep`` and not ``_gone``: the row is inserted.
+
+    Rows of the table without a source row are not read beyond the join key. On a table
+    with deletion vectors (:data:`TABLE_PROPERTIES`) no file is rewritten: deleted and
+    replaced rows are marked in a deletion vector of their file, and the new rows written
+    to new files; without them, each file that holds a matched row is rewritten whole.
+
+    Returns:
+        Delta's ``operationMetrics`` of the commit: ``inserted``, ``updated``, ``deleted``.
+
+    Raises:
+        DataError: as :func:`write_table`.
+    """
+    gone = F.col("s._gone")
+    columns: dict[str, str | Column] = {
+        f.name: f"s.`{f.name}`" for f in TABLE_SCHEMAS[table.table].fields
+    }
+    with _commit_metadata(spark, meta):
+        (
+            table.delta(spark)
+            .alias("t")
+            .merge(source.alias("s"), "t.relative_path = s.relative_path")
+            .whenMatchedDelete(condition=gone | ~keep)
+            .whenMatchedUpdate(condition=changed, set=columns)
+            .whenNotMatchedInsert(condition=keep & ~gone, values=columns)
+            .execute()
+        )
+    _check_commit(spark, table, meta)
+    commit = table.delta(spark).history(1).select("operationMetrics").first()
+    metrics = (commit["operationMetrics"] if commit is not None else None) or {}
+    return {
+        key: int(metrics.get(name, 0))
+        for key, name in (
+            ("inserted", "numTargetRowsInserted"),
+            ("updated", "numTargetRowsUpdated"),
+            ("deleted", "numTargetRowsDeleted"),
+        )
+    }
+
+
+def split_frame(spark: SparkSession, images: TableRef, version: int, split: str) -> DataFrame:
+    """The rows of ``split`` in the ``images`` Delta table at Delta ``version``: a
+    partition filter, so only that split's files are read."""
+    return images.read(spark, version).where(F.col("split") == split)
+
+
+@dataclass(frozen=True)
+class CheckedTables:
+    """The tables, found to be one complete ingest (:func:`checked_tables`)."""
+
+    label_names: list[str]
+    """The label names recorded at ingest; a label's index is its position."""
+    versions: dict[str, int]
+    """Table name -> the Delta version that was checked: the one a run reads
+    (``versionAsOf``) and records as its lineage."""
+    meta: dict[str, object]
+    """The ingest's metadata (the images table's latest commit; every table carries the same
+    fingerprint and run id)."""
+    split_rows: dict[str, int]
+    """Rows of each split in ``images`` at the checked version."""
+
+
+def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
+    """Check that the tables are one complete ingest that training can read.
+
+    Runs before any loader cache is written. Each table's latest commit is read once
+    (:func:`latest_commit`), and everything after reads that version, so the version that
+    was checked is the one a run trains on. Checks, in order: every table is a flowers_job
+    Delta table; both come from the same ingest run (:func:`tables_mismatch`); each has the
+    expected columns and types; the three splits of ``images`` have rows; and the labels in
+    ``images`` are the ``label_names`` recorded at ingest, with their recorded indices.
+
+    Returns:
+        The recorded label names, the checked version of each table, the ingest's metadata
+        and the rows per split.
+
+    Raises:
+        DataError: naming the table (path or name) and the problem (missing tables, tables from
+            different ingests, missing/extra/wrongly typed columns, an empty split, or labels
+            that differ from the recorded ones, naming both sets).
+    """
+    paths = {name: table_ref(cfg, name) for name in TABLE_NAMES}
+    commits = {name: latest_commit(spark, path) for name, path in paths.items()}
+    metas = {name: None if c is None else c[1] for name, c in commits.items()}
+    missing = [paths[n] for n, m in metas.items() if m is None]
+    if missing:
+        raise DataError(
+            f"no flowers_job Delta table {', '.join(map(str, missing))}; run `flowers-job "
+            "ingest` (or `run`) first"
+        )
+    mismatch = tables_mismatch(metas)
+    if mismatch:
+        raise DataError(
+            f"the tables {', '.join(map(str, paths.values()))} come from different ingests "
+            f"({mismatch}); "
+            "an ingest was interrupted or another one wrote since: run `flowers-job ingest` "
+            "again, it repairs them"
+        )
+    versions = {name: c[0] for name, c in commits.items() if c is not None}
+    tables = {name: path.read(spark, versions[name]) for name, path in paths.items()}
+    for name, df in tables.items():
+        _check_schema(name, paths[name], df.schema)
+    # (split, label, label_index) with counts, one query: a split without rows is empty.
+    groups = tables["images"].groupBy("split", "label", "label_index").count().collect()
+    split_rows = {split: 0 for split in SPLITS}
+    for g in groups:
+        split_rows[g["split"]] = split_rows.get(g["split"], 0) + int(g["count"])
+    empty = [split for split in SPLITS if not split_rows[split]]
+    if empty:
+        raise DataError(
+            f"the {empty[0]} split of the images table {paths['images']} (version "
+            f"{versions['images']}) is empty; training needs rows in train, val and test: add "
+            "photos (or change data.val_fraction or data.test_fraction) and ingest again"
+        )
+    meta = metas["images"]
+    assert meta is not None
+    label_names = [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
+    pairs = {(g["label"], g["label_index"]) for g in groups}
+    _check_labels(pairs, label_names, paths["images"])
+    return CheckedTables(label_names, versions, dict(meta), split_rows)
+
+
+def _check_schema(name: str, path: TableRef, schema: StructType) -> None:
+    """Raise ``DataError`` naming the missing, extra and wrongly typed columns of a table."""
+    expected = {f.name: f.dataType for f in TABLE_SCHEMAS[name].fields}
+    actual = {f.name: f.dataType for f in schema.fields}
+    problems = []
+    if missing := [c for c in expected if c not in actual]:
+        problems.append(f"missing columns {missing}")
+    if extra := [c for c in actual if c not in expected]:
+        problems.append(f"extra columns {extra}")
+    if wrong := [
+        f"{c} is {actual[c].simpleString()}, expected {t.simpleString()}"
+        for c, t in expected.items()
+        if c in actual and actual[c] != t
+    ]:
+        problems.append("wrong types: " + ", ".join(wrong))
+    if problems:
+        raise DataError(
+            f"the {name} table {path} does not have the expected schema: "
+            + "; ".join(problems)
+            + "; run `flowers-job ingest` again to rewrite it"
+        )
+
+
+def _check_labels(pairs: set[tuple[str, int]], label_names: list[str], where: TableRef) -> None:
+    """Raise ``DataError`` if the (label, label_index) pairs of the images table differ from
+    ``label_names`` (a label's index is its position), naming both label sets."""
+    found = sorted({str(label) for label, _ in pairs})
+    if found != sorted(label_names):
+        raise DataError(
+            f"the labels in the images table {where}, {found}, differ from the "
+            f"label_names recorded at ingest, {label_names} (missing "
+            f"{sorted(set(label_names) - set(found))}, unexpected "
+            f"{sorted(set(found) - set(label_names))}); run `flowers-job ingest` again"
+        )
+    wrong = sorted(
+        f"{label}: {index} (expected {label_names.index(label)})"
+        for label, index in pairs
+        if index != label_names.index(label)
+    )
+    if wrong:
+        raise DataError(
+            f"label_index in the images table {where} does not match the "
+            f"label_names recorded at ingest, {label_names}: {', '.join(wrong)}; run "
+            "`flowers-job ingest` again"
+        )

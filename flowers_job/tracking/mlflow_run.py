@@ -1,0 +1,446 @@
+"""MLflow: experiment preflight on the driver; run, metrics and model from rank 0 only.
+
+The driver checks the store and creates the experiment before any worker starts
+(:func:`preflight`), failing within seconds when the store cannot be used. Rank 0 then
+owns one MLflow run (:class:`RunTracker`): params once, metrics per epoch with
+``step=epoch``, and at the end the model as a pyfunc
+(:class:`~flowers_job.serving.pyfunc_model.FlowersClassifierModel`) with signature and input example,
+registered under ``tracking.registered_model_name``. A resumed run continues the same
+MLflow run and logs no param and no epoch twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import mlflow
+import pandas as pd
+import torch
+from mlflow import environment_variables as mlflow_env
+from mlflow.models import infer_signature
+
+from flowers_job.config import JobConfig
+from flowers_job.tracking.class_report import TestReport
+from flowers_job.tracking.credentials import fail_fast, store_client
+
+__all__ = [
+    "EPOCH_KEY",
+    "FAILURE_TAG",
+    "PREFLIGHT_TIMEOUT_SECONDS",
+    "TAG_FINGERPRINT",
+    "TAG_OUTPUT_DIR",
+    "TAG_TEST_SPLIT",
+    "TAG_VERSION",
+    "RunTracker",
+    "TrackingError",
+    "end_failed_run",
+    "flatten",
+    "mark_run_failed",
+    "preflight",
+    "use_credentials",
+]
+
+TAG_FINGERPRINT = "flowers_job.ingest_fingerprint"
+TAG_TEST_SPLIT = "flowers_job.test_split_digest"
+"""Run tag: the digest of the test split a run was scored on
+(:func:`flowers_job.driver.prepare.split_digest`); test scores compare only between equal
+digests."""
+TAG_VERSION = "flowers_job.version"
+TAG_OUTPUT_DIR = "flowers_job.output_dir"
+"""Run tag: the resolved ``paths.output_dir`` of the training, set when the run starts
+(``flowers-job runs`` lists an output dir's runs by it: :mod:`flowers_job.driver.runs`)."""
+EPOCH_KEY = "val_loss"
+"""The metric whose steps say which epochs a run has logged (every epoch logs it)."""
+PREFLIGHT_TIMEOUT_SECONDS = 10
+"""Per-request timeout of the preflight's HTTP calls, seconds (MLflow's default is 120)."""
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+"""The ``flowers_job`` package directory: the logged model's ``code_paths``."""
+
+
+class TrackingError(RuntimeError):
+    """The MLflow store cannot be used."""
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def use_credentials(cfg: JobConfig) -> None:
+    """Export the configured tracking credentials to this process's environment.
+
+    ``tracking.username``/``password``/``token`` become MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN,
+    which MLflow reads, and which the training processes inherit: TorchDistributor's local
+    mode starts them with this environment, and so does a local Spark master started after
+    this call (barrier mode on ``local[n]``). Executors of a real cluster do not inherit the
+    driver's environment: give them the variables there (``spark.executorEnv.*``, cluster
+    secrets). Values not configured are left as they are. The secrets never enter the job
+    sent to the workers (they are excluded from ``JobConfig.model_dump``).
+    """
+    t = cfg.tracking
+    values = {
+        mlflow_env.MLFLOW_TRACKING_USERNAME: t.username,
+        mlflow_env.MLFLOW_TRACKING_PASSWORD: t.password.get_secret_value() if t.password else None,
+        mlflow_env.MLFLOW_TRACKING_TOKEN: t.token.get_secret_value() if t.token else None,
+    }
+    for var, value in values.items():
+        if value:
+            var.set(value)
+
+
+def _probe_database(uri: str) -> None:
+    """Connect once to a database store (sqlite, postgresql, mysql, mssql).
+
+    MLflow's own store retries a failed connection 10 times with exponential back-off,
+    about 100 s (``mlflow.store.db.utils.create_sqlalchemy_engine_with_retry``); one attempt
+    with the same engine factory fails at once.
+    """
+    import sqlalchemy
+    from mlflow.store.db.utils import create_sqlalchemy_engine
+
+    path = uri.removeprefix("sqlite:///")
+    if path != uri and path not in ("", ":memory:"):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as MLflow's store does
+    engine = create_sqlalchemy_engine(uri)
+    try:
+        sqlalchemy.inspect(engine)
+    finally:
+        engine.dispose()
+
+
+def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) -> str:
+    """Check the tracking store and get or create the experiment; runs on the driver.
+
+    Fails fast: a database store is connected to once, and HTTP requests (a tracking server,
+    Databricks) are retried once, without back-off, with ``timeout_seconds`` per request, so
+    an unreachable store surfaces within about ``2 x timeout_seconds`` (a refused connection
+    or an unusable sqlite file: well under a second) instead of after minutes of MLflow's
+    retries. The configured credentials are exported first (:func:`use_credentials`).
+
+    Returns:
+        The experiment id.
+
+    Raises:
+        TrackingError: the store cannot be reached or used, or the experiment cannot be
+            created; the message names ``tracking.tracking_uri`` and MLflow's error.
+    """
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    use_credentials(cfg)
+    if not cfg.tracking.tracking_uri:
+        cfg.paths.output_dir.mkdir(parents=True, exist_ok=True)
+    uri = cfg.tracking_uri
+    try:
+        with fail_fast(timeout_seconds):
+            if urlparse(uri).scheme.partition("+")[0] in DATABASE_ENGINES:
+                _probe_database(uri)
+            with store_client(uri) as client:
+                exp = client.get_experiment_by_name(cfg.tracking.experiment_name)
+                if exp is not None:
+                    return str(exp.experiment_id)
+                return str(
+                    client.create_experiment(
+                        cfg.tracking.experiment_name, artifact_location=cfg.artifact_location
+                    )
+                )
+    except Exception as exc:
+        raise TrackingError(
+            f"tracking.tracking_uri: the MLflow store {uri} cannot be used: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _pip_requirements() -> list[str]:
+    """The served model's requirements, pinned to this environment's versions without their
+    local tags (``torch==2.13.0``, not ``+cu130``): on Linux, PyPI's wheels of those versions
+    are the CUDA builds, so a GPU serving endpoint gets a CUDA torch (docs/using-the-model.md,
+    "On a GPU")."""
+    names = ["torch", "torchvision", "pillow", "pandas", "numpy", "mlflow", "pydantic", "pyyaml"]
+    names.append("efficientnet-lite-pytorch")
+    reqs = []
+    for name in names:
+        try:
+            reqs.append(f"{name}=={metadata.version(name).split('+')[0]}")
+        except metadata.PackageNotFoundError:
+            if name == "mlflow":  # Databricks runtimes ship mlflow-skinny only
+                try:
+                    reqs.append(f"mlflow-skinny=={metadata.version('mlflow-skinny')}")
+                    continue
+                except metadata.PackageNotFoundError:
+                    pass
+            reqs.append(name)
+    return reqs
+
+
+class RunTracker:
+    """The MLflow run of one training job. Construct on rank 0 only.
+
+    Resuming (``run_id`` given) continues that run and keeps it free of duplicates: params
+    already logged are not logged again, and an epoch already logged (``step=epoch`` of
+    ``val_loss``) is skipped. The worker logs an epoch only after its checkpoint is on
+    disk and, on resume, logs the checkpoint's history first, so a run killed anywhere
+    ends up with every completed epoch logged exactly once.
+    """
+
+    def __init__(self, cfg: JobConfig, run_id: str | None = None) -> None:
+        self.cfg = cfg
+        mlflow.set_tracking_uri(cfg.tracking_uri)
+        exp = mlflow.set_experiment(cfg.tracking.experiment_name)
+        self.resumed = run_id is not None
+        self.run = mlflow.start_run(
+            run_id=run_id,
+            experiment_id=exp.experiment_id,
+            run_name=None if run_id else cfg.tracking.run_name,
+        )
+        self.run_id: str = self.run.info.run_id
+        if TAG_OUTPUT_DIR not in self.run.data.tags:  # kept by a resumed run
+            mlflow.set_tag(TAG_OUTPUT_DIR, str(cfg.paths.output_dir))  # absolute already
+        client = mlflow.MlflowClient()
+        self._params: dict[str, str] = dict(self.run.data.params)
+        self._logged_epochs: set[int] = (
+            {m.step for m in client.get_metric_history(self.run_id, EPOCH_KEY)}
+            if self.resumed
+            else set()
+        )
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log the params this run does not have yet (a resumed run keeps its first values)."""
+        new = {k: ("" if v is None else v) for k, v in params.items() if k not in self._params}
+        changed = sorted(
+            k for k, v in params.items() if k in self._params and self._params[k] != str(v)
+        )
+        if changed:
+            log.warning("resumed run keeps its first values of %s", ", ".join(changed))
+        if new:
+            mlflow.log_params(new)
+            self._params.update({k: str(v) for k, v in new.items()})
+
+    def record_recovery(self, attempt: int) -> None:
+        """At the start of an attempt: the ``restarts`` metric (``attempt``, at
+        ``step=attempt``), and, when the run was reopened after a failure (an automatic
+        restart, a ``--resume``), its :data:`FAILURE_TAG` kept as
+        ``flowers_job.failure.<n>`` (the n-th interruption) and removed, so that only a run
+        that ends FAILED carries it."""
+        mlflow.log_metric("restarts", attempt, step=attempt)
+        tags = self.run.data.tags
+        cause = tags.get(FAILURE_TAG)
+        if cause is None:
+            return
+        n = 1 + sum(k.startswith(f"{FAILURE_TAG}.") for k in tags)
+        mlflow.set_tag(f"{FAILURE_TAG}.{n}", cause)
+        mlflow.MlflowClient().delete_tag(self.run_id, FAILURE_TAG)
+
+    def log_epoch(self, metrics: dict[str, float], epoch: int) -> bool:
+        """Log one epoch's metrics at ``step=epoch`` unless that epoch is logged already.
+
+        Returns:
+            True if logged, False if the run already had this epoch.
+        """
+        if epoch in self._logged_epochs:
+            return False
+        mlflow.log_metrics(metrics, step=epoch)
+        if EPOCH_KEY in metrics:
+            self._logged_epochs.add(epoch)
+        return True
+
+    def log_final(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Log end-of-run metrics (``best_val_loss``, ...) whatever epochs are logged already:
+        unlike :meth:`log_epoch`, never skipped. A resumed run that finishes again logs them
+        again; MLflow shows the latest value."""
+        mlflow.log_metrics(metrics, step=step)
+
+    def log_test(self, report: TestReport, figures: dict[str, Any]) -> None:
+        """The test report and the figures, under the run's artifacts:
+
+        - metrics ``test_accuracy``, ``test_loss``, ``test_macro_f1``,
+          ``test_images_per_second``;
+        - ``test/per_class.json`` (a table: label, precision, recall, f1, support) and
+          ``test/confusion_matrix.json`` (a table: one row per true label, one column per
+          predicted label), both ``{"columns": [...], "data": [[...], ...]}``;
+        - ``figures/<name>.png`` for each of ``figures``
+          (:func:`flowers_job.tracking.class_report.report_figures`: ``curves``, ``confusion_matrix``,
+          ``worst_mistakes``), closed once logged.
+        """
+        import matplotlib.pyplot as plt
+
+        self.log_final(report.metrics())
+        # Tables in mlflow.log_table's JSON layout ({"columns", "data"}), written with
+        # log_dict: log_table appends to an existing file, and a resumed run that finishes
+        # again must replace its test scores, not add a second set.
+        confusion = pd.DataFrame(report.confusion, columns=report.label_names)
+        confusion.insert(0, "true_label", report.label_names)
+        for name, table in (
+            ("per_class", pd.DataFrame(report.per_class)),
+            ("confusion_matrix", confusion),
+        ):
+            mlflow.log_dict(table.to_dict(orient="split", index=False), f"test/{name}.json")
+        for name, fig in figures.items():
+            mlflow.log_figure(fig, f"figures/{name}.png")
+            plt.close(fig)
+
+    def log_lineage(self, lineage: dict[str, Any]) -> None:
+        """Each split read as an MLflow dataset input (the ``images`` table's path or catalog
+        name and Delta version in its source and its ``delta_version`` tag, the split in its
+        ``split`` tag; context = the split), and the run tags ``flowers_job.ingest_fingerprint``,
+        ``flowers_job.test_split_digest``, ``flowers_job.images_table``,
+        ``flowers_job.images_version`` (which retention keeps readable:
+        :mod:`flowers_job.tables.retention`) and ``flowers_job.version``.
+
+        Args:
+            lineage: :func:`flowers_job.driver.prepare.lineage`'s dict.
+        """
+        from mlflow.data.delta_dataset_source import DeltaDatasetSource
+        from mlflow.data.meta_dataset import MetaDataset
+
+        from flowers_job import __version__
+        from flowers_job.tables.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
+
+        for name, table in sorted(lineage.get("splits", {}).items()):
+            # a path table by its path, a catalog table by its name (MLflow's two forms)
+            source = DeltaDatasetSource(
+                path=table.get("path"),
+                delta_table_name=table.get("name"),
+                delta_table_version=table["version"],
+            )
+            named = table.get("name") or table["path"]
+            where = f"{named}@{table['version']}:{table.get('split', name)}"
+            digest = hashlib.sha256(where.encode()).hexdigest()[:16]
+            # MetaDataset: a dataset known by its source and digest, without loading it here
+            # (rank 0 has no Spark session); mypy sees Dataset.profile as abstract.
+            dataset = MetaDataset(source, name=f"flowers_{name}", digest=digest)  # type: ignore[abstract]
+            # The source drops a version of 0 from its JSON: the tag always carries it.
+            mlflow.log_input(
+                dataset,
+                context=name,
+                tags={"delta_version": str(table["version"]), "split": str(table.get("split"))},
+            )
+        images = lineage.get("tables", {}).get("images", {})
+        mlflow.set_tags(
+            {
+                TAG_FINGERPRINT: lineage.get("ingest_fingerprint", ""),
+                TAG_TEST_SPLIT: lineage.get("test_split_digest", ""),
+                TAG_IMAGES_TABLE: str(images.get("name") or images.get("path", "")),
+                TAG_IMAGES_VERSION: str(images.get("version", "")),
+                TAG_VERSION: __version__,
+            }
+        )
+
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        model_config: dict[str, Any],
+        example: pd.DataFrame,
+    ) -> tuple[str, int | None]:
+        """Log the pyfunc model and register it.
+
+        Returns:
+            ``(model_uri, registered_model_version)``; the version is None when
+            ``tracking.registered_model_name`` is None.
+        """
+        from flowers_job.serving.pyfunc_model import FlowersClassifierModel
+
+        name = self.cfg.tracking.registered_model_name
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = Path(tmp) / "state_dict.pt"
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights)
+            probe = FlowersClassifierModel()
+            probe.load_context(_Context(model_config, {"state_dict": str(weights)}))
+            output = probe.predict(None, example)
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(_PACKAGE_DIR / "serving" / "model_code.py"),
+                artifacts={"state_dict": str(weights)},
+                model_config=model_config,
+                code_paths=[str(_PACKAGE_DIR)],
+                signature=infer_signature(example, output),
+                input_example=example,
+                pip_requirements=_pip_requirements(),
+                registered_model_name=name,
+            )
+        mlflow.log_dict({"label_names": model_config["label_names"]}, "label_names.json")
+        version = info.registered_model_version
+        return info.model_uri, int(version) if version is not None else None
+
+    def finish(self, status: str = "FINISHED") -> None:
+        mlflow.end_run(status=status)
+
+
+FAILURE_TAG = "flowers_job.failure"
+"""The tag that holds a failed run's cause (its first :data:`FAILURE_TAG_CHARS` characters)."""
+FAILURE_TAG_CHARS = 500
+FAILURE_REPORT_SECONDS = 5
+"""Per MLflow request while a failure is reported (one retry): the two requests of
+:func:`end_failed_run` end within about 20 s, inside torchrun's 30 s between the SIGTERM
+that stops the other ranks and its SIGKILL (``torch.distributed.elastic.multiprocessing``'s
+``close(timeout=30)``)."""
+
+
+def end_failed_run(cause: str) -> None:
+    """Mark this process's active MLflow run FAILED, its ``cause`` in the
+    :data:`FAILURE_TAG` tag, within :data:`FAILURE_REPORT_SECONDS` per request (no-op
+    without an active run; never raises: the failure being reported matters more)."""
+    try:
+        if mlflow.active_run() is None:
+            return
+        with fail_fast(FAILURE_REPORT_SECONDS):
+            try:
+                mlflow.set_tag(FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+            finally:
+                mlflow.end_run(status="FAILED")
+    except Exception:
+        log.exception("could not mark the MLflow run FAILED")
+
+
+def mark_run_failed(
+    tracking_uri: str, run_id: str, cause: str, *, correct_cause: bool = False
+) -> bool:
+    """The driver's backstop after a failed training: end the MLflow run ``run_id`` FAILED,
+    with ``cause`` in the :data:`FAILURE_TAG` tag, if it is still RUNNING. Rank 0 normally
+    does this itself (:func:`end_failed_run`); it cannot when it was SIGKILLed (by torchrun
+    after its grace period, the kernel's OOM killer, a lost executor). With
+    ``correct_cause``, a run that rank 0 ended already gets ``cause`` in the tag too: the
+    driver names the rank that failed first, where rank 0 only saw its consequence (a lost
+    peer).
+
+    Returns:
+        True if the run was RUNNING and is now FAILED; False if it had ended already or
+        cannot be read (logged; never raises, within :data:`FAILURE_REPORT_SECONDS` per
+        request).
+    """
+    try:
+        with fail_fast(FAILURE_REPORT_SECONDS), store_client(tracking_uri) as client:
+            if client.get_run(run_id).info.status != "RUNNING":
+                if correct_cause:
+                    client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+                return False
+            client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+            client.set_terminated(run_id, status="FAILED")
+        log.warning("MLflow run %s was still RUNNING: marked FAILED", run_id)
+        return True
+    except Exception:
+        log.exception("could not check or end MLflow run %s", run_id)
+        return False
+
+
+class _Context:
+    """Stand-in for MLflow's PythonModelContext, to check the model before logging it."""
+
+    def __init__(self, model_config: dict[str, Any], artifacts: dict[str, str]) -> None:
+        self.model_config = model_config
+        self.artifacts = artifacts
