@@ -2,7 +2,7 @@
 
 One run measures, side by side on one device, the training step of the job
 (:func:`flowers_job.train.step.train_one_epoch`: normalise on the device, autocast in the
-precision :func:`~flowers_job.train.step.amp_dtype` picks, DDP-free forward/backward,
+precision :func:`~flowers_job.vision.precision.amp_dtype` picks, DDP-free forward/backward,
 AdamW, the device-side sums) fed three ways:
 
 - **synthetic**: random uint8 batches already on the device (the model's limit);
@@ -64,10 +64,11 @@ from flowers_job.loaders.streaming.streaming_loader import (
 )
 from flowers_job.train.device_prefetch import DeviceReader
 from flowers_job.train.metrics import Sums
-from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer, train_one_epoch
+from flowers_job.train.step import make_optimizer, train_one_epoch
 from flowers_job.vision.backbones import build_model, preprocessing_for
 from flowers_job.vision.batch_decode import BatchDecoder, pad_jpegs, step_seed
 from flowers_job.vision.images import DecodeTransform, normalize_image
+from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PHOTOS = REPO.parent / "shared/data/flower_photos"

@@ -62,7 +62,7 @@ def prepare(out: Path, photos: Path, per_label: int, image_size: int) -> None:
     shutil.rmtree(out, ignore_errors=True)
     work = out / "work"
     images = sample_photos(work / "photos", per_label=per_label)
-    cfg = resolve_loader(
+    cfg, loader = resolve_loader(
         load_config(
             None,
             [
@@ -76,7 +76,7 @@ def prepare(out: Path, photos: Path, per_label: int, image_size: int) -> None:
     spark = get_spark("gpu_rank_prepare", master="local[2]")
     ingest(spark, cfg)
     plans = {}
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, cfg, loader) as data:
         for split in SPLITS:
             plan = getattr(data, split).to_dict()
             src = Path(plan["cache_dir_url"].removeprefix("file://"))
@@ -111,7 +111,7 @@ def run(job_dir: Path, epochs: int, finetune: bool, workers: int) -> dict[str, A
     import torch
 
     from flowers_job.config import JobConfig
-    from flowers_job.loaders.base import ShardPlan
+    from flowers_job.loaders import resolve_loader
     from flowers_job.runtime.process_group import (
         broadcast_object,
         gather_ranks,
@@ -129,17 +129,17 @@ def run(job_dir: Path, epochs: int, finetune: bool, workers: int) -> dict[str, A
     config["data"]["loader_workers"] = workers
     config["train"]["epochs"] = epochs
     config["paths"]["output_dir"] = str(job_dir / "out")
-    cfg = JobConfig.model_validate(config)
+    cfg, loader = resolve_loader(JobConfig.model_validate(config))
     plans = {}
     for split in SPLITS:
         plan = dict(job["plans"][split])
         plan["cache_dir_url"] = (job_dir / plan["cache_dir_url"]).resolve().as_uri()
-        plans[split] = ShardPlan.from_dict(plan)
+        plans[split] = loader.plan_type(**plan)
     _single_rank_env()
     ctx = init_distributed(use_gpu=True, backend="nccl", timeout_seconds=300)
     try:
         t0 = time.perf_counter()
-        state = build_state(cfg, ctx, Plans(**plans), list(job["label_names"]))
+        state = build_state(cfg, ctx, Plans(**plans, loader=loader), list(job["label_names"]))
         ranks = gather_ranks(ctx)
         ranks[0]["threads"] = torch.get_num_threads()
         open_readers(state, ranks)

@@ -6,7 +6,7 @@ that every rank maps, and each rank then runs ``--steps`` training steps of the 
 model (:func:`flowers_job.vision.backbones.build_model`, frozen EfficientNet-Lite0 + linear head by
 default), optimizer (AdamW) and loss (cross-entropy, label smoothing 0.1), channels-last,
 with the normalisation done on the batch as the job does it
-(:class:`flowers_job.train.step.DeviceNormalize`). Ranks are real processes started by
+(:class:`flowers_job.vision.precision.DeviceNormalize`). Ranks are real processes started by
 ``torchrun`` (gloo, CPU), ``--threads`` intra-op threads each.
 
 It is imported by the other benchmarks (``epoch_vs_memory.py``, ``scaling.py``) and runs on
@@ -169,8 +169,8 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from flowers_job.train.step import DeviceNormalize
     from flowers_job.vision.backbones import build_model, preprocessing_for
+    from flowers_job.vision.precision import DeviceNormalize
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

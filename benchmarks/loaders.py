@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.config import load_config
     from flowers_job.driver.prepare import prepare_data
     from flowers_job.ingest.job import ingest
-    from flowers_job.loaders import LOADERS, loader_problem
+    from flowers_job.loaders import LOADERS, loader_problem, resolve_loader
     from flowers_job.train.shard_read import read_shards
 
     facts = machine_facts()
@@ -332,12 +332,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{name}: preparing the cache", flush=True)
         t0 = time.perf_counter()
-        with prepare_data(spark, lcfg) as data:
+        lcfg, loader = resolve_loader(lcfg)
+        with prepare_data(spark, lcfg, loader) as data:
             prepare_s = time.perf_counter() - t0
             plan = data.train
             job = {
                 **common,
                 "plan": plan.to_dict(),
+                "loader": loader,
                 "epochs": list(range(1, args.epochs + 1)),
                 "shuffle": True,
                 "seed": lcfg.train.seed,

@@ -14,6 +14,9 @@ Spark Connect (``SPARK_REMOTE``, spark-submit ``--remote``, Databricks serverles
 standard access mode) is refused with status 2 by every command that uses Spark, predict
 included, before Spark starts or as soon as the session is seen
 (:mod:`flowers_job.cluster.connect`).
+Every status comes from one place, :func:`main`: the ``exit_code`` of the
+:class:`~flowers_job.errors.FlowersJobError` that stopped the command (:mod:`flowers_job.errors`
+lists them); any other exception is a bug, and ends with Python's traceback (status 1).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowers_job.cluster.connect import refuse_spark_connect
-from flowers_job.config import ConfigError, JobConfig, load_config
+from flowers_job.config import JobConfig, load_config
+from flowers_job.errors import ConfigError, FlowersJobError, PredictError
 
 if TYPE_CHECKING:
     from flowers_job.tables.table_ref import TableRef
@@ -150,50 +154,56 @@ def _config(args: argparse.Namespace) -> JobConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``flowers-job``; returns the process exit status (0 ok, 1 failed, 2 bad config)."""
+    """Run ``flowers-job``; returns the process exit status: 0 done, otherwise the
+    ``exit_code`` of the :class:`~flowers_job.errors.FlowersJobError` that stopped it (2 the
+    configuration or the cluster, before any work; 1 the work failed)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    apart = {"predict": _predict, "runs": _runs}  # no pipeline checks: their own paths
-    if args.command in apart:
-        return apart[args.command](args)
+    # predict and runs skip the pipeline's checks: they have their own paths
+    commands = {"predict": _predict, "runs": _runs}
     try:
-        cfg = _config(args)
-        refuse_spark_connect()  # SPARK_REMOTE, spark-submit --remote...: before any import
-    except ConfigError as exc:
-        print(f"flowers-job: {exc}", file=sys.stderr)
-        return 2
+        return commands.get(args.command, _pipeline)(args)
+    except FlowersJobError as exc:  # the one place where an error becomes the exit status
+        print(_message(args.command, exc), file=sys.stderr)
+        return exc.exit_code
+
+
+def _message(command: str, exc: FlowersJobError) -> str:
+    """What stderr says of ``exc``: ``flowers-job <command>: <Error>: <message>``. A
+    configuration or predict error's message says what to fix, and goes without its class;
+    ``ingest``, ``train`` and ``run`` name no command before a configuration error
+    (``flowers-job: invalid configuration: ...``)."""
+    if isinstance(exc, ConfigError) and command not in ("predict", "runs"):
+        return f"flowers-job: {exc}"
+    if isinstance(exc, (ConfigError, PredictError)):
+        return f"flowers-job {command}: {exc}"
+    return f"flowers-job {command}: {type(exc).__name__}: {exc}"
+
+
+def _pipeline(args: argparse.Namespace) -> int:
+    """``flowers-job {ingest,train,run}``: the configuration and the checks that need no
+    Spark (seconds), then Spark, the cluster's checks, and the work."""
+    cfg = _config(args)
+    refuse_spark_connect()  # SPARK_REMOTE, spark-submit --remote...: before any import
     if args.command in ("ingest", "run") and cfg.data.images is None:
-        print(
-            "flowers-job: invalid configuration:\n  data.images: required (--images DIR)",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError("invalid configuration:\n  data.images: required (--images DIR)")
 
     from flowers_job.driver import pipeline
-    from flowers_job.errors import DataError
-    from flowers_job.ingest.job import IngestError
-    from flowers_job.tracking.mlflow_run import TrackingError
 
-    try:
-        cfg = pipeline.preflight(cfg, args.command)  # seconds, and no JVM yet
-        if args.command != "ingest":
-            pipeline.check_tracking(cfg)
-        from flowers_job.cluster.session import get_spark
+    job = pipeline.preflight(cfg, args.command)  # seconds, and no JVM yet
+    cfg = job.cfg
+    if args.command != "ingest":
+        pipeline.check_tracking(cfg)
+    from flowers_job.cluster.session import get_spark
 
-        stores = [str(cfg.paths.output_dir), cfg.paths.cache_parent_url, str(cfg.data.images)]
-        spark = get_spark(object_stores=stores)
-        refuse_spark_connect(spark)  # a Connect session made elsewhere (Databricks serverless)
-        if args.command != "ingest":
-            pipeline.check_on_cluster(spark, cfg)
-        result = pipeline.execute(spark, cfg, args.command)
-    except ConfigError as exc:  # the configuration does not fit this stack or cluster
-        print(f"flowers-job: {exc}", file=sys.stderr)
-        return 2
-    except (IngestError, DataError, TrackingError, pipeline.TrainingError) as exc:
-        print(f"flowers-job {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    stores = [str(cfg.paths.output_dir), cfg.paths.cache_parent_url, str(cfg.data.images)]
+    spark = get_spark(object_stores=stores)
+    refuse_spark_connect(spark)  # a Connect session made elsewhere (Databricks serverless)
+    if args.command != "ingest":
+        pipeline.check_on_cluster(spark, job)
+    result = pipeline.execute(spark, job, args.command)
     if isinstance(result, dict):
         keys = (
             "test_accuracy",
@@ -237,55 +247,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    """``flowers-job predict``: model and input checked before Spark starts, then scored."""
-    try:
-        if args.model is None and args.output_dir is None:
-            raise ConfigError("give --model or --output-dir (its summary.json)")
-        refuse_spark_connect()  # predict needs classic Spark too (docs/using-the-model.md)
-    except ConfigError as exc:
-        print(f"flowers-job predict: {exc}", file=sys.stderr)
-        return 2
+    """``flowers-job predict``: model and input checked before Spark starts, then scored
+    (a Spark Connect session is refused: :mod:`flowers_job.cluster.connect`)."""
+    if args.model is None and args.output_dir is None:
+        raise ConfigError("give --model or --output-dir (its summary.json)")
+    refuse_spark_connect()  # predict needs classic Spark too (docs/using-the-model.md)
     from flowers_job.serving import batch_predict as predict
     from flowers_job.tracking.mlflow_run import use_credentials
 
-    try:
-        # paths.output_dir only locates the defaults (summary.json, the sqlite store); "."
-        # makes the default store ./mlflow.db, MLflow's own default
-        cfg = load_config(
-            args.config, args.overrides, **{"paths.output_dir": args.output_dir or "."}
-        )
-        use_credentials(cfg)
-        model_uri, summary_uri = args.model, None
-        if args.output_dir is not None and (args.model is None or cfg.paths.summary_path.exists()):
-            default_uri, summary_uri = predict.default_model(args.output_dir)
-            model_uri = model_uri or default_uri
-        tracking_uri = cfg.tracking.tracking_uri or summary_uri or cfg.tracking_uri
-        ref = predict.resolve_model(model_uri, tracking_uri)
-        predict.check_input(args.images, args.table)
-    except (ConfigError, predict.UsageError) as exc:
-        print(f"flowers-job predict: {exc}", file=sys.stderr)
-        return 2
-    except predict.PredictError as exc:
-        print(f"flowers-job predict: {exc}", file=sys.stderr)
-        return 1
+    # paths.output_dir only locates the defaults (summary.json, the sqlite store); "."
+    # makes the default store ./mlflow.db, MLflow's own default
+    cfg = load_config(args.config, args.overrides, **{"paths.output_dir": args.output_dir or "."})
+    use_credentials(cfg)
+    model_uri, summary_uri = args.model, None
+    if args.output_dir is not None and (args.model is None or cfg.paths.summary_path.exists()):
+        default_uri, summary_uri = predict.default_model(args.output_dir)
+        model_uri = model_uri or default_uri
+    tracking_uri = cfg.tracking.tracking_uri or summary_uri or cfg.tracking_uri
+    ref = predict.resolve_model(model_uri, tracking_uri)
+    predict.check_input(args.images, args.table)
     from flowers_job.cluster.session import get_spark
 
-    try:
-        report = predict.predict(
-            get_spark(),
-            ref,
-            args.output_table,
-            images=args.images,
-            table=args.table,
-            split=args.split,
-            data=cfg.data,
-        )
-    except ConfigError as exc:  # a Spark Connect session (flowers_job.cluster.connect)
-        print(f"flowers-job predict: {exc}", file=sys.stderr)
-        return 2
-    except predict.PredictError as exc:
-        print(f"flowers-job predict: {exc}", file=sys.stderr)
-        return 1
+    report = predict.predict(
+        get_spark(),
+        ref,
+        args.output_table,
+        images=args.images,
+        table=args.table,
+        split=args.split,
+        data=cfg.data,
+    )
     print(json.dumps(report.to_dict(), indent=2))
     return 0
 
@@ -294,19 +285,11 @@ def _runs(args: argparse.Namespace) -> int:
     """``flowers-job runs``: the output dir's MLflow runs, newest first, as a table or JSON
     lines; no Spark, and a store or experiment that does not exist is not created."""
     from flowers_job.driver.runs import format_runs, list_runs
-    from flowers_job.tracking.mlflow_run import TrackingError, use_credentials
+    from flowers_job.tracking.mlflow_run import use_credentials
 
-    try:
-        cfg = _config(args)
-    except ConfigError as exc:
-        print(f"flowers-job runs: {exc}", file=sys.stderr)
-        return 2
+    cfg = _config(args)
     use_credentials(cfg)
-    try:
-        found = list_runs(cfg.paths.output_dir, cfg.tracking_uri, cfg.tracking.experiment_name)
-    except TrackingError as exc:
-        print(f"flowers-job runs: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    found = list_runs(cfg.paths.output_dir, cfg.tracking_uri, cfg.tracking.experiment_name)
     if not found:
         print(
             f"no runs of {cfg.paths.output_dir} in experiment {cfg.tracking.experiment_name!r} "

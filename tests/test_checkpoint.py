@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowers_job.faults import FAULT_ENV
 from flowers_job.train.checkpoint import (
     CHECKPOINT_NAME,
     RUN_FILE_NAME,
@@ -21,6 +20,8 @@ from flowers_job.train.checkpoint import (
     save_checkpoint,
     write_run_id,
 )
+
+from .support.faults import fault_env
 
 pytestmark = pytest.mark.tier("gate")
 
@@ -80,7 +81,7 @@ def test_a_writer_killed_mid_write_leaves_last_pt_whole(tmp_path: Path) -> None:
         "from flowers_job.train.checkpoint import save_checkpoint; "
         "save_checkpoint({'epoch': 2, 'w': torch.zeros(1000)}, Path(sys.argv[1]))"
     )
-    env = {**os.environ, FAULT_ENV: "pause_checkpoint:0:2"}
+    env = {**os.environ, **fault_env("pause_checkpoint:0:2")}
     stderr = tmp_path / "writer.stderr"
     with stderr.open("wb") as err:
         writer = subprocess.Popen([sys.executable, "-c", code, str(ckpt)], env=env, stderr=err)

@@ -41,6 +41,7 @@ import pytest
 
 from .conftest import sample_photos
 from .s3 import S3Store
+from .support.faults import fault_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from cluster import Cluster, answers, make_env, unavailable_reason
@@ -454,6 +455,12 @@ def _ranks_line(log_path: Path) -> dict[int, tuple[str, int]]:
     }
 
 
+def _executor_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as the executors' environment (``spark.executorEnv.*``): the fault settings
+    and ``FLOWERS_JOB_HOOKS``, which loads the tests' injector in the ranks."""
+    return {f"spark.executorEnv.{name}": value for name, value in env.items()}
+
+
 def _fault_run(
     cluster: Cluster,
     out: Path,
@@ -470,7 +477,7 @@ def _fault_run(
     shutil.rmtree(ckpt, ignore_errors=True)
     log = BASE / f"fault-{name}.log"
     log.unlink(missing_ok=True)
-    conf = {"spark.executorEnv.FLOWERS_JOB_FAULT": fault} if fault else {}
+    conf = _executor_env(fault_env(fault)) if fault else {}
     sets = ("distributed.timeout_seconds=20", *sets)
     if images is None:
         args, conf = train_args(cluster, out, *sets), {**TRAIN_CONF, **conf}
@@ -814,7 +821,7 @@ class TestObjectStore:
             "train.epochs=2",
             "train.max_restarts=0",
         )
-        fault = {"spark.executorEnv.FLOWERS_JOB_FAULT": "raise:2:2"}
+        fault = _executor_env(fault_env("raise:2:2"))
         rc, log = submit(cluster, args, BASE / "s3-streaming-fail.log", conf=fault)
         assert rc == 1, log[-4000:]
         assert "rank 2" in log and "RuntimeError" in log, log[-3000:]

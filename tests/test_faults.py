@@ -2,8 +2,9 @@
 while writing a checkpoint and resumed (Streaming), an orphaned loader cache, a full cache
 volume; with each loader (``data.loader``).
 
-Faults are injected with the test-only ``FLOWERS_JOB_FAULT`` setting
-(:mod:`flowers_job.faults`); everything else is the real job: local Spark + Delta,
+Faults are injected with the test-only ``FLOWERS_JOB_FAULT`` setting, acted out by the
+tests' injector (:mod:`tests.support.faults`, which ``FLOWERS_JOB_HOOKS`` switches on at the
+job's hook points, :mod:`flowers_job.runtime.hooks`); everything else is the real job: local Spark + Delta,
 Petastorm or Mosaic Streaming, TorchDistributor with 2 gloo processes and an MLflow sqlite
 store. Besides processes and the cache, nothing of Streaming's may outlive a run: its
 shared-memory blocks (``/dev/shm``) and lock files (the temp dir).
@@ -39,13 +40,14 @@ from flowers_job.driver.pipeline import TrainingError, run_training
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.driver.runs import list_runs
 from flowers_job.errors import DataError
-from flowers_job.faults import FAULT_ENV
+from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.petastorm.petastorm_loader import write_balanced
 from flowers_job.loaders.streaming.streaming_loader import write_mds
 from flowers_job.tracking.mlflow_run import FAILURE_TAG
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME
 
 from .conftest import MARK_ENV, copy_tables, marked_processes
+from .support.faults import FAULT_ENV, fault_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
 
@@ -119,10 +121,16 @@ def _failing_run(
 ) -> TrainingError:
     """Train on the tables in ``cfg``'s output dir with ``FLOWERS_JOB_FAULT=fault``; the
     run's TrainingError."""
-    monkeypatch.setenv(FAULT_ENV, fault)
+    _set_fault(monkeypatch, fault)
     with pytest.raises(TrainingError) as err:
         run_training(spark, cfg)
     return err.value
+
+
+def _set_fault(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """``FLOWERS_JOB_FAULT=fault`` and the injector that acts it out, for this test."""
+    for name, value in fault_env(fault).items():
+        monkeypatch.setenv(name, value)
 
 
 def _assert_nothing_left(out: Path, cfg: JobConfig) -> None:
@@ -221,7 +229,7 @@ def test_a_hung_rank_fails_the_run_within_the_process_group_timeout(
     cfg = _fault_config(
         out, loader, f"distributed.timeout_seconds={timeout}", "train.max_restarts=0"
     )
-    monkeypatch.setenv(FAULT_ENV, "hang:1:2")
+    _set_fault(monkeypatch, "hang:1:2")
     t0 = time.time()
     with pytest.raises(TrainingError) as err:
         run_training(spark, cfg)
@@ -246,7 +254,7 @@ def _start_cli(
 ) -> subprocess.Popen[bytes]:
     """``flowers-job train`` on the tables in ``out``, in the background."""
     sets = [a for s in [*FAST, "train.epochs=3", f"data.loader={loader}"] for a in ("--set", s)]
-    env = {**os.environ, MARK_ENV: mark, FAULT_ENV: fault}
+    env = {**os.environ, MARK_ENV: mark, **fault_env(fault)}
     cmd = [sys.executable, "-m", "flowers_job", "train"]
     with log.open("ab") as sink:
         return subprocess.Popen(
@@ -339,7 +347,7 @@ def _kill_and_resume(
         f"distributed.timeout_seconds={SHORT_TIMEOUT}",
         epochs=3,
     )
-    monkeypatch.setenv(FAULT_ENV, f"slow_registration:0:{SHORT_TIMEOUT + 5}")
+    _set_fault(monkeypatch, f"slow_registration:0:{SHORT_TIMEOUT + 5}")
     returned = run_training(spark, cfg)
     assert not orphans[0].exists()  # swept at the start of the resumed run
     assert not _training_processes()
@@ -401,7 +409,7 @@ def test_no_space_for_the_cache_is_a_clear_error_and_leaves_nothing(
         cfg = _fault_config(out, loader, f"paths.cache_url={volume.as_uri()}")
         with (
             pytest.raises(DataError, match="no space for the loader cache") as err,
-            prepare_data(spark, cfg),
+            prepare_data(spark, *resolve_loader(cfg)),
         ):
             pytest.fail("prepare_data must not succeed")
         assert str(volume) in str(err.value) and "MiB free" in str(err.value)

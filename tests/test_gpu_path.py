@@ -28,7 +28,7 @@ from flowers_job.config import load_config
 from flowers_job.loaders.base import wrap_int64
 from flowers_job.runtime.devices import check_own_gpus, rank_device, serving_device
 from flowers_job.train.metrics import PassSums, Sums
-from flowers_job.train.step import DeviceNormalize, amp_dtype, train_one_epoch
+from flowers_job.train.step import train_one_epoch
 from flowers_job.vision.backbones import build_model
 from flowers_job.vision.batch_decode import (
     CROP_RATIO,
@@ -39,6 +39,7 @@ from flowers_job.vision.batch_decode import (
     step_seed,
 )
 from flowers_job.vision.images import DecodeTransform, normalize_image
+from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 
 from .conftest import PHOTOS
 
@@ -325,7 +326,7 @@ def test_sums_resume_from_a_mid_epoch_position() -> None:
 def test_served_plain_jpegs_take_the_batched_decoder_and_score_like_pillow(
     stored: list[bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FLOWERS_SERVING_DECODE=device runs the GPU's serving path on the CPU: the plain JPEGs
+    """``batch_decode=True`` runs the GPU's serving path on the CPU: the plain JPEGs
     go through the batched decoder, a PNG and an EXIF-rotated JPEG through Pillow, and the
     probabilities match the Pillow-only scorer's to 0.05."""
     from flowers_job.serving.scorer import Scorer
@@ -353,8 +354,7 @@ def test_served_plain_jpegs_take_the_batched_decoder_and_score_like_pillow(
     contents = [*stored[:10], png.getvalue(), rotated.getvalue(), b"not a jpeg"]
     monkeypatch.setenv("FLOWERS_SERVING_DEVICE", "cpu")
     pillow = Scorer(config, tmp_path / "state.pt").score(contents)
-    monkeypatch.setenv("FLOWERS_SERVING_DECODE", "device")
-    batched = Scorer(config, tmp_path / "state.pt")
+    batched = Scorer(config, tmp_path / "state.pt", batch_decode=True)
     assert batched.decoder is not None
     scores = batched.score(contents)
     assert [r.code if r else None for r in scores.rejections] == [None] * 12 + ["not_an_image"]

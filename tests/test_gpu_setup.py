@@ -21,6 +21,7 @@ from pyspark.sql import SparkSession
 from flowers_job.cluster.session import driver_gpus, local_gpu_conf
 from flowers_job.config import ConfigError, load_config
 from flowers_job.driver.pipeline import check_cluster
+from flowers_job.loaders import resolve_loader
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
@@ -81,5 +82,5 @@ def test_use_gpu_without_a_device_fails_before_any_work(
     assert driver_gpus(spark) == []
     cfg = load_config(None, ["distributed.use_gpu=true"], **{"paths.output_dir": tmp_path})
     with pytest.raises(ConfigError, match=r"distributed\.use_gpu: GPUs requested"):
-        check_cluster(spark, cfg)
+        check_cluster(spark, *resolve_loader(cfg))
     assert not any(tmp_path.iterdir())  # nothing written

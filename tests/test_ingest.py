@@ -20,6 +20,7 @@ from flowers_job.ingest.job import IngestError, ingest
 from flowers_job.tables.delta_tables import SPLITS, TABLE_NAMES
 
 from .conftest import LABELS, PHOTOS, sample_photos
+from .support.faults import fault_env
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
@@ -263,7 +264,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     repo = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
-        "FLOWERS_JOB_INGEST_FAULT": "pause_after:quarantine",
+        **fault_env(ingest="pause_after:quarantine"),
         "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
     }
     args = ["--images", str(images), "--output-dir", str(cfg.paths.output_dir)]

@@ -215,9 +215,10 @@ def _assert_no_secret_shipped(spark: SparkSession, cfg: JobConfig, folder: Path)
     from pyspark.ml.dl_util import FunctionPickler
 
     from flowers_job.driver.prepare import prepare_data
+    from flowers_job.loaders import resolve_loader
     from flowers_job.train.rank import train_worker
 
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         job = training_job(spark, cfg, data, str(folder), use_gpu=False)
         pickled = FunctionPickler.pickle_fn_and_save(train_worker, "", str(folder), job)
     _assert_no_secret("the pickled (train_worker, job)", Path(pickled).read_bytes())
@@ -380,6 +381,7 @@ def test_frozen_backbone_validation_features_once_give_the_same_metrics(
     import matplotlib.pyplot as plt
 
     from flowers_job.driver.prepare import prepare_data
+    from flowers_job.loaders import resolve_loader
     from flowers_job.train.loop import fit
     from flowers_job.train.state import Plans
 
@@ -394,8 +396,8 @@ def test_frozen_backbone_validation_features_once_give_the_same_metrics(
     cfg = load_config(None, settings, **{"paths.output_dir": out})
     assert cfg.model.freeze_backbone
     summaries = {}
-    with prepare_data(spark, cfg) as data, _one_rank_group() as ctx:
-        plans = Plans(data.train, data.val, data.test)
+    with prepare_data(spark, *resolve_loader(cfg)) as data, _one_rank_group() as ctx:
+        plans = Plans(data.train, data.val, data.test, data.loader)
         for cache in (True, False):
             run_cfg = load_config(
                 None,

@@ -14,6 +14,7 @@ from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.prepare import prepare_data
+from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.cache_dir import ENTRIES, PLAN_FILE, USERS
 from flowers_job.runtime.parent_watch import driver_identity
 
@@ -40,7 +41,7 @@ def _cfg(tables: Path, cache: Path, *overrides: str) -> JobConfig:
 
 def _prepare(spark: SparkSession, cfg: JobConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """(plans, loader_cache) of one prepare_data, as a run records them."""
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         plans = {s: getattr(data, s).to_dict() for s in ("train", "val", "test")}
         return plans, data.loader_cache
 

@@ -21,6 +21,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.errors import ShardError
+from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.base import ShardPlan, wrap_int64
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
 
@@ -38,6 +39,7 @@ def _read(
 
     job = {
         "plan": plan.to_dict(),
+        "loader": resolve_loader(cfg)[1],
         "epochs": epochs,
         "shuffle": True,
         "seed": seed,
@@ -92,7 +94,7 @@ def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_re
         .where("split = 'train'")
         .collect()
     )
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         plan = data.train
         assert plan.loader == loader and plan.dataset_size == len(expected)
         first = _read(plan, cfg, world_size, epochs=[1, 2])
@@ -125,7 +127,7 @@ def test_every_rank_same_steps_every_row_once_new_order_each_epoch_same_after_re
     order = [[i for r in range(world_size) for i in first["row_ids"][r][e]] for e in range(2)]
     assert order[0] != order[1]  # a new order every epoch
     # A resumed run rebuilds the cache from the same Delta table and reads epoch 2 again.
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         again = _read(data.train, cfg, world_size, epochs=[2])
     assert [again["row_ids"][r][0] for r in range(world_size)] == [
         first["row_ids"][r][1] for r in range(world_size)
@@ -164,7 +166,7 @@ def test_loader_workers_decode_ahead_and_every_row_is_read_once(
         .where("split = 'train'")
         .collect()
     )
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         plan = data.train
         result = _read(plan, cfg, 2, epochs=[1])
     assert [result["steps"][r][0] for r in range(2)] == [plan.steps_per_epoch] * 2

@@ -129,7 +129,7 @@ def test_a_dead_ranks_reports_are_copied_up_then_removed(s3: S3Store, tmp_path: 
 
 
 def test_streaming_reads_a_bucket_through_one_local_copy_per_host(tmp_path: Path) -> None:
-    from flowers_job.config.loaders import StreamingConfig
+    from flowers_job.config.data import StreamingConfig
 
     settings = StreamingConfig(local_cache_dir=str(tmp_path), local_cache_limit_bytes=2**28)
     source = dataset_source("s3a://bucket/cache/run-1/mds-train", settings)

@@ -1,4 +1,4 @@
-"""Ranks placed on hosts in Spark's order (flowers_job.cluster.placement.HostLayout): which shard each
+"""Ranks placed on hosts in Spark's order (flowers_job.runtime.layout.HostLayout): which shard each
 rank reads, and which loader can serve which layout. The same on a real cluster:
 tests/test_cluster.py::TestLoopbackNames (4 ranks on 2 hosts, 3 ranks on 2 hosts)."""
 
@@ -9,11 +9,17 @@ import os
 
 import pytest
 
-from flowers_job.cluster.placement import HostLayout
-from flowers_job.loaders import loader_class
+from flowers_job.loaders import registered_loaders
+from flowers_job.loaders.base import Loader
+from flowers_job.runtime.layout import HostLayout
 from flowers_job.runtime.process_group import shard_environment
 
 pytestmark = pytest.mark.tier("gate")
+
+
+def _loader(name: str) -> type[Loader]:
+    """The registered loader called ``name``."""
+    return {cls.name: cls for cls in registered_loaders()}[name]
 
 
 def layouts(hosts: list[str]) -> list[HostLayout]:
@@ -54,13 +60,13 @@ def test_streaming_refuses_unequal_hosts_and_petastorm_reads_them() -> None:
     layout = HostLayout.of(["w1", "w2", "w1"], 1)
     assert not layout.equal
     with pytest.raises(RuntimeError) as refused:
-        loader_class("streaming").check_layout(layout)
+        _loader("streaming").check_layout(layout)
     assert "data.loader=streaming" in str(refused.value)
     assert "(w1: ranks 0, 2; w2: rank 1)" in str(refused.value)
     assert "data.loader=petastorm" in str(refused.value)
-    loader_class("petastorm").check_layout(layout)  # no refusal
+    _loader("petastorm").check_layout(layout)  # no refusal
     for hosts in itertools.permutations(["w1", "w1", "w2", "w2"]):
-        loader_class("streaming").check_layout(HostLayout.of(list(hosts), 0))
+        _loader("streaming").check_layout(HostLayout.of(list(hosts), 0))
 
 
 def test_shard_environment_gives_the_loader_its_shard_and_restores_the_rank() -> None:

@@ -26,11 +26,12 @@ from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.pipeline import TrainingError, run_training
-from flowers_job.faults import FAULT_ENV
+from flowers_job.runtime.hooks import HOOKS_ENV
 from flowers_job.tracking.mlflow_run import FAILURE_TAG
 from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME
 
 from .conftest import copy_tables
+from .support.faults import FAULT_CGROUP_ENV, FAULT_ENV, INJECTOR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
 
@@ -44,7 +45,6 @@ SETTINGS = [
     "train.early_stopping.enabled=false",
 ]
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-FAULT_CGROUP_ENV = "FLOWERS_JOB_FAULT_CGROUP"
 TOLERANCE = 1e-6
 """Relative tolerance of the metrics of a run restarted inside an epoch against an
 uninterrupted one. The resumed run repeats the same float operations on the same values
@@ -113,6 +113,7 @@ def test_a_run_that_heals_itself_and_changes_world_size(
     assert expected["restarts"] == 0
     # A new run in the same output dir (no --resume): the loader caches are reused, the
     # checkpoints of the first run removed.
+    monkeypatch.setenv(HOOKS_ENV, INJECTOR)  # the tests' injector acts out FLOWERS_JOB_FAULT
     if memory_cgroup is not None:
         monkeypatch.setenv(FAULT_CGROUP_ENV, str(memory_cgroup))
         monkeypatch.setenv(FAULT_ENV, "oom:1:2:0")

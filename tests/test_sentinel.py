@@ -23,7 +23,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flowers_job import faults
 from flowers_job.driver.failures import (
     DONE_SUFFIX,
     FATAL_SUFFIX,
@@ -33,8 +32,10 @@ from flowers_job.driver.failures import (
     failure,
     wait_for_reports,
 )
-from flowers_job.faults import ATTEMPT_ENV, FAULT_CGROUP_ENV, FAULT_ENV, delay, inject
 from flowers_job.runtime.watchdog import KILLED_SUFFIX, sentinel_done, start_sentinel
+
+from .support import faults
+from .support.faults import ATTEMPT_ENV, FAULT_ENV, delay, fault_env, inject
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
@@ -46,11 +47,11 @@ CONFIG = {
 _RANK = """
 import json, sys, time
 from pathlib import Path
-from flowers_job.faults import inject, join_fault_cgroup
+from flowers_job.runtime.hooks import hook, injector
 from flowers_job.runtime.watchdog import sentinel_done, start_sentinel
 
 directory, mode = Path(sys.argv[1]), sys.argv[2]
-join_fault_cgroup(1)
+hook("rank_start", rank=1, attempt=0)
 print(start_sentinel(directory, 1, json.loads(sys.argv[3])), flush=True)
 if mode == "sleep":
     time.sleep(60)
@@ -60,7 +61,7 @@ elif mode == "report":
     (directory / "rank-1.json").write_text(json.dumps({"rank": 1, "type": "RuntimeError"}))
     sys.exit(1)
 else:
-    inject(mode, 1, 0)  # kill, oom
+    injector().inject(mode, 1, 0)  # kill, oom: FLOWERS_JOB_HOOKS names the tests' injector
     time.sleep(60)
 """
 GONE_SECONDS = 5.0
@@ -127,7 +128,7 @@ def test_a_sigkilled_rank_is_named_with_its_signal(tmp_path: Path) -> None:
 
 
 def test_the_kill_fault_sigkills_the_rank(tmp_path: Path) -> None:
-    rank, sentinel = _start_rank(tmp_path, "kill", {FAULT_ENV: "kill:1:0"})
+    rank, sentinel = _start_rank(tmp_path, "kill", fault_env("kill:1:0"))
     assert rank.wait(10) == -signal.SIGKILL
     _wait_gone(sentinel)
     assert _killed(tmp_path)["signal"] == "SIGKILL"
@@ -203,7 +204,7 @@ def test_an_oom_killed_rank_is_named_with_the_oom_killer_and_the_settings(
 ) -> None:
     """The ``oom`` fault in a 256 MiB cgroup: the kernel's OOM killer SIGKILLs the rank;
     the report says so and names the settings that decide a rank's memory."""
-    env = {FAULT_ENV: "oom:1:0", FAULT_CGROUP_ENV: str(limited_cgroup)}
+    env = fault_env("oom:1:0", cgroup=limited_cgroup)
     rank, sentinel = _start_rank(tmp_path / "failures", "oom", env)
     assert rank.wait(60) == -signal.SIGKILL
     _wait_gone(sentinel)

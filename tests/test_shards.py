@@ -23,6 +23,7 @@ from pyspark.sql import functions as F
 from flowers_job.config import load_config
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.errors import DataError, ShardError
+from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.base import ShardPlan, row_stats, wrap_int64
 from flowers_job.loaders.petastorm.petastorm_loader import (
     PetastormLoader,
@@ -71,7 +72,7 @@ def test_shards_are_disjoint_cover_every_row_and_run_equal_steps(
         ],
         **{"paths.output_dir": tables},
     )
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         assert data.num_partitions == world_size * per_process
         assert isinstance(data.train, PetastormPlan)
         assert len(data.train.file_urls) == data.num_partitions  # one file per partition
@@ -109,7 +110,7 @@ def test_every_epoch_reads_the_same_rows_in_a_new_order(spark: SparkSession, tab
         ["data.image_size=32", "data.loader=petastorm", "train.per_device_batch_size=4"],
         **{"paths.output_dir": tables},
     )
-    with prepare_data(spark, cfg) as data:
+    with prepare_data(spark, *resolve_loader(cfg)) as data:
         a = [
             i
             for b in _read_epoch(data.train, 0, 2, shuffle=True, seed=1)

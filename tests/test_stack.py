@@ -41,7 +41,7 @@ def test_each_loader_resolves_here_or_is_refused_naming_the_field(
 ) -> None:
     problem = loader_problem(name)
     if problem is None:
-        assert resolve_loader(_cfg(tmp_path, name)).data.loader == name
+        assert resolve_loader(_cfg(tmp_path, name))[0].data.loader == name
     else:
         with pytest.raises(ConfigError) as err:
             resolve_loader(_cfg(tmp_path, name))
@@ -50,7 +50,7 @@ def test_each_loader_resolves_here_or_is_refused_naming_the_field(
 
 
 def test_auto_is_petastorm_where_it_runs_else_streaming(tmp_path: Path) -> None:
-    resolved = resolve_loader(_cfg(tmp_path, "auto")).data.loader
+    resolved = resolve_loader(_cfg(tmp_path, "auto"))[0].data.loader
     assert resolved == ("petastorm" if loader_problem("petastorm") is None else "streaming")
 
 
@@ -70,7 +70,7 @@ def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
     assert "data.loader: 'petastorm' cannot run on this stack" in message
     assert "pyarrow 19.0.1" in message and "pyarrow < 15" in message
     assert "use data.loader=streaming instead" in message
-    assert resolve_loader(_cfg(tmp_path, "auto")).data.loader == "streaming"
+    assert resolve_loader(_cfg(tmp_path, "auto"))[0].data.loader == "streaming"
 
 
 def test_cli_refuses_a_loader_this_stack_cannot_run_before_spark_starts(tmp_path: Path) -> None:

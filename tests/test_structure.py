@@ -1,24 +1,26 @@
-"""The package's shape, checked on its source (no imports, no Spark): small modules, short
-functions on the rank side, each loader in one module, and no private name crossing modules.
+"""The package's shape, checked on its source (no Spark): short functions on the rank side,
+each loader in its own sub-package, no private name crossing modules, and every test file
+with its tier. The import rules and the module sizes: tests/test_imports.py.
 
-These hold the design of docs/architecture.md in place: a loader is one module behind
-:class:`flowers_job.loaders.base.Loader`, and the pipeline and the training loop never ask
-which loader they have.
+These hold the design of docs/architecture.md in place: a loader is one sub-package behind
+:class:`flowers_job.loaders.base.Loader`, resolved once, and the pipeline and the training
+loop never ask which loader they have.
 """
 
 from __future__ import annotations
 
 import ast
+import typing
 from pathlib import Path
 
 import pytest
 
+from flowers_job.config.data import LoaderName
 from flowers_job.loaders import LOADERS
 
 pytestmark = pytest.mark.tier("gate")
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flowers_job"
-MAX_MODULE_LINES = 500
 MAX_TRAIN_FUNCTION_LINES = 60
 LIBRARIES = {"petastorm": "petastorm", "streaming": "streaming"}
 """Loader name -> the top-level package of its library."""
@@ -36,9 +38,10 @@ def _name(path: Path) -> str:
     return str(path.relative_to(PACKAGE.parent))
 
 
-def test_no_module_of_the_package_is_over_500_lines() -> None:
-    long = {_name(p): n for p in _modules() if (n := len(p.read_text().splitlines())) > 500}
-    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+def test_the_configs_loader_names_are_the_registered_loaders() -> None:
+    """``data.loader`` is checked by the config without importing the registry: its
+    ``Literal`` names what :data:`~flowers_job.loaders.LOADERS` registers, and 'auto'."""
+    assert set(typing.get_args(LoaderName)) == {"auto", *LOADERS}
 
 
 def test_no_function_of_the_rank_side_is_over_60_lines() -> None:
@@ -66,12 +69,12 @@ def _imports(tree: ast.Module) -> list[str]:
 @pytest.mark.parametrize("loader", sorted(LIBRARIES))
 def test_each_loader_library_is_imported_by_its_own_module_only(loader: str) -> None:
     assert loader in LOADERS
-    own = PACKAGE / "loaders" / f"{loader}.py"
+    own = PACKAGE / "loaders" / loader
     library = LIBRARIES[loader]
     outside = [
         _name(path)
         for path in _modules()
-        if path != own
+        if own not in path.parents
         and any(m == library or m.startswith(f"{library}.") for m in _imports(_tree(path)))
     ]
     assert not outside, f"{library} is imported outside {_name(own)}: {outside}"
@@ -79,11 +82,11 @@ def test_each_loader_library_is_imported_by_its_own_module_only(loader: str) -> 
 
 def test_the_pipeline_and_the_loop_never_ask_which_loader_they_have() -> None:
     """No comparison with a loader's name and no import of a loader module outside
-    ``loaders/``: they go through the registry and the interface."""
+    ``loaders/``: they go through the resolved loader and its interface."""
     names = set(LOADERS)
     offenders = []
     for path in _modules():
-        if path.parent.name == "loaders":
+        if PACKAGE / "loaders" in path.parents:
             continue
         tree = _tree(path)
         for node in ast.walk(tree):
@@ -96,7 +99,7 @@ def test_the_pipeline_and_the_loop_never_ask_which_loader_they_have() -> None:
                 if strings & names:
                     offenders.append(f"{_name(path)}:{node.lineno} compares with {strings & names}")
         for module in _imports(tree):
-            if module in {f"flowers_job.loaders.{n}" for n in names}:
+            if any(module.startswith(f"flowers_job.loaders.{n}") for n in names):
                 offenders.append(f"{_name(path)} imports {module}")
     assert not offenders, offenders
 

@@ -169,7 +169,7 @@ def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: Job
     _rewrite(spark, tables, "images", _read(spark, tables, "images").drop("image"))
     with (
         pytest.raises(DataError, match="missing columns \\['image'\\]"),
-        prepare_data(spark, resolve_loader(tables)),
+        prepare_data(spark, *resolve_loader(tables)),
     ):
         pass
     cache = Path(tables.paths.output_dir / "loader_cache")

@@ -5,8 +5,9 @@ A Spark Connect session (Databricks serverless compute and standard access mode,
 tracker. Training runs TorchDistributor, which needs all of them; ingest lists files with
 an RDD; ``predict`` ships the model with ``addFile`` and counts task slots through the JVM.
 On Connect each of these fails with pyspark's ``[JVM_ATTRIBUTE_NOT_SUPPORTED]``, deep in
-the run. :func:`refuse_spark_connect` fails first, with a :class:`ConfigError` that says
-what the job needs and which setting made the session a Connect one.
+the run. :func:`refuse_spark_connect` fails first, with a
+:class:`~flowers_job.errors.ClusterError` (a ``ConfigError``: exit 2) that says what the job
+needs and which setting made the session a Connect one.
 
 What makes a Python process use Spark Connect (pyspark 4.0's ``SparkSession.builder``,
 ``pyspark.sql.utils.is_remote``, ``pyspark.util.default_api_mode``):
@@ -32,7 +33,7 @@ import os
 import sys
 from typing import Any
 
-from flowers_job.config import ConfigError
+from flowers_job.errors import ClusterError
 
 __all__ = ["NEEDS", "connect_reason", "is_connect_session", "refuse_spark_connect"]
 
@@ -123,9 +124,9 @@ def refuse_spark_connect(spark: Any = None) -> None:
             (:func:`connect_reason`).
 
     Raises:
-        ConfigError: naming the setting or the session class that made it Connect, and what
+        ClusterError: naming the setting or the session class that made it Connect, and what
             the job needs instead (:data:`NEEDS`).
     """
     reason = connect_reason(spark)
     if reason is not None:
-        raise ConfigError(f"Spark Connect is not supported ({reason}). {NEEDS}.")
+        raise ClusterError(f"Spark Connect is not supported ({reason}). {NEEDS}.")

@@ -32,7 +32,8 @@ from flowers_job.cluster.storage import (
     tokens,
     unreadable,
 )
-from flowers_job.config import ConfigError, JobConfig
+from flowers_job.config import JobConfig
+from flowers_job.errors import ClusterError
 from flowers_job.tracking.credentials import (
     ExecutorTracking,
     credential_problems,
@@ -94,7 +95,7 @@ def check_executors(
         executor); empty when nothing was probed.
 
     Raises:
-        ConfigError: an executor cannot read a token (names the setting, the directory and
+        ClusterError: an executor cannot read a token (names the setting, the directory and
             the executor's host and address), or cannot use the tracking server (names
             ``tracking.tracking_uri``, the credential variables missing there, the hosts,
             MLflow's error and the fix). Never a credential's value.
@@ -120,7 +121,7 @@ def check_executors(
     if tracking is not None:
         problems += credential_problems(tracking, [r for r in results if "tracking" in r])
     if problems:
-        raise ConfigError(redact("invalid configuration:\n  " + "\n  ".join(problems)))
+        raise ClusterError(redact("invalid configuration:\n  " + "\n  ".join(problems)))
     hosts = sorted({f"{r['host']} ({r['address']})" for r in results})
     seen = ["storage shared" if dirs else "one host"]
     if tracking is not None:

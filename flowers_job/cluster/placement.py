@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
@@ -28,94 +27,19 @@ from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.cluster.executor_probe import PROBE_TIMEOUT_SECONDS
 from flowers_job.cluster.session import driver_gpus, run_probe, task_slots, wait_for_slots
 from flowers_job.cluster.storage import is_local_master
-from flowers_job.config import ConfigError, JobConfig
-from flowers_job.loaders import loader_class
+from flowers_job.config import JobConfig
+from flowers_job.errors import ClusterError
+from flowers_job.loaders.base import Loader
+from flowers_job.runtime.layout import HostLayout
 
 __all__ = [
-    "HostLayout",
     "check_cluster",
     "check_placement",
     "placement_hosts",
-    "ranks_by_host",
     "use_gpu",
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HostLayout:
-    """How the ranks of a job sit on its hosts, and which shard of the data each reads.
-
-    Spark places the tasks of a barrier stage on its executors in its own order (it
-    round-robins over the executors' offers), so global ranks 0 and 2 may share a host
-    while rank 1 is on another. A loader that needs consecutive ranks per host (Mosaic
-    Streaming derives a rank's node from ``RANK // LOCAL_WORLD_SIZE``) reads shard
-    :attr:`shard` instead of the global rank: the ranks' position when they are grouped by
-    host (hosts in the order of their lowest rank, ranks ascending within a host). Rank 0
-    always reads shard 0, and where the ranks already are consecutive per host, every
-    rank's shard is its rank. DDP's process group keeps the global ranks.
-
-    Attributes:
-        hosts: the host of each global rank (index = rank).
-        rank: this process's global rank.
-        shard: the shard this rank reads, 0..world_size-1 (a permutation of the ranks).
-        local_rank: this rank's index among the ranks of its host, 0-based.
-        local_world_size: ranks on this rank's host.
-        num_nodes: number of hosts.
-    """
-
-    hosts: tuple[str, ...]
-    rank: int
-    shard: int
-    local_rank: int
-    local_world_size: int
-    num_nodes: int
-
-    @classmethod
-    def of(cls, hosts: Sequence[str], rank: int) -> HostLayout:
-        """The layout of ranks whose hosts are ``hosts`` (index = global rank), seen from
-        ``rank``.
-
-        Raises:
-            ValueError: ``rank`` is not an index of ``hosts``.
-        """
-        if not 0 <= rank < len(hosts):
-            raise ValueError(f"rank {rank} is not one of the {len(hosts)} ranks")
-        groups = ranks_by_host(hosts)
-        shard = 0
-        for host, ranks in groups.items():
-            if host == hosts[rank]:
-                return cls(
-                    tuple(hosts),
-                    rank,
-                    shard + ranks.index(rank),
-                    ranks.index(rank),
-                    len(ranks),
-                    len(groups),
-                )
-            shard += len(ranks)
-        raise AssertionError("unreachable: every rank's host is a group")
-
-    @property
-    def equal(self) -> bool:
-        """Every host runs the same number of ranks (what Mosaic Streaming can serve)."""
-        return len({len(r) for r in ranks_by_host(self.hosts).values()}) == 1
-
-    def describe(self) -> str:
-        """``"fl-w1: ranks 0, 2; fl-w2: ranks 1, 3"``: the ranks on each host."""
-        return "; ".join(
-            f"{host}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-            for host, ranks in ranks_by_host(self.hosts).items()
-        )
-
-
-def ranks_by_host(hosts: Sequence[str]) -> dict[str, list[int]]:
-    """``{host: its global ranks, ascending}``, hosts in the order of their lowest rank."""
-    groups: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        groups.setdefault(host, []).append(rank)
-    return groups
 
 
 def _task_host(_: Iterable[int]) -> Iterator[tuple[int, str]]:
@@ -140,7 +64,7 @@ def placement_hosts(spark: SparkSession, num_processes: int, timeout_seconds: fl
 
 
 def check_placement(
-    spark: SparkSession, loader: str, num_processes: int, timeout_seconds: float
+    spark: SparkSession, loader: type[Loader], num_processes: int, timeout_seconds: float
 ) -> str:
     """Refuse, before any work, a placement of ranks on hosts that ``loader`` cannot read
     with: a barrier stage of ``num_processes`` tasks reports its hosts
@@ -155,13 +79,13 @@ def check_placement(
         The layout seen (:meth:`HostLayout.describe`).
 
     Raises:
-        ConfigError: the loader cannot serve it, naming ``data.loader`` and the layout.
+        ClusterError: the loader cannot serve it, naming ``data.loader`` and the layout.
     """
     layout = HostLayout.of(placement_hosts(spark, num_processes, timeout_seconds), 0)
     try:
-        loader_class(loader).check_layout(layout)
+        loader.check_layout(layout)
     except RuntimeError as exc:
-        raise ConfigError(f"invalid configuration:\n  {exc}") from None
+        raise ClusterError(f"invalid configuration:\n  {exc}") from None
     return layout.describe()
 
 
@@ -183,13 +107,13 @@ def _local_store(uri: str) -> bool:
     return urlparse(uri).scheme in ("", "file", "sqlite")
 
 
-def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
-    """Check ``distributed`` and ``tracking`` against this Spark cluster, before any data is
-    touched (seconds: on a cluster it waits for executors to register, at most
+def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> None:
+    """Check ``distributed`` and ``tracking`` against this Spark cluster, and ``loader``'s
+    placement of the ranks (the resolved loader), before any data is touched (seconds: on a cluster it waits for executors to register, at most
     ``distributed.executor_wait_seconds``).
 
     Raises:
-        ConfigError: a Spark Connect session (:mod:`flowers_job.cluster.connect`), or when
+        ClusterError: a Spark Connect session (:mod:`flowers_job.cluster.connect`), or when
             - barrier mode (``local_mode=false``) asks for more processes than the cluster's
               task slots (:func:`~flowers_job.cluster.session.task_slots`: GPU slots when tasks ask
               for GPUs);
@@ -264,7 +188,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig) -> None:
                 "when it finds CUDA devices; flowers_job.cluster.session.local_gpu_conf gives them)"
             )
     if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    if not d.local_mode and not local_master and loader_class(cfg.data.loader).places_ranks:
-        layout = check_placement(spark, cfg.data.loader, d.num_processes, PROBE_TIMEOUT_SECONDS)
+        raise ClusterError("invalid configuration:\n  " + "\n  ".join(problems))
+    if not d.local_mode and not local_master and loader.places_ranks:
+        layout = check_placement(spark, loader, d.num_processes, PROBE_TIMEOUT_SECONDS)
         log.info("barrier tasks placed on the hosts as %s", layout)

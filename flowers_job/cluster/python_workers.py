@@ -4,10 +4,10 @@ the zip importer Python 3.12's lazy cache invalidation on Python 3.10 and 3.11.
 A PySpark worker calls :func:`importlib.invalidate_caches` before every task
 (``pyspark.worker_util.setup_spark_files``). On Python 3.10 and 3.11 that makes every
 :class:`zipimport.zipimporter` read its archive's whole directory again, at once, and a
-worker's path holds ``pyspark.zip`` (1,220 entries) and py4j's zip. Measured here (2-core
-machine, ``local[2]``, Python 3.11.7, 2026-11-25): 200 tasks that do nothing took 20-22 s
-of CPU, most of it in ``zipimporter._read_directory`` under ``invalidate_caches`` (py-spy
-on a worker), and 3.7-5.7 s with the fix below; 40 ``mapInPandas`` tasks 9.3 s, then 6.3 s.
+worker's path holds ``pyspark.zip`` (1,220 entries) and py4j's zip: most of the CPU time
+of tasks that do little goes to ``zipimporter._read_directory`` under
+``invalidate_caches`` (py-spy on a worker), and the fix below cuts it to a fraction
+(docs/performance.md).
 An ingest lists in up to 2 tasks per slot and decodes in 4 or more. CPython fixed it in 3.12
 (gh-103200, reported by a Spark developer): invalidation drops the cached directory, and
 the next lookup in that archive reads it again.

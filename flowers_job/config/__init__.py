@@ -31,10 +31,10 @@ from flowers_job.config.model import (
     PathsConfig,
     PetastormConfig,
     StreamingConfig,
+    TablesConfig,
     TrackingConfig,
     TrainConfig,
 )
-from flowers_job.config.tables import TablesConfig
 
 __all__ = [
     "CacheConfig",

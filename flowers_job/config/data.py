@@ -1,23 +1,49 @@
-"""The ``data`` section: where the photos are, how they are stored, split and read.
-
-Kept apart from :mod:`flowers_job.config.model` (the line limit of a module) and imported
-there: :class:`~flowers_job.config.model.JobConfig`'s ``data`` section.
+"""The data sections of the configuration: where the photos are (``data``), where the Delta
+tables live (``tables``) and the loaders' own settings (``loaders``), with the base every
+section derives from. :mod:`flowers_job.config.model` assembles them into
+:class:`~flowers_job.config.model.JobConfig` beside the training sections.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from flowers_job.config.section import Section as _Section
 from flowers_job.location import is_remote, to_location
 
-__all__ = ["DataConfig"]
+__all__ = [
+    "DataConfig",
+    "LoaderName",
+    "LoadersConfig",
+    "PetastormConfig",
+    "Section",
+    "StreamingConfig",
+    "TablesConfig",
+    "check_identifier",
+]
+
+LoaderName = Literal["auto", "petastorm", "streaming"]
+"""``data.loader``'s values: a registered loader (:data:`flowers_job.loaders.LOADERS`, whose
+keys a test holds equal to these) or 'auto'."""
 
 
-class DataConfig(_Section):
+class Section(BaseModel):
+    # extra="forbid": a misspelt key is an error that names it, never silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(Section):
     """Where the photos are and how they become tensors."""
 
     images: Path | str | None = None
@@ -73,7 +99,7 @@ class DataConfig(_Section):
     this (whole hours, as Delta's VACUUM counts them; Delta's default is 168, 7 days),
     except those of versions that a kept loader cache or a registered model's lineage
     names."""
-    loader: str = "auto"
+    loader: LoaderName = "auto"
     """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
     'petastorm' (Parquet cache, the local pinned stack; needs pyarrow < 15 and NumPy < 2),
     'streaming' (Mosaic Streaming MDS shards, shipped with Databricks Runtime ML 15.2+ and the
@@ -90,21 +116,12 @@ class DataConfig(_Section):
     """Where the stored JPEGs are decoded and augmented. 'loader': one by one in the loader
     (Pillow, on the host's cores); 'device': a whole batch at once on the rank's device
     (``torchvision.io.decode_jpeg``, nvJPEG on a GPU; :mod:`flowers_job.vision.batch_decode`);
-    'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one is faster: 64
-    photos at 224 px took 0.6 s against 2.0 s batched, 2 cores under load, 2026-11-26)."""
+    'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one is faster
+    than batched: docs/performance.md)."""
     prefetch_to_device: int | None = Field(None, ge=0, le=64)
     """Batches a background thread of each GPU rank reads, pins, copies to the device and
     (``decode_device``) decodes ahead of the step, so the step never waits for the host.
     None: 2 on a GPU; CPU ranks always read in the step's thread (0)."""
-
-    @field_validator("loader")
-    @classmethod
-    def _known_loader(cls, value: str) -> str:
-        from flowers_job.loaders import LOADERS
-
-        if value != "auto" and value not in LOADERS:
-            raise ValueError(f"Input should be 'auto' or one of {sorted(LOADERS)}, not {value!r}")
-        return value
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -122,3 +139,128 @@ class DataConfig(_Section):
     def stored_short_side(self) -> int:
         """Shorter side, in pixels, of the images stored in the Delta tables."""
         return round(self.image_size * self.resize_ratio)
+
+
+class PetastormConfig(Section):
+    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm.petastorm_loader`)."""
+
+    reader_pool_type: Literal["dummy", "process"] = "dummy"
+    """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md
+    trap 1). 'process' decodes in ``data.loader_workers`` processes per rank."""
+    shuffle_buffer_rows: int = Field(256, ge=0)
+    """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
+
+
+class StreamingConfig(Section):
+    """``data.loader=streaming`` only (:mod:`flowers_job.loaders.streaming.streaming_loader`). Streaming
+    shuffles the whole split every epoch (no buffer to size)."""
+
+    prefetch_batches: int = Field(2, ge=1, le=64)
+    """Batches each DataLoader worker decodes ahead (Streaming's ``prefetch_factor``; with
+    ``data.loader_workers`` > 0)."""
+    local_cache_dir: str | None = None
+    """With the loader cache in an object store: the directory on each host's own disk where
+    Streaming copies the shards it reads (its ``local=``; ``remote=`` is the store). None =
+    ``<temp dir>/flowers-streaming``. Removed after the run."""
+    local_cache_limit_bytes: int | None = Field(None, ge=2**27)
+    """Bytes of shards one host keeps in ``local_cache_dir`` (Streaming's ``cache_limit``:
+    beyond it, the least recently used shards are dropped and fetched again when needed).
+    At least 128 MiB (two 64 MiB shards). None = no limit."""
+
+
+class LoadersConfig(Section):
+    """Each loader's own settings, one section per registered loader."""
+
+    petastorm: PetastormConfig = PetastormConfig()
+    streaming: StreamingConfig = StreamingConfig()
+
+
+_MAX_NAME = 255
+_FORBIDDEN = re.compile(r"[.\s/`\x00-\x1f\x7f]")
+"""Characters a catalog or schema name may not hold: Unity Catalog refuses a period, a
+space, a forward slash and the ASCII control characters (Databricks' documentation, "Names":
+"Object names cannot exceed 255 characters" and the characters "not allowed"); a backtick is
+refused as well, so that every part can be quoted as ```part``` in SQL and a name never needs
+an escape. Any other whitespace is refused with the space."""
+
+
+def check_identifier(value: str) -> str:
+    """``value``, checked as one part of a catalog name (a catalog or a schema).
+
+    Returns:
+        ``value`` unchanged (Unity Catalog stores names in lower case; Spark's own catalog
+        is case-insensitive: the job does not change the case).
+
+    Raises:
+        ValueError: empty, longer than 255 characters, or holding a period, whitespace, a
+            forward slash, a backtick or a control character, naming the first one found.
+    """
+    if not value:
+        raise ValueError("an empty name; leave the setting out (null) for path tables")
+    if len(value) > _MAX_NAME:
+        raise ValueError(f"{len(value)} characters, more than Unity Catalog's {_MAX_NAME}")
+    if bad := _FORBIDDEN.search(value):
+        raise ValueError(
+            f"{value!r} holds {bad.group()!r}: a name part may not hold a period, whitespace, "
+            "'/', '`' or a control character (give the catalog and the schema as separate "
+            "settings, not 'catalog.schema')"
+        )
+    return value
+
+
+class TablesConfig(BaseModel):
+    """Where the job's Delta tables (``images``, ``quarantine``) live.
+
+    By default they are path tables under ``<output_dir>/tables``. With ``schema`` set they
+    are managed tables in a catalog, written and read by name: ``<catalog>.<schema>.images``
+    (Unity Catalog's three-level name, the form for Databricks) or ``<schema>.images`` in the
+    session's current catalog when ``catalog`` is left out (Spark's own catalog, with
+    ``spark.sql.warehouse.dir``, locally).
+    """
+
+    # The field cannot be named ``schema`` (it would shadow BaseModel.schema; pydantic warns):
+    # it is ``schema_name`` with the alias ``schema``, the only key accepted, and dumps use
+    # the alias (:meth:`_dump_schema_as_alias`), so the ranks rebuild the section from
+    # model_dump(). Not ``serialize_by_alias``: pydantic 2.11 added it, and Databricks
+    # Runtime 17.3 and 18 ship 2.10.6, which ignores it.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    catalog: str | None = None
+    """The catalog of the tables (Unity Catalog: e.g. ``main``); None: the session's current
+    catalog. Needs ``schema``."""
+    schema_name: str | None = Field(None, alias="schema")
+    """The schema (database) of the tables, written ``tables.schema``; None: path tables
+    under ``<output_dir>/tables``. Ingest creates it when it does not exist."""
+
+    @model_serializer(mode="wrap")
+    def _dump_schema_as_alias(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and "schema_name" in data:
+            data["schema"] = data.pop("schema_name")
+        return data
+
+    @field_validator("catalog", "schema_name")
+    @classmethod
+    def _identifier(cls, value: str | None) -> str | None:
+        return None if value is None else check_identifier(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> TablesConfig:
+        if self.catalog is not None and self.schema_name is None:
+            raise ValueError(
+                f"schema: required with tables.catalog={self.catalog!r} (tables are named "
+                "<catalog>.<schema>.<table>)"
+            )
+        return self
+
+    @property
+    def in_catalog(self) -> bool:
+        """Whether the tables are catalog tables (by name) rather than path tables."""
+        return self.schema_name is not None
+
+    def namespace(self) -> tuple[str, ...]:
+        """``(catalog, schema)`` or ``(schema,)``: the parts before a table's own name;
+        empty for path tables."""
+        if self.schema_name is None:
+            return ()
+        return (self.catalog, self.schema_name) if self.catalog else (self.schema_name,)

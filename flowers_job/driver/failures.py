@@ -17,8 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flowers_job.errors import TrainingError
 from flowers_job.location import Location
-from flowers_job.runtime.watchdog import KILLED_SUFFIX
+from flowers_job.runtime.reports import (
+    DONE_SUFFIX,
+    FATAL_SUFFIX,
+    KILLED_SUFFIX,
+    MODEL_FILE,
+    RANKS_FILE,
+)
 
 __all__ = [
     "CONSEQUENCE_MESSAGES",
@@ -38,21 +45,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FATAL_SUFFIX = ".fatal"
-"""``rank-<rank>.fatal`` in the report dir: what :mod:`faulthandler` writes when that rank
-dies of a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE), a crash in native code
-that leaves no Python exception and so no ``rank-<rank>.json``: the signal and every
-thread's Python stack. Empty while the rank lives; the driver reports a non-empty one."""
-DONE_SUFFIX = ".done"
-"""``rank-<rank>.done`` in the report dir: empty, written by a rank whose training function
-returned. With the failure reports it tells the driver that every rank has ended
-(:func:`wait_for_reports`)."""
 REPORT_WAIT_SECONDS = 30.0
 """Bound on the driver's wait for the ranks' reports after a failed run (seconds)."""
 _ENDED = (".json", DONE_SUFFIX, KILLED_SUFFIX, FATAL_SUFFIX)
-RANKS_FILE = "ranks.json"
-"""Written by rank 0 into the report dir once the group is up: every rank's host, address
-and pid (:func:`~flowers_job.runtime.process_group.gather_ranks`), for the driver's failure report."""
 KINDS = ("killed", "fatal_signal", "timeout", "connection", "exception", "permanent")
 """:attr:`TrainingError.kind`: how the failing rank failed. ``killed``: it died without a
 word (SIGKILL, the OOM killer; also when no rank reported anything); ``fatal_signal``: a
@@ -67,32 +62,6 @@ CONSEQUENCE_MESSAGES = ("connection reset by peer", "connection closed by peer",
 """How gloo and NCCL word a lost peer (lower case): a rank that reports one failed because
 another rank went first."""
 _CONSEQUENCE_TYPES = ("CollectiveTimeoutError", "Terminated")
-MODEL_FILE = "model.json"
-"""Written by rank 0 into the job's report dir after registering the model: the model URI,
-version and run id, which the driver adds to the summary (local mode returns whichever
-rank's result was written last: STACK.md trap 4)."""
-
-
-class TrainingError(RuntimeError):
-    """Distributed training failed. ``rank`` and ``cause`` name the failing rank;
-    ``reported_at`` is when that rank reported it (seconds since the epoch); ``kind`` is
-    one of :data:`KINDS`, and ``oom`` whether the kernel's OOM killer ended that rank."""
-
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        cause: str | None = None,
-        reported_at: float | None = None,
-        kind: str = "exception",
-        oom: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.cause = cause
-        self.reported_at = reported_at
-        self.kind = kind
-        self.oom = oom
 
 
 def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -> TrainingError:
@@ -248,7 +217,7 @@ def wait_for_reports(
     TorchDistributor raises as soon as Spark fails the barrier stage, while the ranks of
     other hosts may still be unwinding: one that wrote its report after the driver had read
     the dir and removed it was missing from the error and left ``rank-3.json`` in the bucket
-    (CI, 2026-11-26, 4 ranks on 2 hosts, S3). A rank that never writes (its host lost with
+    (seen in CI across hosts: docs/performance.md). A rank that never writes (its host lost with
     its sentinel) costs the whole bound.
 
     Returns:

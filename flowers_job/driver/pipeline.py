@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,6 +54,7 @@ from flowers_job.driver.restarts import (
 from flowers_job.driver.runs import record_driver
 from flowers_job.ingest.job import IngestReport, check_images_root, ingest
 from flowers_job.loaders import resolve_loader
+from flowers_job.loaders.base import Loader
 from flowers_job.location import Location
 from flowers_job.runtime.allocator import apply_to_environ
 from flowers_job.runtime.parent_watch import driver_identity
@@ -62,6 +64,7 @@ from flowers_job.tracking.mlflow_run import TrackingError
 from flowers_job.tracking.mlflow_run import preflight as tracking_preflight
 
 __all__ = [
+    "CheckedJob",
     "Command",
     "TrainingError",
     "check_cluster",
@@ -82,7 +85,29 @@ Command = Literal["ingest", "train", "run"]
 """What the job does: ingest the photos, train on the tables, or both."""
 
 
-def preflight(cfg: JobConfig, command: Command) -> JobConfig:
+@dataclass(frozen=True)
+class CheckedJob:
+    """What the checks before Spark (:func:`preflight`) hand the rest of the run."""
+
+    cfg: JobConfig
+    """The configuration, ``data.loader`` resolved for ``train``/``run``."""
+    loader: type[Loader] | None
+    """The loader, resolved once (:func:`~flowers_job.loaders.resolve_loader`): its driver
+    side writes the caches, its rank side travels in the ranks' job. None for ``ingest``."""
+
+    @property
+    def training_loader(self) -> type[Loader]:
+        """:attr:`loader`, for a command that trains.
+
+        Raises:
+            ValueError: the job was checked for ``ingest`` only (no loader).
+        """
+        if self.loader is None:
+            raise ValueError("this job was checked for ingest only: no loader was resolved")
+        return self.loader
+
+
+def preflight(cfg: JobConfig, command: Command) -> CheckedJob:
     """The checks that need no Spark and leave nothing behind (seconds, no JVM), the
     configuration's before the input's:
 
@@ -91,7 +116,8 @@ def preflight(cfg: JobConfig, command: Command) -> JobConfig:
     - ``ingest``/``run``: ``data.images`` is a directory with label folders.
 
     Returns:
-        ``cfg``, with ``data.loader`` resolved for ``train``/``run``.
+        ``cfg`` with ``data.loader`` resolved, and the loader, for ``train``/``run``
+        (``cfg`` and no loader for ``ingest``).
 
     Raises:
         ConfigError: the loader cannot run here, or a package the run needs is missing.
@@ -99,12 +125,13 @@ def preflight(cfg: JobConfig, command: Command) -> JobConfig:
     """
     from flowers_job.tracking.packages import check_run_packages
 
+    loader = None
     if command in ("train", "run"):
-        cfg = resolve_loader(cfg)
+        cfg, loader = resolve_loader(cfg)
         check_run_packages()
     if command in ("ingest", "run"):
         check_images_root(cfg)
-    return cfg
+    return CheckedJob(cfg, loader)
 
 
 def check_tracking(cfg: JobConfig) -> None:
@@ -118,7 +145,7 @@ def check_tracking(cfg: JobConfig) -> None:
     tracking_preflight(cfg)
 
 
-def check_on_cluster(spark: SparkSession, cfg: JobConfig) -> None:
+def check_on_cluster(spark: SparkSession, job: CheckedJob) -> None:
     """The checks against the Spark session, before any data is touched:
     :func:`check_cluster`, then the shared storage and the tracking server's credentials
     on every executor (:func:`~flowers_job.cluster.executor_probe.check_executors`).
@@ -126,21 +153,21 @@ def check_on_cluster(spark: SparkSession, cfg: JobConfig) -> None:
     Raises:
         ConfigError: naming the setting that does not fit this cluster or its executors.
     """
-    check_cluster(spark, cfg)
-    check_executors(spark, cfg)
+    check_cluster(spark, job.cfg, job.training_loader)
+    check_executors(spark, job.cfg)
 
 
-def _check_all(spark: SparkSession, cfg: JobConfig, command: Command) -> JobConfig:
+def _check_all(spark: SparkSession, cfg: JobConfig, command: Command) -> CheckedJob:
     """Every check once, those that write nothing first (:func:`preflight`,
-    :func:`check_cluster`); returns ``cfg`` with the loader resolved."""
-    cfg = preflight(cfg, command)
-    check_cluster(spark, cfg)
-    check_tracking(cfg)
-    check_executors(spark, cfg)
-    return cfg
+    :func:`check_cluster`)."""
+    job = preflight(cfg, command)
+    check_cluster(spark, job.cfg, job.training_loader)
+    check_tracking(job.cfg)
+    check_executors(spark, job.cfg)
+    return job
 
 
-def execute(spark: SparkSession, cfg: JobConfig, command: Command) -> dict[str, Any]:
+def execute(spark: SparkSession, job: CheckedJob, command: Command) -> dict[str, Any]:
     """Run ``command`` on a configuration that passed :func:`preflight` and
     :func:`check_on_cluster` (for ``train``/``run``).
 
@@ -148,10 +175,11 @@ def execute(spark: SparkSession, cfg: JobConfig, command: Command) -> dict[str, 
         The ingest report as a dict (``ingest``), or the run's summary.
     """
     t0 = time.perf_counter()
+    cfg = job.cfg
     if command == "ingest":
         return run_ingest(spark, cfg).to_dict()
     report = run_ingest(spark, cfg) if command == "run" else None
-    summary = _train(spark, cfg, report)
+    summary = _train(spark, cfg, job.training_loader, report)
     if command == "run":
         summary["job_seconds"] = time.perf_counter() - t0
         write_summary(summary, cfg.paths.summary_path)
@@ -227,7 +255,9 @@ def training_job(
     use_gpu: bool,
     attempt: int = 0,
 ) -> dict[str, Any]:
-    """The plain data every rank receives: ``TorchDistributor.run(train_worker, job)``.
+    """What every rank receives: ``TorchDistributor.run(train_worker, job)``. Plain data, and
+    ``loader``, the loader class resolved on the driver (pickled by reference: each rank
+    imports its module), whose rank side reads the plans.
 
     ``config`` is ``cfg.model_dump(mode="json")``, which leaves out the secret fields
     (``tracking.password``/``token``): the workers get those from the environment only
@@ -239,6 +269,7 @@ def training_job(
         "train": data.train.to_dict(),
         "val": data.val.to_dict(),
         "test": data.test.to_dict(),
+        "loader": data.loader,
         "label_names": data.label_names,
         "lineage": data.lineage,
         "example_images": data.example_images,
@@ -257,7 +288,7 @@ def _attempt(
 ) -> tuple[dict[str, Any] | None, TrainingError | None]:
     """One TorchDistributor run: rank 0's result (and its registered model), or the
     :class:`TrainingError` that names the failing rank. The last restart's record gets the
-    times this attempt's rank 0 reported (:data:`~flowers_job.driver.restarts.FIRST_STEP_FILE`)."""
+    times this attempt's rank 0 reported (:data:`~flowers_job.runtime.reports.FIRST_STEP_FILE`)."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
     from flowers_job.train.rank import train_worker
@@ -332,7 +363,10 @@ def _restart(
 
 
 def _train(
-    spark: SparkSession, cfg: JobConfig, ingest_report: IngestReport | None = None
+    spark: SparkSession,
+    cfg: JobConfig,
+    loader: type[Loader],
+    ingest_report: IngestReport | None = None,
 ) -> dict[str, Any]:
     """Train on the Delta tables with TorchDistributor (checks done), restarting after a
     failure that may be transient (:mod:`flowers_job.driver.restarts`), write ``summary.json`` and
@@ -342,7 +376,7 @@ def _train(
     restarts: list[Restart] = []
     errors: list[TrainingError] = []
     while True:
-        with prepare_data(spark, cfg) as data:
+        with prepare_data(spark, cfg, loader) as data:
             if not restarts:  # the data is ready: only now may a new run clear the last one's
                 cfg = begin_training(cfg)
             result, error = _attempt(spark, cfg, data, use_gpu, restarts)

@@ -23,8 +23,7 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
-from flowers_job.loaders import loader_class
-from flowers_job.loaders.base import ShardPlan
+from flowers_job.loaders.base import Loader, ShardPlan
 from flowers_job.loaders.cache_dir import cache_bytes_needed, loader_cache
 from flowers_job.photos.files import digest, hash_sums
 from flowers_job.tables.delta_tables import SPLITS, CheckedTables, checked_tables, split_frame
@@ -63,6 +62,9 @@ class PreparedData:
     """What the run was trained and scored on (:func:`lineage`): each table's path or
     catalog name and the Delta version read, each split's, the ingest fingerprint and the
     test split's digest."""
+    loader: type[Loader]
+    """The loader that wrote the plans' caches and reads them on the ranks (resolved once,
+    :func:`flowers_job.loaders.resolve_loader`); the ranks' job carries it."""
     loader_cache: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Split -> how its loader cache was got (:class:`~flowers_job.loaders.cache_dir.CacheUse`):
     ``entry``, ``reused``, ``bytes_written``, ``seconds``, ``waited_seconds``."""
@@ -124,11 +126,14 @@ def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> Dat
 
 
 @contextmanager
-def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
-    """Get each split's loader cache (reused, or written now) and its shard plan.
+def prepare_data(
+    spark: SparkSession, cfg: JobConfig, loader: type[Loader]
+) -> Iterator[PreparedData]:
+    """Get each split's loader cache (reused, or written now by ``loader``) and its shard plan.
 
-    ``cfg.data.loader`` must be resolved already (:func:`flowers_job.loaders.resolve_loader`:
-    the pipeline does it once, before Spark starts).
+    ``cfg`` and ``loader`` are what :func:`flowers_job.loaders.resolve_loader` returned (the
+    pipeline resolves the loader once, before Spark starts):
+    ``prepare_data(spark, *resolve_loader(cfg))``.
 
     Yields:
         :class:`PreparedData` with one :class:`~flowers_job.loaders.base.ShardPlan` per split.
@@ -136,21 +141,21 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
     Raises:
         DataError: missing or inconsistent tables, an empty split, unworkable shards, or no
             space for the cache (naming the directory; nothing of a partial write is left).
-        ValueError: ``data.loader`` is 'auto' (unresolved) or not a registered loader.
+        ValueError: ``cfg.data.loader`` is not ``loader``'s name ('auto': unresolved).
     """
-    if cfg.data.loader == "auto":
+    if cfg.data.loader != loader.name:
         raise ValueError(
-            "prepare_data: data.loader is 'auto'; resolve it first with "
-            "flowers_job.loaders.resolve_loader (the pipeline's preflight does)"
+            f"prepare_data: data.loader is {cfg.data.loader!r}, the loader is {loader.name!r}; "
+            "pass what flowers_job.loaders.resolve_loader returns (the pipeline's preflight does)"
         )
-    loader = loader_class(cfg.data.loader)(cfg)
+    writer = loader(cfg)
     checked = checked_tables(spark, cfg)
     version = checked.versions["images"]
     images = table_ref(cfg, "images")
     detail = images.delta(spark).detail().select("id", "sizeInBytes").first()
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())
-    with loader_cache(cfg, loader) as cache:
+    with loader_cache(cfg, writer) as cache:
         plans: dict[str, ShardPlan] = {}
         uses = {}
         for split in SPLITS:
@@ -159,12 +164,12 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
                 "table_id": detail["id"] if detail is not None else None,
                 "version": version,
                 "split": split,
-                "loader": loader.name,
-                "settings": loader.cache_settings(split),
+                "loader": writer.name,
+                "settings": writer.cache_settings(split),
             }
             plans[split], use = cache.split(
                 spark,
-                loader,
+                writer,
                 split,
                 fields,
                 lambda split=split: _split(spark, cfg, split, version),  # type: ignore[misc]
@@ -180,5 +185,6 @@ def prepare_data(spark: SparkSession, cfg: JobConfig) -> Iterator[PreparedData]:
             plans["train"].cache_dir_url,
             example_images(spark, cfg, version),
             lineage(spark, cfg, checked),
+            loader,
             uses,
         )

@@ -36,7 +36,7 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig
 from flowers_job.tables.table_ref import TableRef
 from flowers_job.tracking.credentials import store_client
-from flowers_job.tracking.mlflow_run import TAG_TEST_SPLIT
+from flowers_job.tracking.tags import TAG_TEST_SPLIT
 
 __all__ = ["CHAMPION", "Promotion", "champion_accuracy_on", "promote"]
 

@@ -15,8 +15,8 @@ Before a restart in barrier mode the driver counts the task slots again
 (:func:`restart_processes`): with fewer than ``distributed.num_processes`` it continues with
 as many as fit when ``distributed.min_processes`` allows it, else it fails naming the slots.
 
-Torch-free and Spark-free at import: rank 0 writes :data:`FIRST_STEP_FILE` with
-:func:`write_json`.
+Torch-free and Spark-free at import: rank 0 writes :data:`~flowers_job.runtime.reports.FIRST_STEP_FILE`
+(:func:`~flowers_job.runtime.reports.write_json`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowers_job.location import Location
+from flowers_job.runtime.reports import FIRST_STEP_FILE
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from flowers_job.driver.failures import TrainingError
 
 __all__ = [
-    "FIRST_STEP_FILE",
     "TRANSIENT_KINDS",
     "Restart",
     "begin_training",
@@ -46,27 +46,17 @@ __all__ = [
     "read_first_step",
     "refusal",
     "restart_processes",
-    "write_json",
 ]
 
 log = logging.getLogger(__name__)
 
-FIRST_STEP_FILE = "first_step.json"
-"""Written by rank 0 into the job's report dir after its first training step: the attempt,
-the time (``first_step_at``, seconds since the epoch) and the checkpoint it continued
-(``resumed_from``: epoch, step, ``saved_at``)."""
 TRANSIENT_KINDS = frozenset({"killed", "fatal_signal", "timeout", "connection"})
 """Failure kinds (:attr:`TrainingError.kind <flowers_job.driver.failures.TrainingError>`) that
 may not happen again: restarted whenever restarts remain."""
 
 
-def write_json(path: Location | Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path``, whole or not at all (:meth:`Location.write_bytes`)."""
-    Location.of(path).write_text(json.dumps(data, default=str))
-
-
 def read_first_step(report_dir: Location | Path) -> dict[str, Any] | None:
-    """:data:`FIRST_STEP_FILE` of an attempt, or None (rank 0 never trained a step)."""
+    """:data:`~flowers_job.runtime.reports.FIRST_STEP_FILE` of an attempt, or None (rank 0 never trained a step)."""
     try:
         return dict(json.loads((Location.of(report_dir) / FIRST_STEP_FILE).read_text()))
     except (OSError, ValueError):
@@ -111,7 +101,7 @@ class Restart:
     restart_seconds: float | None = None
 
     def complete(self, first_step: dict[str, Any] | None) -> None:
-        """Fill in the times from the next attempt's :data:`FIRST_STEP_FILE`."""
+        """Fill in the times from the next attempt's :data:`~flowers_job.runtime.reports.FIRST_STEP_FILE`."""
         if first_step is None:
             return
         self.resumed_from = first_step.get("resumed_from")
@@ -176,10 +166,10 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
     down to ``distributed.min_processes``.
 
     Raises:
-        ConfigError: fewer slots than that remain, naming the slots needed and left.
+        ClusterError: fewer slots than that remain, naming the slots needed and left.
     """
     from flowers_job.cluster.session import live_task_slots, remove_executors, wait_for_slots
-    from flowers_job.config import ConfigError
+    from flowers_job.errors import ClusterError
 
     d = cfg.distributed
     if d.local_mode:
@@ -200,7 +190,7 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
             d.min_processes,
         )
         return slots
-    raise ConfigError(
+    raise ClusterError(
         f"distributed.num_processes: the restart needs {wanted} task slots and "
         f"{slots} remain on this cluster's live executors"
         + (f" (executors {', '.join(silent)} do not answer)" if silent else "")

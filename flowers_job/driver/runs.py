@@ -198,7 +198,7 @@ def _store_missing(tracking_uri: str) -> bool:
 
 def _runs_of(client: MlflowClient, experiment_id: str, output_dir: str) -> list[Run]:
     """The runs of ``experiment_id`` tagged with ``output_dir``, newest first."""
-    from flowers_job.tracking.mlflow_run import TAG_OUTPUT_DIR
+    from flowers_job.tracking.tags import TAG_OUTPUT_DIR
 
     # A quote cannot be escaped in MLflow's filter grammar: such a path is matched here.
     where = f"tags.`{TAG_OUTPUT_DIR}` = '{output_dir}'" if "'" not in output_dir else ""

@@ -51,9 +51,9 @@ rebuilds. Re-running on unchanged input writes nothing.
 Retention: after an ingest that writes, both tables are vacuumed
 (:func:`flowers_job.tables.retention.vacuum_tables`).
 
-Test-only fault injection: ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>`` stops ingest
-right after that table is written, so that a test can kill it there
-(:func:`flowers_job.faults.ingest_pause`).
+Test hook: the ``ingest_table_written`` hook point (:mod:`flowers_job.runtime.hooks`) right
+after each table is written; the tests' injector pauses there, so that a test can kill
+ingest there.
 """
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from flowers_job import faults
 from flowers_job.config import JobConfig
+from flowers_job.errors import IngestError
 from flowers_job.photos.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.photos.listing import LISTING_REASONS, images_root
+from flowers_job.runtime.hooks import hook
 from flowers_job.tables.delta_tables import (
     PARTITION_COLUMNS,
     TABLE_PROPERTIES,
@@ -47,10 +48,6 @@ run that was stopped: no ingest of this job's scale decodes its changes for 6 ho
 OLD_SPLIT_TABLES = ("train", "val", "test")
 """The split tables of layout 3 and earlier (full copies of ``images``), removed after the
 first rebuild in layout 4."""
-
-
-class IngestError(RuntimeError):
-    """The input as a whole cannot be ingested; nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +186,7 @@ def write_full(
             meta,
             properties=TABLE_PROPERTIES,
         )
-        faults.ingest_pause("quarantine")
+        hook("ingest_table_written", table="quarantine")
         write_table(
             spark,
             _conform(images, "images"),
@@ -198,7 +195,7 @@ def write_full(
             partition_by=PARTITION_COLUMNS["images"],
             properties=TABLE_PROPERTIES,
         )
-        faults.ingest_pause("images")
+        hook("ingest_table_written", table="images")
         counts = {
             bool(r["good"]): int(r["count"])
             for r in decoded.groupBy(F.col("reason_code").isNull().alias("good")).count().collect()
@@ -272,7 +269,7 @@ def write_incremental(
             changed=keep
             & _differs("reason_code", "reason", "num_bytes", "mtime_ns", "content_sha256"),
         )
-        faults.ingest_pause("quarantine")
+        hook("ingest_table_written", table="quarantine")
         i = merge_table(
             spark,
             _source(decoded, gone, "images"),
@@ -281,7 +278,7 @@ def write_incremental(
             keep=keep,
             changed=keep & _differs("content_sha256", "num_bytes", "mtime_ns"),
         )
-        faults.ingest_pause("images")
+        hook("ingest_table_written", table="images")
         log.info(
             "merged in %.1f s: images +%d ~%d -%d, quarantine +%d ~%d -%d",
             time.perf_counter() - t0,

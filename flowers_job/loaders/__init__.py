@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from flowers_job.config import JobConfig
     from flowers_job.loaders.base import Loader
 
-__all__ = ["LOADERS", "loader_class", "loader_problem", "resolve_loader"]
+__all__ = ["LOADERS", "loader_problem", "registered_loaders", "resolve_loader"]
 
 LOADERS: dict[str, str] = {
     "petastorm": "flowers_job.loaders.petastorm.petastorm_loader:PetastormLoader",
@@ -35,8 +35,8 @@ order and takes the first that runs here."""
 log = logging.getLogger(__name__)
 
 
-def loader_class(name: str) -> type[Loader]:
-    """The :class:`~flowers_job.loaders.base.Loader` registered as ``name``.
+def _registered(name: str) -> type[Loader]:
+    """The :class:`~flowers_job.loaders.base.Loader` registered as ``name`` (imports its module).
 
     Raises:
         ValueError: ``name`` is not registered (the message lists the loaders).
@@ -49,6 +49,12 @@ def loader_class(name: str) -> type[Loader]:
     return cls
 
 
+def registered_loaders() -> list[type[Loader]]:
+    """Every registered loader, in :data:`LOADERS` order: for what concerns them all (the
+    sweep of a killed run's cache folder, :func:`flowers_job.loaders.cache_dir.sweep_orphans`)."""
+    return [_registered(name) for name in LOADERS]
+
+
 def loader_problem(name: str) -> str | None:
     """Why loader ``name`` cannot run on this Python environment; None when it can
     (:meth:`~flowers_job.loaders.base.Loader.problem`).
@@ -56,12 +62,14 @@ def loader_problem(name: str) -> str | None:
     Raises:
         ValueError: ``name`` is not registered.
     """
-    return loader_class(name).problem()
+    return _registered(name).problem()
 
 
-def resolve_loader(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with ``data.loader`` resolved to a loader that runs here, checked before
-    Spark starts.
+def resolve_loader(cfg: JobConfig) -> tuple[JobConfig, type[Loader]]:
+    """The loader of ``cfg``, resolved once before Spark starts: ``cfg`` with ``data.loader``
+    set to its name, and the loader itself (its driver side and its rank side), which the
+    driver passes on (:func:`flowers_job.driver.prepare.prepare_data`, the placement check,
+    the ranks' job). Nothing looks a loader up by name after this.
 
     'auto' becomes the first registered loader that can run here: 'petastorm' on the local
     pinned stack, 'streaming' on Databricks Runtime ML 16.4 and later.
@@ -81,7 +89,8 @@ def resolve_loader(cfg: JobConfig) -> JobConfig:
         if problem is None:
             if wanted == "auto" and problems:
                 log.info("data.loader=auto: %s (%s)", name, "; ".join(problems.values()))
-            return cfg.model_copy(update={"data": cfg.data.model_copy(update={"loader": name})})
+            data = cfg.data.model_copy(update={"loader": name})
+            return cfg.model_copy(update={"data": data}), _registered(name)
         problems[name] = problem
     working = [x for x in LOADERS if x not in problems and loader_problem(x) is None]
     advice = (

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     import torch
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.cluster.placement import HostLayout
     from flowers_job.config import JobConfig
     from flowers_job.loaders.position import EpochStart
+    from flowers_job.runtime.layout import HostLayout
     from flowers_job.vision.images import DecodeTransform
 
 __all__ = [
@@ -142,19 +142,9 @@ class ShardPlan:
         return [q + 1] * r + [q] * (self.steps_per_epoch - r)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for the ranks (:meth:`from_dict` rebuilds it)."""
+        """Plain data for the ranks: ``loader.plan_type(**plan.to_dict())`` rebuilds it, with
+        the loader the driver resolved (:attr:`Loader.plan_type`)."""
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardPlan:
-        """The plan of ``d["loader"]``, as its loader's :attr:`Loader.plan_type`.
-
-        Raises:
-            ValueError: ``d["loader"]`` is not a registered loader.
-        """
-        from flowers_job.loaders import loader_class
-
-        return loader_class(str(d["loader"])).plan_type(**d)
 
 
 class ShardReader(Protocol):

@@ -59,7 +59,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
-from flowers_job.loaders import LOADERS, loader_class
+from flowers_job.loaders import registered_loaders
 from flowers_job.loaders.base import Loader, ShardPlan, local_dir
 from flowers_job.location import Location
 from flowers_job.runtime.parent_watch import driver_identity, process_alive
@@ -130,8 +130,8 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
             with contextlib.suppress(OSError):
                 folder.rmtree()
             if here and folder.is_local:
-                for name in LOADERS:
-                    loader_class(name).sweep(folder.local_path)
+                for registered in registered_loaders():
+                    registered.sweep(folder.local_path)
             removed.append(folder)
     return removed
 
@@ -374,7 +374,7 @@ class LoaderCache:
             plan = loader.write(spark, frame(), staging, split)
             return plan, CacheUse(name, False, 0, round(time.perf_counter() - t0, 3))
         entry = self.root / ENTRIES / name
-        reused = self._use(entry)
+        reused = self._use(entry, loader)
         waited = 0.0
         written = 0
         if reused is None:
@@ -395,10 +395,10 @@ class LoaderCache:
                 ) from None
             waited = time.perf_counter() - t_wait
             try:
-                reused = self._use(entry)  # published while this run waited
+                reused = self._use(entry, loader)  # published while this run waited
                 if reused is None:
                     written = self._write(spark, loader, split, fields, frame, entry, needed_bytes)
-                    reused = self._use(entry)
+                    reused = self._use(entry, loader)
             finally:
                 lock.release()
             assert reused is not None
@@ -419,7 +419,7 @@ class LoaderCache:
         )
         return reused, use
 
-    def _use(self, entry: Path) -> ShardPlan | None:
+    def _use(self, entry: Path, loader: Loader) -> ShardPlan | None:
         """The entry's plan, with this run registered as a reader; None if not published."""
         try:
             stored = json.loads((entry / PLAN_FILE).read_text())
@@ -429,7 +429,7 @@ class LoaderCache:
         (entry / USERS / f"{self.run_id}.json").write_text(json.dumps(driver_identity()))
         (entry / LAST_USED).touch()
         self.used.append(entry)
-        return ShardPlan.from_dict(_rebase(stored, _HERE, entry.resolve().as_uri()))
+        return loader.plan_type(**_rebase(stored, _HERE, entry.resolve().as_uri()))
 
     def _write(
         self,

@@ -139,10 +139,9 @@ def list_files(
     whose :func:`~flowers_job.photos.listing.entry_shard` is its index, so that the entries
     are spread over every task slot however the tree is laid out (5 label folders, or
     100,000 files in one), and each is reported exactly once. A unit costs a walk of its
-    entry's directories (``scandir`` only). A task costs a Python task's start (about
-    90 ms on the 2-core machine, after :mod:`flowers_job.cluster.python_workers`), so a listing of
-    5 label folders takes 4 tasks of 5 units there, not 20 of one (2.0 s -> 0.6 s for 60
-    photos, 2026-11-25).
+    entry's directories (``scandir`` only). A task costs a Python task's start (about 0.1 s,
+    after :mod:`flowers_job.cluster.python_workers`), so a listing of 5 label folders takes 4
+    tasks of 5 units there, not 20 of one (a third of the time: docs/performance.md).
 
     An object-store root is listed one unit per top-level prefix, each unit one recursive
     LIST (:mod:`flowers_job.photos.object_listing` says why it is not sharded).

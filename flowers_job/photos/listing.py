@@ -40,9 +40,15 @@ import os
 import stat
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from flowers_job.location import Location, is_remote
+from flowers_job.photos.verdicts import (
+    LISTING_REASONS,
+    ListedFile,
+    display_name,
+    is_hidden,
+    path_verdict,
+)
 from flowers_job.vision.images import ImageRejected
 
 __all__ = [
@@ -58,55 +64,6 @@ __all__ = [
     "path_verdict",
     "read_listed_file",
 ]
-
-LISTING_REASONS = (
-    "symlink_outside_root",
-    "broken_symlink",
-    "symlinked_directory",
-    "not_a_regular_file",
-    "unreadable_directory",
-    "hidden_path",
-    "not_in_label_folder",
-    "bad_file_name",
-)
-"""The ``reason_code`` values the listing gives (the table above): entries never opened."""
-
-
-@dataclass(frozen=True)
-class ListedFile:
-    """One entry of the images tree.
-
-    Attributes:
-        relative_path: ``/``-separated path under the root, valid UTF-8 (see
-            :func:`display_name`).
-        label: the label folder it lies in, None outside the label folders.
-        kind: ``file``, ``symlink`` (to a file inside the root), ``directory`` (only for a
-            directory that is itself reported) or ``other``.
-        num_bytes: size in bytes (of the target, for a link inside the root); None when the
-            entry was not examined (a link out of the root is never followed).
-        mtime_ns: modification time, nanoseconds since the epoch; None as for ``num_bytes``.
-        reason_code: None if ingest may read the file, else why not (module docstring).
-        reason: the reason in words, naming what was found.
-    """
-
-    relative_path: str
-    label: str | None
-    kind: str
-    num_bytes: int | None
-    mtime_ns: int | None
-    reason_code: str | None = None
-    reason: str | None = None
-
-
-def is_hidden(name: str) -> bool:
-    """True for names that Spark and Hadoop treat as hidden: starting with ``.`` or ``_``."""
-    return name.startswith((".", "_"))
-
-
-def display_name(name: str) -> str:
-    """``name`` as valid UTF-8: bytes that are not UTF-8 (``os.fsdecode``'s surrogate
-    escapes) are written ``\\xNN``."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _inside(path: str, real_root: str) -> bool:
@@ -340,22 +297,6 @@ def _follow_link(
             st.st_mtime_ns,
         )
     return None, st
-
-
-def path_verdict(parts: list[str]) -> tuple[str | None, str | None]:
-    """``(reason_code, reason)`` that the path of an entry gives it, whatever the entry:
-    ``hidden_path`` (a hidden part, :func:`is_hidden`), then ``not_in_label_folder`` (one
-    part: directly in the root); ``(None, None)`` otherwise. ``parts``: the path under the
-    root, split at its separators (local and object-store listings alike)."""
-    hidden = next((p for p in parts if is_hidden(p)), None)
-    if hidden is not None:
-        return "hidden_path", (
-            f"{display_name(hidden)!r} starts with {hidden[0]!r}: a hidden name, which Spark and "
-            "Hadoop skip; rename it to ingest the file"
-        )
-    if len(parts) == 1:
-        return "not_in_label_folder", "lies directly in the images root, not in a <label>/ folder"
-    return None, None
 
 
 def _file_verdict(

@@ -47,8 +47,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from flowers_job.errors import ObjectStoreError
 from flowers_job.location import filesystem
-from flowers_job.photos.listing import ListedFile, is_hidden, path_verdict
+from flowers_job.photos.verdicts import ListedFile, is_hidden, path_verdict
 from flowers_job.vision.images import ImageRejected
 
 __all__ = [
@@ -61,12 +62,6 @@ __all__ = [
 
 ROOT_FILES = ""
 """The listing unit of the keys directly under the root (one LIST without recursion)."""
-
-
-class ObjectStoreError(RuntimeError):
-    """The object store failed for another reason than a missing key (credentials,
-    permissions, network): the Spark task fails and is retried, and a photo is never
-    quarantined for it. The message names ``data.images`` and the URI, never credentials."""
 
 
 def _selector(path: str, recursive: bool) -> Any:

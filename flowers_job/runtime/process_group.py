@@ -24,7 +24,7 @@ import torch.distributed as dist
 from flowers_job.runtime.devices import check_own_gpus, gpu_identity, rank_device
 
 if TYPE_CHECKING:  # placement is the driver's: it imports pyspark
-    from flowers_job.cluster.placement import HostLayout
+    from flowers_job.runtime.layout import HostLayout
 
 __all__ = [
     "DistContext",
@@ -318,7 +318,7 @@ def describe_hosts(ctx: DistContext, ranks: list[dict[str, Any]] | None = None) 
     itself no longer reads them once the group is up). ``RANK`` keeps the global rank
     (failure reports name it); :func:`shard_environment` gives a loader the shard instead.
     """
-    from flowers_job.cluster.placement import HostLayout
+    from flowers_job.runtime.layout import HostLayout
 
     ranks = ranks if ranks is not None else gather_ranks(ctx)
     check_own_gpus(ranks)

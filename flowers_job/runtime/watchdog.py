@@ -65,7 +65,7 @@ without a Python exception or a fatal-signal report."""
 UPLOAD_SECONDS = 120.0
 """Bound on copying a dead rank's reports to an object store (seconds)."""
 _FATAL_SUFFIX = (
-    ".fatal"  # = flowers_job.driver.failures.FATAL_SUFFIX (this file imports no package)
+    ".fatal"  # = flowers_job.runtime.reports.FATAL_SUFFIX (this file imports no package)
 )
 _DONE = b"done"
 _READY = b"ready\n"

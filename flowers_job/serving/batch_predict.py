@@ -91,8 +91,8 @@ ROWS_PER_PARTITION = 512
 """Scoring tasks get at least about this many rows each (about 10 s of one core at 224 px).
 
 A task costs about 0.6 s beyond its rows (the Python worker's round trip, the shuffle
-block's fetch, the first batch): 29 tasks of 127 rows scored the 3,670 photos at 72-80
-images/s, 8 of 459 at 92-95, in the same warm session (2 cores, 2026-11-25)."""
+block's fetch, the first batch): fewer, larger tasks scored the photos faster
+(docs/performance.md)."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
+from flowers_job.errors import PredictError, UsageError
 from flowers_job.location import Location
 
 __all__ = [
@@ -45,14 +46,6 @@ FAIL_FAST_SECONDS = 10
 """Per-request timeout of the registry lookup and the model download, seconds (one retry)."""
 
 _MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/@]+))")
-
-
-class PredictError(RuntimeError):
-    """Scoring cannot start: unknown model, version or alias, missing input (CLI exit 1)."""
-
-
-class UsageError(PredictError):
-    """The command line is wrong: a malformed model URI, no model to use (CLI exit 2)."""
 
 
 @dataclass(frozen=True)

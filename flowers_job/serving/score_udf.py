@@ -82,8 +82,7 @@ def _worker_model(name: str) -> Any:
     """The shipped model, loaded on the first call in this Python worker and reused by every
     later task the worker runs (``spark.python.worker.reuse``, on by default); torch's
     threads set to :func:`task_threads` where they differ (setting them again, even to the
-    same number, slowed the next batches: 24-25 against 21-22 ms per row in tasks of 127
-    rows, 2 cores, 2026-11-25)."""
+    same number, slowed the next batches: docs/performance.md)."""
     import torch
 
     threads = task_threads()

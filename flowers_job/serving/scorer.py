@@ -11,14 +11,14 @@ resized and centre-cropped as at validation.
 
 **On a GPU** (Databricks GPU Model Serving, ``flowers-job predict`` on GPU executors) the
 network runs on the first GPU in the precision training would choose there (bf16 from
-compute capability 8.0, fp16 below: :func:`~flowers_job.train.step.amp_dtype`), and the
+compute capability 8.0, fp16 below: :func:`~flowers_job.vision.precision.amp_dtype`), and the
 request's plain JPEGs (8-bit RGB or grey, upright, no ICC profile: what cameras and the
 stored images are) are decoded there in one batched call
 (:class:`~flowers_job.vision.batch_decode.BatchDecoder`); every other image takes the Pillow
 path and joins the batch as pixels. ``FLOWERS_SERVING_DEVICE`` (auto, cpu, cuda[:N]) chooses
-the device (:func:`~flowers_job.runtime.devices.serving_device`); ``FLOWERS_SERVING_DECODE=device``
-sends the plain JPEGs through the batched decoder on a CPU too (the tests' way to run the
-GPU's code path).
+the device (:func:`~flowers_job.runtime.devices.serving_device`); ``Scorer(...,
+batch_decode=True)`` sends the plain JPEGs through the batched decoder on a CPU too (how
+the tests run the GPU's code path).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +58,8 @@ class Scores:
 
 SCORE_BATCH_SIZE = 32
 """Images per forward pass of :meth:`FlowersClassifierModel.score` (``model_config``'s
-``batch_size``): the training ranks' per-device batch on CPU. Batch scoring of the 3,670
-stored photos in 8 Spark tasks on 2 cores ran at 96-101 images/s with 32 against 70-79 with
-64 (interleaved, one session, 2026-11-25; 90 with 16): at 224 px a batch of 64 makes every
+``batch_size``): the training ranks' per-device batch on CPU. Batch scoring on 2 cores ran
+faster with 32 than with 64 or 16 (docs/performance.md): at 224 px a batch of 64 makes every
 activation map about 100 MB, and the element-wise layers (batch norm, ReLU6, padding) of
 two concurrent workers then wait on memory. A model registered before keeps its own
 ``batch_size``."""
@@ -74,6 +72,8 @@ class Scorer:
     max_pixels, batch_size (:func:`flowers_job.serving.pyfunc_model.model_config`); ``state_dict``: the
     classifier's weights (a ``torch.save`` file, loaded with ``weights_only``).
     ``device``: None = :func:`~flowers_job.runtime.devices.serving_device`.
+    ``batch_decode``: decode the plain JPEGs in one batched call on a CPU device too (on a
+    GPU they always are); False: Pillow, one image at a time, on a CPU.
     """
 
     def __init__(
@@ -81,12 +81,14 @@ class Scorer:
         config: dict[str, Any],
         state_dict: str | Path,
         device: torch.device | None = None,
+        *,
+        batch_decode: bool = False,
     ) -> None:
         from flowers_job.runtime.devices import serving_device
-        from flowers_job.train.step import DeviceNormalize, amp_dtype
         from flowers_job.vision.backbones import build_model
         from flowers_job.vision.batch_decode import BatchDecoder
         from flowers_job.vision.images import eval_pixels
+        from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 
         cfg = config
         self.label_names = list(cfg["label_names"])
@@ -101,9 +103,8 @@ class Scorer:
         )
         state = torch.load(state_dict, map_location="cpu", weights_only=True)
         self.model.load_state_dict(state)
-        # Channels-last, as training runs it: on 320 real photos, 224 px, batches of 64, the
-        # model scored 108 img/s against 50 img/s contiguous at 1 thread, and 154 against 108
-        # at 2 threads (this 2-core machine, 2026-11-24).
+        # Channels-last, as training runs it: on CPU it scored faster than contiguous, at 1
+        # and at 2 threads (docs/performance.md).
         self.device = device = device if device is not None else serving_device()
         self.model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model.eval()
@@ -115,9 +116,10 @@ class Scorer:
         size, resize = int(cfg["image_size"]), int(cfg["resize_size"])
         self.pixels = eval_pixels(size, resize)
         self.normalize = DeviceNormalize(tuple(cfg["mean"]), tuple(cfg["std"]), device)
-        batched = os.environ.get("FLOWERS_SERVING_DECODE", "auto") == "device"
         self.decoder = (
-            BatchDecoder(False, size, resize, device) if device.type == "cuda" or batched else None
+            BatchDecoder(False, size, resize, device)
+            if device.type == "cuda" or batch_decode
+            else None
         )
 
     def score(self, contents: Sequence[bytes | bytearray | memoryview | None]) -> Scores:
@@ -191,7 +193,7 @@ class Scorer:
     def _forward(self, images: torch.Tensor) -> np.ndarray:
         """uint8 ``[b, 3, S, S]`` -> float64 ``[b, num_labels]`` probabilities (host), in the
         device's precision."""
-        from flowers_job.train.step import autocast
+        from flowers_job.vision.precision import autocast
 
         with torch.inference_mode(), autocast(self.device, self.dtype):
             logits = self.model(self.normalize(images))

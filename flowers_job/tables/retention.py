@@ -23,9 +23,8 @@ registered model version was trained on (its run's ``flowers_job.images_version`
 tables are not vacuumed: a file is never removed on a guess.
 
 A table younger than its retention is not vacuumed: no file of it can be old enough, and a
-VACUUM lists every file of the table (1.2-2.4 s for a table of a few files in the job's Spark
-session on 2 cores, about 20 s with Spark's default listing parallelism; measured 2026-11-25),
-which every fresh ingest would pay.
+VACUUM lists every file of the table, seconds even for a table of a few files
+(docs/performance.md), which every fresh ingest would pay.
 
 Delta's log itself is kept for ``delta.logRetentionDuration`` (30 days by default); a
 version whose log entries are gone cannot be read, whatever VACUUM keeps.
@@ -43,14 +42,12 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig
 from flowers_job.tables.delta_tables import TABLE_NAMES
 from flowers_job.tables.table_ref import TableRef, table_ref
+from flowers_job.tracking.tags import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 
-__all__ = ["TAG_IMAGES_TABLE", "TAG_IMAGES_VERSION", "protected_versions", "vacuum_tables"]
+__all__ = ["protected_versions", "vacuum_tables"]
 
 log = logging.getLogger(__name__)
 
-TAG_IMAGES_TABLE = "flowers_job.images_table"
-TAG_IMAGES_VERSION = "flowers_job.images_version"
-"""MLflow run tags: the ``images`` table and the Delta version a run trained on."""
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 """VACUUM lists the table's directories in a Spark job of this many tasks (Delta's
@@ -148,8 +145,8 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
             hours["images"] = max(hours["images"], math.ceil(age) + 1)
     saved = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _LISTING_PARALLELISM)}
     spark.conf.set(_RETENTION_CHECK, "false")  # retention_hours below Delta's 168 is allowed
-    # two listing tasks per slot, not 10,000: test_incremental's retention test (5 VACUUMs)
-    # took 148 s before, 47 s after (2 cores, 2026-11-25)
+    # two listing tasks per slot, not 10,000: a third of the time on a small table
+    # (docs/performance.md)
     spark.conf.set(_LISTING_PARALLELISM, str(2 * spark.sparkContext.defaultParallelism))
     try:
         for name, retain in hours.items():

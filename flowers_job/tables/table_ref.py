@@ -35,7 +35,7 @@ __all__ = ["TableRef", "ensure_schema", "table_ref"]
 class TableRef:
     """One Delta table: by ``path``, or by catalog name ``parts`` (``(catalog, schema,
     table)`` or ``(schema, table)``; each part free of periods and backticks,
-    :func:`flowers_job.config.tables.check_identifier`). Exactly one of the two is set."""
+    :func:`flowers_job.config.data.check_identifier`). Exactly one of the two is set."""
 
     path: Location | None = None
     parts: tuple[str, ...] = ()
@@ -61,10 +61,10 @@ class TableRef:
         one bare word) is a path table.
 
         Raises:
-            ValueError: a name with a part :func:`~flowers_job.config.tables.check_identifier`
+            ValueError: a name with a part :func:`~flowers_job.config.data.check_identifier`
                 refuses (an empty part, whitespace, a backtick...), naming it.
         """
-        from flowers_job.config.tables import check_identifier
+        from flowers_job.config.data import check_identifier
 
         parts = tuple(text.split("."))
         if "/" in text or is_remote(text) or len(parts) not in (2, 3):

@@ -26,14 +26,25 @@ from mlflow import environment_variables as mlflow_env
 from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
+from flowers_job.errors import TrackingError
 from flowers_job.tracking.class_report import TestReport
 from flowers_job.tracking.credentials import fail_fast, store_client
+from flowers_job.tracking.tags import (
+    TAG_FINGERPRINT,
+    TAG_IMAGES_TABLE,
+    TAG_IMAGES_VERSION,
+    TAG_OUTPUT_DIR,
+    TAG_TEST_SPLIT,
+    TAG_VERSION,
+)
 
 __all__ = [
     "EPOCH_KEY",
     "FAILURE_TAG",
     "PREFLIGHT_TIMEOUT_SECONDS",
     "TAG_FINGERPRINT",
+    "TAG_IMAGES_TABLE",
+    "TAG_IMAGES_VERSION",
     "TAG_OUTPUT_DIR",
     "TAG_TEST_SPLIT",
     "TAG_VERSION",
@@ -46,15 +57,6 @@ __all__ = [
     "use_credentials",
 ]
 
-TAG_FINGERPRINT = "flowers_job.ingest_fingerprint"
-TAG_TEST_SPLIT = "flowers_job.test_split_digest"
-"""Run tag: the digest of the test split a run was scored on
-(:func:`flowers_job.driver.prepare.split_digest`); test scores compare only between equal
-digests."""
-TAG_VERSION = "flowers_job.version"
-TAG_OUTPUT_DIR = "flowers_job.output_dir"
-"""Run tag: the resolved ``paths.output_dir`` of the training, set when the run starts
-(``flowers-job runs`` lists an output dir's runs by it: :mod:`flowers_job.driver.runs`)."""
 EPOCH_KEY = "val_loss"
 """The metric whose steps say which epochs a run has logged (every epoch logs it)."""
 PREFLIGHT_TIMEOUT_SECONDS = 10
@@ -64,10 +66,6 @@ log = logging.getLogger(__name__)
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 """The ``flowers_job`` package directory: the logged model's ``code_paths``."""
-
-
-class TrackingError(RuntimeError):
-    """The MLflow store cannot be used."""
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -309,7 +307,6 @@ class RunTracker:
         from mlflow.data.meta_dataset import MetaDataset
 
         from flowers_job import __version__
-        from flowers_job.tables.retention import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 
         for name, table in sorted(lineage.get("splits", {}).items()):
             # a path table by its path, a catalog table by its name (MLflow's two forms)

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from flowers_job import faults
 from flowers_job.location import Location
+from flowers_job.runtime.hooks import hook
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -78,7 +78,7 @@ def save_checkpoint(
         buffer = io.BytesIO()
         torch.save(state, buffer)
         if name == CHECKPOINT_NAME:
-            faults.inject("pause_checkpoint", 0, int(state.get("epoch", 0)))
+            hook("checkpoint_write", epoch=int(state.get("epoch", 0)))
         (directory / name).write_bytes(buffer.getvalue())
         return directory / name
     directory.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def save_checkpoint(
             torch.save(state, f)
             f.flush()
             if name == CHECKPOINT_NAME:
-                faults.inject("pause_checkpoint", 0, int(state.get("epoch", 0)))
+                hook("checkpoint_write", epoch=int(state.get("epoch", 0)))
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:

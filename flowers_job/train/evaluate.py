@@ -19,8 +19,9 @@ from flowers_job.runtime.process_group import all_gather_object
 from flowers_job.tracking.class_report import WORST_MISTAKES, Mistake, TestReport, build_test_report
 from flowers_job.train.metrics import PassSums, Sums, check_shard, check_totals, reduce_sums
 from flowers_job.train.state import FrozenFeatures, TrainState, open_reader
-from flowers_job.train.step import DeviceNormalize, autocast, forward, masked_loss
+from flowers_job.train.step import forward, masked_loss
 from flowers_job.vision.backbones import Classifier
+from flowers_job.vision.precision import DeviceNormalize, autocast
 
 __all__ = ["ShardScores", "evaluate", "evaluate_test", "score_shard"]
 

@@ -1,5 +1,5 @@
 """The fine-tuning recipe's parts, each a setting of ``train``
-(:class:`~flowers_job.config.recipe.RecipeConfig`): the optimizer's parameter groups
+(:class:`~flowers_job.config.model.RecipeConfig`): the optimizer's parameter groups
 (layer-wise learning-rate decay, no weight decay on norms and biases), warm-up then cosine
 decay, and an exponential moving average (EMA) of the weights.
 

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from flowers_job import faults
 from flowers_job.config import JobConfig
-from flowers_job.driver.restarts import FIRST_STEP_FILE, write_json
 from flowers_job.location import Location
+from flowers_job.runtime.hooks import wrap_batches
 from flowers_job.runtime.process_group import DistContext, broadcast_object, gather_ranks
+from flowers_job.runtime.reports import FIRST_STEP_FILE, write_json
 from flowers_job.train.checkpoint import (
     CHECKPOINT_NAME,
     STEP_CHECKPOINT_NAME,
@@ -36,7 +36,6 @@ from flowers_job.train.early_stopping import Decision
 from flowers_job.train.evaluate import evaluate, evaluate_test
 from flowers_job.train.fine_tuning import sync_ema_buffers
 from flowers_job.train.metrics import Sums, check_shard, check_totals, reduce_sums
-from flowers_job.train.quality import benchmark_test_accuracy
 from flowers_job.train.rank0 import finish, start_tracking
 from flowers_job.train.resume import resume
 from flowers_job.train.state import Plans, TrainState, build_state, open_readers, place_ranks
@@ -72,11 +71,11 @@ def _progress(
     assert state.train_reader is not None
     steps = state.plans.train.steps_per_epoch
     first = start.step if start is not None else 0
-    batches = faults.mid_epoch(  # at the epoch's middle, counted from where it (re)starts
+    batches = wrap_batches(  # at the epoch's middle, counted from where it (re)starts
         state.train_reader.epoch(epoch, start.start() if start is not None else None),
-        state.ctx.rank,
-        epoch,
-        steps // 2 - first,
+        rank=state.ctx.rank,
+        epoch=epoch,
+        step=steps // 2 - first,
     )
     if not state.ctx.is_main:
         return batches
@@ -320,10 +319,6 @@ def _epochs(state: TrainState) -> None:
             if state.stop_reason is not None:
                 break
             metrics = run_epoch(state, epoch)
-            if state.cfg.train.benchmark_test_each_epoch:  # logged only: module quality
-                t0 = time.perf_counter()
-                metrics["benchmark_test_accuracy"] = benchmark_test_accuracy(state, epoch)
-                metrics["benchmark_test_seconds"] = time.perf_counter() - t0
             end_epoch(state, epoch, metrics)
     finally:
         for reader in (state.train_reader, state.val_reader):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -38,11 +37,11 @@ from typing import Any
 import torch
 
 from flowers_job.config import JobConfig
-from flowers_job.driver.failures import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
-from flowers_job.faults import ATTEMPT_ENV, join_fault_cgroup
-from flowers_job.loaders.base import ShardPlan
+from flowers_job.errors import CollectiveTimeoutError
+from flowers_job.loaders.base import Loader
 from flowers_job.location import Location
 from flowers_job.runtime.allocator import tune_this_process
+from flowers_job.runtime.hooks import hook
 from flowers_job.runtime.parent_watch import watch_driver
 from flowers_job.runtime.process_group import (
     DistContext,
@@ -52,6 +51,7 @@ from flowers_job.runtime.process_group import (
     init_distributed,
     shutdown_distributed,
 )
+from flowers_job.runtime.reports import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
 from flowers_job.runtime.watchdog import sentinel_done, start_sentinel
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
@@ -76,17 +76,14 @@ class Terminated(SystemExit):
     """SIGTERM arrived: torchrun stops the other ranks this way when one fails."""
 
 
-class CollectiveTimeoutError(RuntimeError):
-    """A collective waited longer than ``distributed.timeout_seconds`` for another rank."""
-
-
 def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     """Entry point on every rank (top level and importable, so TorchDistributor can pickle it).
 
     Args:
-        job: plain data from the driver (:func:`flowers_job.driver.pipeline.training_job`):
+        job: from the driver (:func:`flowers_job.driver.pipeline.training_job`):
             ``config`` (``JobConfig.model_dump(mode="json")``), ``train``/``val``/``test``
-            (:meth:`ShardPlan.to_dict`), ``label_names``, ``lineage``, ``example_images``,
+            (:meth:`ShardPlan.to_dict`), ``loader`` (the resolved loader class, whose
+            ``plan_type`` rebuilds the plans), ``label_names``, ``lineage``, ``example_images``,
             ``use_gpu``, ``threads_per_process``, ``executor_cores``, ``task_cpus``,
             ``failure_dir`` and ``driver`` (:func:`~flowers_job.runtime.parent_watch.driver_identity`;
             this rank exits if the driver dies).
@@ -137,8 +134,7 @@ def _prepare_process(job: dict[str, Any]) -> None:
     logging.getLogger("botocore").setLevel(logging.WARNING)  # object stores: a line per client
     reports, here = _report_dirs(job)
     _enable_fatal_report(here)
-    os.environ[ATTEMPT_ENV] = str(job.get("attempt", 0))  # for attempt-bound faults
-    join_fault_cgroup(env_rank())  # tests only: the oom fault's memory cgroup
+    hook("rank_start", rank=env_rank(), attempt=int(job.get("attempt", 0)))  # tests only
     start_sentinel(here, env_rank(), job.get("config"), None if reports.is_local else reports.url)
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
@@ -165,7 +161,7 @@ def _train(
         result, register = fit(
             cfg,
             ctx,
-            Plans(*(ShardPlan.from_dict(job[split]) for split in ("train", "val", "test"))),
+            _plans(job),
             list(job["label_names"]),
             [bytes(b) for b in job.get("example_images", [])],
             dict(job.get("lineage") or {}),
@@ -228,6 +224,13 @@ def _write_json(path: Location, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data))  # whole or absent (Location.write_bytes)
 
 
+def _plans(job: dict[str, Any]) -> Plans:
+    """The job's shard plans, rebuilt by the loader the driver resolved."""
+    loader: type[Loader] = job["loader"]
+    train, val, test = (loader.plan_type(**job[split]) for split in ("train", "val", "test"))
+    return Plans(train, val, test, loader)
+
+
 def _report_dirs(job: dict[str, Any]) -> tuple[Location, Path]:
     """The run's report dir, and where on this host faulthandler and the sentinel write:
     the report dir itself, or (report dir in an object store) a folder of this host's temp
@@ -248,8 +251,8 @@ def _remove_host_reports(job: dict[str, Any]) -> None:
 
 _FAILING = threading.Event()
 """Set once :func:`train_worker` handles a failure: a SIGTERM then must not interrupt the
-report (in one CI run, 2026-11-24, torchrun's SIGTERM reached rank 0 while it handled its
-peer's loss, and its MLflow run stayed RUNNING)."""
+report (torchrun's SIGTERM can reach rank 0 while it handles its peer's loss, and its MLflow
+run then stayed RUNNING: seen in CI, docs/performance.md)."""
 
 
 def _terminated(signum: int, frame: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from flowers_job import faults
+from flowers_job.runtime.hooks import hook
 from flowers_job.tracking.class_report import TestReport, report_figures
 from flowers_job.train.checkpoint import read_run_id, write_run_id
 from flowers_job.train.state import TrainState
@@ -174,14 +174,14 @@ def finish(
     model, rank = state.model, state.ctx.rank
 
     def register() -> dict[str, Any]:
-        faults.delay("slow_registration", rank)
+        hook("before_registration", rank=rank)
         tracker.log_final(
             {"best_val_loss": final["val_loss"], "best_val_accuracy": final["val_accuracy"]},
             step=best_epoch,
         )
         tracker.log_test(test, figures)
         tracker.log_lineage(lineage)
-        faults.inject("fail_registration", rank, 0)
+        hook("before_log_model", rank=rank)
         model_uri, version = tracker.log_model(
             model, config, pd.DataFrame({"image": example_images})
         )

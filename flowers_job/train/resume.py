@@ -20,7 +20,6 @@ import warnings
 from typing import Any
 
 from flowers_job.config import JobConfig
-from flowers_job.loaders import loader_class
 from flowers_job.runtime.process_group import DistContext, broadcast_object
 from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME, load_checkpoint
 from flowers_job.train.state import Plans, TrainState, make_scheduler
@@ -49,7 +48,7 @@ def _why_not_continued(
     changed = sorted(k for k, v in now.items() if saved.get(k) != v)
     if changed:
         return f"the train split's plan changed since ({', '.join(changed)})"
-    return loader_class(plan.loader).mid_epoch_problem(cfg)
+    return plans.loader.mid_epoch_problem(cfg)
 
 
 def choose_checkpoint(cfg: JobConfig, ctx: DistContext, plans: Plans) -> dict[str, Any] | None:

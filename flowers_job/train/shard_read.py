@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from flowers_job.config import JobConfig
-from flowers_job.loaders import loader_class
-from flowers_job.loaders.base import ShardPlan
+from flowers_job.loaders.base import Loader
 from flowers_job.runtime.process_group import (
     DistContext,
     broadcast_object,
@@ -38,7 +37,8 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
     """Read ``job["epochs"]`` epochs of ``job["plan"]`` on every rank.
 
     Args:
-        job: ``plan`` (:meth:`ShardPlan.to_dict`), ``epochs`` (1-based epoch numbers, in the
+        job: ``plan`` (:meth:`~flowers_job.loaders.base.ShardPlan.to_dict`), ``loader``
+            (the loader class that wrote it, :func:`flowers_job.loaders.resolve_loader`), ``epochs`` (1-based epoch numbers, in the
             order to read them), ``shuffle``, ``seed``, ``config`` (a
             ``JobConfig.model_dump(mode="json")``: the image size and the loaders' settings)
             and ``timeout_seconds`` (process-group timeout).
@@ -73,13 +73,13 @@ def read_shards(job: dict[str, Any]) -> dict[str, Any]:
 def _open(job: dict[str, Any], ctx: DistContext) -> DeviceReader:
     """This rank's reader of ``job["plan"]``, opened as training opens it
     (:func:`~flowers_job.train.state.open_reader`)."""
-    plan = ShardPlan.from_dict(job["plan"])
+    loader: type[Loader] = job["loader"]
+    plan = loader.plan_type(**job["plan"])
     cfg = JobConfig.model_validate(job["config"])
     train, size, resize = bool(job["shuffle"]), cfg.data.image_size, cfg.data.stored_short_side
     on_device = decodes_on_device(cfg, ctx.device)
     tf = DecodeTransform(train, size, resize, undecoded=on_device).warm_up()
     layout = describe_hosts(ctx)
-    loader = loader_class(plan.loader)
     loader.check_layout(layout)
     reader = loader.open(
         plan,

@@ -12,20 +12,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
-from flowers_job.cluster.placement import HostLayout
 from flowers_job.config import JobConfig
-from flowers_job.loaders import loader_class
-from flowers_job.loaders.base import ShardPlan
+from flowers_job.loaders.base import Loader, ShardPlan
 from flowers_job.location import Location
+from flowers_job.runtime.layout import HostLayout
 from flowers_job.runtime.process_group import DistContext, describe_hosts
 from flowers_job.train.device_prefetch import DeviceReader, decodes_on_device
 from flowers_job.train.early_stopping import EarlyStopping
 from flowers_job.train.fine_tuning import WarmupCosine, attach_ema, make_ema, param_groups
-from flowers_job.train.step import DeviceNormalize, amp_dtype, make_optimizer
+from flowers_job.train.step import make_optimizer
 from flowers_job.train.step_checkpoint import CheckpointClock, EpochPosition
 from flowers_job.vision.backbones import Classifier, build_model, preprocessing_for
 from flowers_job.vision.batch_decode import BatchDecoder
 from flowers_job.vision.images import DecodeTransform
+from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 
 if TYPE_CHECKING:
     from flowers_job.tracking.mlflow_run import RunTracker
@@ -45,11 +45,14 @@ log = logging.getLogger("flowers_job.train")
 
 @dataclass(frozen=True)
 class Plans:
-    """The driver's plan of each split (:class:`~flowers_job.loaders.base.ShardPlan`)."""
+    """The driver's plan of each split (:class:`~flowers_job.loaders.base.ShardPlan`), and the
+    loader that wrote them and reads them (resolved once on the driver,
+    :func:`flowers_job.loaders.resolve_loader`)."""
 
     train: ShardPlan
     val: ShardPlan
     test: ShardPlan
+    loader: type[Loader]
 
 
 class FrozenFeatures:
@@ -93,7 +96,7 @@ class TrainState:
     lr: float
     num_nodes: int = 1
     shard: int = 0
-    """The shard this rank reads (:class:`~flowers_job.cluster.placement.HostLayout`)."""
+    """The shard this rank reads (:class:`~flowers_job.runtime.layout.HostLayout`)."""
     layout: HostLayout | None = None
     train_reader: DeviceReader | None = None
     val_reader: DeviceReader | None = None
@@ -214,7 +217,7 @@ def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> DeviceReader
     cfg, ctx = state.cfg, state.ctx
     size, resize = cfg.data.image_size, cfg.data.stored_short_side
     on_device = decodes_on_device(cfg, ctx.device)
-    reader = loader_class(plan.loader).open(
+    reader = state.plans.loader.open(
         plan,
         DecodeTransform(train, size, resize, undecoded=on_device),
         rank=state.shard,
@@ -263,6 +266,6 @@ def open_readers(state: TrainState, ranks: list[dict[str, Any]]) -> None:
             )
             + f"; shards by host: {state.layout.describe()}",
         )
-    loader_class(state.plans.train.loader).check_layout(state.layout)
+    state.plans.loader.check_layout(state.layout)
     state.train_reader = open_reader(state, state.plans.train, train=True)
     state.val_reader = open_reader(state, state.plans.val, train=False)

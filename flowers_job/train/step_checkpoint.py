@@ -104,7 +104,7 @@ def gather_positions(
     ctx: DistContext, shard: int, sums: PassSums, reader: ShardReader
 ) -> list[dict[str, Any]]:
     """Every rank's sums, reader position and random state, in the order of the shards they
-    read (:class:`~flowers_job.cluster.placement.HostLayout`: a rank placed on another host after a
+    read (:class:`~flowers_job.runtime.layout.HostLayout`: a rank placed on another host after a
     restart continues the shard, not the rank), on every rank (a collective: all ranks call
     it at the same step)."""
     mine = {

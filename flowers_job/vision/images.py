@@ -224,7 +224,7 @@ def _eval_steps(image_size: int, resize_size: int) -> list[Callable[..., object]
 
 def train_pixels(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
     """Training augmentation: PIL RGB -> uint8 ``[3, image_size, image_size]`` (not normalised:
-    the training loop normalises on the device, :class:`flowers_job.train.step.DeviceNormalize`).
+    the training loop normalises on the device, :class:`flowers_job.vision.precision.DeviceNormalize`).
 
     RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
     classification recipe, with a milder crop scale suited to a frozen backbone.

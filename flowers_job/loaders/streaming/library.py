@@ -23,8 +23,8 @@ def import_streaming() -> types.ModuleType:
 
     ``streaming/__init__.py`` imports ``streaming.text``, ``.vision`` and ``.multimodal``,
     whose C4 and Pile datasets import transformers' tokenizer registry (and, with DBR 17.3
-    LTS ML's transformers, ``torch._dynamo``): 8.2 CPU-s and 729 MB peak RSS with the 17.3
-    pins against 3.5 s and 523 MB this way (2026-11-24, 2-core CI machine; CHANGELOG 0.2.0).
+    LTS ML's transformers, ``torch._dynamo``): more than twice the CPU time and 200 MB more
+    peak memory than this way (docs/performance.md).
     Each unused subpackage is a placeholder in ``sys.modules`` until a public attribute of
     it is read; then the real one is imported and takes its place. Nothing changes if
     ``streaming`` is imported already. (``importlib.util.LazyLoader`` loads on any attribute

@@ -14,7 +14,7 @@ checked on the ranks against the count and checksum computed here.
 Streaming splits (and, for training, shuffles) the whole split across the ranks every
 epoch. It needs the same number of ranks on every host
 (:meth:`StreamingLoader.check_layout`), and reads with the shard of
-:class:`~flowers_job.cluster.placement.HostLayout` as its rank. A checkpoint inside an epoch resumes
+:class:`~flowers_job.runtime.layout.HostLayout` as its rank. A checkpoint inside an epoch resumes
 through Streaming's own ``sample_in_epoch``; the cache is written per world size (its padding
 and partitions), so at another world size that epoch starts again (``train/resume.py``).
 
@@ -60,9 +60,9 @@ from flowers_job.vision.batch_decode import JPEG_KEY, LENGTH_KEY
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.cluster.placement import HostLayout
     from flowers_job.config import JobConfig
     from flowers_job.config.model import StreamingConfig
+    from flowers_job.runtime.layout import HostLayout
     from flowers_job.vision.images import DecodeTransform
 
 __all__ = [

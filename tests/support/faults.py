@@ -1,45 +1,52 @@
-"""Test-only fault injection, switched on by one environment variable. Never set it in production.
+"""The tests' fault injector: the hook functions of :mod:`flowers_job.runtime.hooks`, acting
+out the faults that the test-only fault settings ask for.
+
+The job loads it only when ``FLOWERS_JOB_HOOKS`` names it (:data:`INJECTOR`, its absolute
+path; :func:`fault_env` gives both variables); the fault settings alone do nothing. It is
+loaded by file path in the ranks, on other hosts too (the test cluster shares this file
+system, not ``tests/``), so it imports only the standard library and ``flowers_job``.
 
 ``FLOWERS_JOB_FAULT`` holds comma-separated ``<kind>:<rank>:<epoch>[:<attempt>]`` entries;
 without ``<attempt>`` an entry fires on every attempt of the run, with it only when
-``FLOWERS_JOB_ATTEMPT`` (:data:`ATTEMPT_ENV`, set by the rank; "0" when unset) equals it:
+``FLOWERS_JOB_ATTEMPT`` (:data:`ATTEMPT_ENV`, set by :func:`rank_start` from the job's
+attempt; "0" when unset) equals it:
 
-=================== ======================================================================
-kind                what that rank does at that epoch
-=================== ======================================================================
-``raise``           raises ``RuntimeError`` half-way through the epoch's training steps (a
-                    bug, a corrupt batch)
-``hang``            sleeps half-way through the epoch, for at most :data:`HANG_SECONDS` (a
-                    stuck reader or a deadlock): the other ranks' next collective times out
-``abort``           the rank calls ``os.abort()`` half-way through the epoch: it dies of
-                    SIGABRT without a Python exception, as a crash in native code does
-``kill``            the rank SIGKILLs itself half-way through the epoch: no exception, no
-                    fatal-signal report; its sentinel (:mod:`flowers_job.runtime.watchdog`) names it
-``oom``             the rank allocates and touches memory half-way through the epoch until
-                    the kernel's OOM killer ends it (at most :data:`OOM_MAX_BYTES` or
-                    :data:`OOM_MAX_SECONDS`, then it raises). Only in a memory cgroup with a
-                    limit below the machine's memory (else it raises): with
-                    ``FLOWERS_JOB_FAULT_CGROUP=<cgroup dir>`` the rank joins that cgroup
-                    first (:func:`join_fault_cgroup`)
-``pause_checkpoint`` stops while writing the epoch's checkpoint (rank 0 writes it): the
-                    temporary file is written, not yet synced nor renamed over
-                    ``last.pt``; for at most :data:`HANG_SECONDS`, so a test can kill
-                    the driver there
+===================== ====================================================================
+kind                  what that rank does at that epoch
+===================== ====================================================================
+``raise``             raises ``RuntimeError`` half-way through the epoch's training steps (a
+                      bug, a corrupt batch)
+``hang``              sleeps half-way through the epoch, for at most :data:`HANG_SECONDS` (a
+                      stuck reader or a deadlock): the other ranks' next collective times out
+``abort``             the rank calls ``os.abort()`` half-way through the epoch: it dies of
+                      SIGABRT without a Python exception, as a crash in native code does
+``kill``              the rank SIGKILLs itself half-way through the epoch: no exception, no
+                      fatal-signal report; its sentinel (:mod:`flowers_job.runtime.watchdog`)
+                      names it
+``oom``               the rank allocates and touches memory half-way through the epoch until
+                      the kernel's OOM killer ends it (at most :data:`OOM_MAX_BYTES` or
+                      :data:`OOM_MAX_SECONDS`, then it raises). Only in a memory cgroup with a
+                      limit below the machine's memory (else it raises): with
+                      ``FLOWERS_JOB_FAULT_CGROUP=<cgroup dir>`` the rank joins that cgroup
+                      first (:func:`join_fault_cgroup`)
+``pause_checkpoint``  stops while writing the epoch's checkpoint (rank 0 writes it): the
+                      temporary file is written, not yet synced nor renamed over
+                      ``last.pt``; for at most :data:`HANG_SECONDS`, so a test can kill
+                      the driver there
 ``fail_registration`` ``fail_registration:0:0``: rank 0 raises ``RuntimeError`` while it logs
-                    and registers the model, after the last collective: the other ranks
-                    have returned their result already
+                      and registers the model, after the last collective: the other ranks
+                      have returned their result already
 ``slow_registration`` ``slow_registration:<rank>:<seconds>``: that rank (rank 0 registers the
-                    model) sleeps ``<seconds>`` before logging and registering the model, as
-                    a slow model registry does
-=================== ======================================================================
+                      model) sleeps ``<seconds>`` before logging and registering the model, as
+                      a slow model registry does
+===================== ====================================================================
 
-The tests in ``tests/test_faults.py`` use it with real TorchDistributor processes;
-workers inherit the variable from the driver's environment. Ingest has its own test-only
-pause, ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>`` (:func:`ingest_pause`).
+Ingest has its own pause, ``FLOWERS_JOB_INGEST_FAULT=pause_after:<table>``
+(:func:`ingest_pause`).
 
-Production code calls a fault point in one line (:func:`mid_epoch`, :func:`inject`,
-:func:`delay`, :func:`ingest_pause`); what a fault does lives here. Without the variables
-every fault point does nothing.
+The hook points it defines (:mod:`flowers_job.runtime.hooks` documents where each is
+called): :func:`rank_start`, :func:`mid_epoch`, :func:`checkpoint_write`,
+:func:`before_registration`, :func:`before_log_model`, :func:`ingest_table_written`.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+from flowers_job.runtime.hooks import HOOKS_ENV
 from flowers_job.runtime.watchdog import memory_cgroup, memory_limit
 
 __all__ = [
@@ -60,27 +68,36 @@ __all__ = [
     "FAULT_ENV",
     "HANG_SECONDS",
     "INGEST_FAULT_ENV",
+    "INJECTOR",
+    "before_log_model",
+    "before_registration",
+    "checkpoint_write",
     "delay",
+    "fault_env",
     "ingest_pause",
+    "ingest_table_written",
     "inject",
     "join_fault_cgroup",
     "mid_epoch",
+    "rank_start",
 ]
 
 T = TypeVar("T")
 
+INJECTOR = str(Path(__file__).resolve())
+"""This file's absolute path: the value of ``FLOWERS_JOB_HOOKS`` that loads it."""
 FAULT_ENV = "FLOWERS_JOB_FAULT"
 ATTEMPT_ENV = "FLOWERS_JOB_ATTEMPT"
 """The run's attempt (0, 1, ...), which an entry's optional fourth field selects."""
 FAULT_CGROUP_ENV = "FLOWERS_JOB_FAULT_CGROUP"
-"""Test only: the directory of a memory cgroup that a rank with an ``oom`` fault joins."""
+"""The directory of a memory cgroup that a rank with an ``oom`` fault joins."""
 OOM_CHUNK_BYTES = 64 * 2**20
 """What the ``oom`` fault allocates and touches at a time (bytes)."""
 OOM_MAX_BYTES = 64 * 2**30
 OOM_MAX_SECONDS = 120.0
 """Bounds of the ``oom`` fault (bytes, seconds): past either it raises ``RuntimeError``."""
 INGEST_FAULT_ENV = "FLOWERS_JOB_INGEST_FAULT"
-"""Test only: ``pause_after:<table>`` pauses ingest after writing ``<table>``."""
+"""``pause_after:<table>`` pauses ingest after writing ``<table>``."""
 INGEST_PAUSE_SECONDS = 3600.0
 """Upper bound of an injected ingest pause (seconds)."""
 HANG_SECONDS = 900.0
@@ -89,13 +106,74 @@ HANG_SECONDS = 900.0
 log = logging.getLogger(__name__)
 
 
+def fault_env(
+    fault: str | None = None,
+    *,
+    cgroup: str | Path | None = None,
+    ingest: str | None = None,
+) -> dict[str, str]:
+    """The environment variables that switch this injector on (``FLOWERS_JOB_HOOKS``) and
+    ask for faults: ``fault`` as ``FLOWERS_JOB_FAULT``, ``cgroup`` as
+    ``FLOWERS_JOB_FAULT_CGROUP``, ``ingest`` as ``FLOWERS_JOB_INGEST_FAULT`` (each only when
+    given)."""
+    env = {HOOKS_ENV: INJECTOR}
+    for name, value in ((FAULT_ENV, fault), (FAULT_CGROUP_ENV, cgroup), (INGEST_FAULT_ENV, ingest)):
+        if value is not None:
+            env[name] = str(value)
+    return env
+
+
+# The hook points (flowers_job.runtime.hooks calls them by name).
+
+
+def rank_start(*, rank: int | None, attempt: int) -> None:
+    """Hook point ``rank_start``: record the attempt for attempt-bound entries
+    (``FLOWERS_JOB_ATTEMPT``) and join the ``oom`` fault's memory cgroup
+    (:func:`join_fault_cgroup`)."""
+    os.environ[ATTEMPT_ENV] = str(attempt)
+    join_fault_cgroup(rank)
+
+
+def mid_epoch(batches: Iterable[T], *, rank: int, epoch: int, step: int) -> Iterable[T]:
+    """Hook point ``mid_epoch``: ``batches``, acting out ``raise``, ``abort``, ``kill``,
+    ``oom`` and ``hang`` faults before batch ``step`` when ``FLOWERS_JOB_FAULT`` is set;
+    ``batches`` itself otherwise."""
+    if not os.environ.get(FAULT_ENV):
+        return batches
+    return _mid_epoch(batches, rank, epoch, step)
+
+
+def checkpoint_write(*, epoch: int) -> None:
+    """Hook point ``checkpoint_write``: the ``pause_checkpoint`` fault (rank 0 writes)."""
+    inject("pause_checkpoint", 0, epoch)
+
+
+def before_registration(*, rank: int | None) -> None:
+    """Hook point ``before_registration``: the ``slow_registration`` fault."""
+    delay("slow_registration", rank)
+
+
+def before_log_model(*, rank: int | None) -> None:
+    """Hook point ``before_log_model``: the ``fail_registration`` fault."""
+    inject("fail_registration", rank, 0)
+
+
+def ingest_table_written(*, table: str) -> None:
+    """Hook point ``ingest_table_written``: the ingest pause (:func:`ingest_pause`)."""
+    ingest_pause(table)
+
+
+# The faults.
+
+
 def inject(kind: str, rank: int | None, epoch: int) -> None:
     """Act out fault ``kind`` if ``FLOWERS_JOB_FAULT`` asks for it at this rank and epoch
     (and attempt, where the entry names one).
 
     Raises:
-        RuntimeError: for ``raise`` (the message names the setting); for ``oom`` outside a
-            memory cgroup with a limit below the machine's memory, or past its bounds.
+        RuntimeError: for ``raise`` and ``fail_registration`` (the message names the
+            setting); for ``oom`` outside a memory cgroup with a limit below the machine's
+            memory, or past its bounds.
     """
     spec = os.environ.get(FAULT_ENV, "")
     if not any(e[2] == str(epoch) for e in _entries(kind, rank)):
@@ -112,15 +190,6 @@ def inject(kind: str, rank: int | None, epoch: int) -> None:
         _exhaust_memory(f"{kind}:{rank}:{epoch}")
     log.warning("injected fault %s:%s:%s: sleeping up to %.0f s", kind, rank, epoch, HANG_SECONDS)
     time.sleep(HANG_SECONDS)
-
-
-def mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterable[T]:
-    """``batches``, acting out ``raise``, ``abort``, ``kill``, ``oom`` and ``hang`` faults
-    before batch ``step``
-    when ``FLOWERS_JOB_FAULT`` is set; ``batches`` itself otherwise."""
-    if not os.environ.get(FAULT_ENV):
-        return batches
-    return _mid_epoch(batches, rank, epoch, step)
 
 
 def _mid_epoch(batches: Iterable[T], rank: int, epoch: int, step: int) -> Iterator[T]:
@@ -146,10 +215,10 @@ def delay(kind: str, rank: int | None) -> None:
 def join_fault_cgroup(rank: int | None) -> bool:
     """Move this process into the memory cgroup ``FLOWERS_JOB_FAULT_CGROUP`` names (its
     directory, e.g. ``/sys/fs/cgroup/memory/<name>``) if ``FLOWERS_JOB_FAULT`` holds an
-    ``oom`` entry for ``rank`` (any epoch, this attempt); the rank calls it before it starts
-    its sentinel, so that both count against the cgroup's limit. Needs write access to the
-    cgroup's ``cgroup.procs`` (root); a failure is logged, and the ``oom`` fault then
-    refuses to run.
+    ``oom`` entry for ``rank`` (any epoch, this attempt); :func:`rank_start` calls it before
+    the rank starts its sentinel, so that both count against the cgroup's limit. Needs write
+    access to the cgroup's ``cgroup.procs`` (root); a failure is logged, and the ``oom``
+    fault then refuses to run.
 
     Returns:
         True if this process joined the cgroup.

@@ -1,0 +1,1 @@
+"""Test support code that is no test module: the fault injector (:mod:`tests.support.faults`)."""
