@@ -24,7 +24,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.promotion import CHAMPION, promote
 from flowers_job.tracking.credentials import store_client
-from flowers_job.tracking.mlflow_run import TAG_TEST_SPLIT
+from flowers_job.tracking.tags import TAG_TEST_SPLIT
 
 from .conftest import LABELS, PHOTOS
 from .model_registry import register_model, tracking_server

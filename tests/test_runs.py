@@ -33,7 +33,8 @@ from flowers_job.driver.runs import (
     list_runs,
     read_driver,
 )
-from flowers_job.tracking.mlflow_run import EPOCH_KEY, FAILURE_TAG, TAG_OUTPUT_DIR, RunTracker
+from flowers_job.tracking.mlflow_run import EPOCH_KEY, FAILURE_TAG, RunTracker
+from flowers_job.tracking.tags import TAG_OUTPUT_DIR
 from flowers_job.train.checkpoint import write_run_id
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]

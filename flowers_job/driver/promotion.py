@@ -6,7 +6,7 @@ the champion's on the same test split:
 
 - there is no champion yet: promoted;
 - the champion's run was scored on a test split with the same digest
-  (:data:`~flowers_job.tracking.mlflow_run.TAG_TEST_SPLIT`, :func:`flowers_job.driver.prepare.split_digest`):
+  (:data:`~flowers_job.tracking.tags.TAG_TEST_SPLIT`, :func:`flowers_job.driver.prepare.split_digest`):
   its logged ``test_accuracy`` is compared;
 - otherwise (new photos, another seed or fraction, a run before test splits existed):
   the champion is scored on this run's test table, on the executors
