@@ -20,7 +20,7 @@
 #                           (requirements/dbr-18-ml.txt), the same way
 #               Where this is root with util-linux's unshare (CI is), the two suites run
 #               side by side, the DBR suite in its own mount namespace (its own /dev/shm
-#               and temp dir, for the Streaming state checks of test_faults.py); each
+#               and temp dir, for the Streaming state checks of faults/test_faults.py); each
 #               suite's output is printed whole when it ends (make -O). Elsewhere one
 #               after the other.
 # An environment is rebuilt only when its lock file's content changes (a hash in its
@@ -83,10 +83,10 @@ BUILD_WHEEL ?= 1
 # with the FastAPI here: skipped, naming the versions that can) and the smoke job, the CLI's
 # whole job on 60 real photos with Mosaic Streaming, then a resume, MLflow, the registry and
 # the champion alias (docs/testing.md has what CI can afford and why these).
-DBR18_LIGHT := test_config.py test_stack.py test_packages.py test_fail_fast.py test_promotion.py
+DBR18_LIGHT := unit/config/test_config.py project/test_stack.py unit/tracking/test_packages.py integration/test_fail_fast.py unit/driver/test_promotion.py
 DBR18_TESTS_gate := $(DBR18_LIGHT)
-DBR18_TESTS_full := $(DBR18_LIGHT) test_predict.py test_serving.py \
-	test_job_e2e.py::test_cli_run_local_mode_then_resume
+DBR18_TESTS_full := $(DBR18_LIGHT) unit/serving/test_batch_predict.py unit/serving/test_serving.py \
+	integration/test_job_e2e.py::test_cli_run_local_mode_then_resume
 DBR18_TESTS ?= $(DBR18_TESTS_$(TIER))
 # 0: `make test` leaves the 18 tests out (`make test-dbr18` still runs them).
 SMOKE_DBR18 ?= 1
@@ -94,36 +94,36 @@ SMOKE_DBR18 ?= 1
 # times when they run side by side (docs/testing.md): the clean install of the built wheel
 # (a fresh uv environment of its own, whichever suite starts it), and the checks of
 # flowers_job's own that read and write Delta tables through the stack both suites
-# exercise in test_ingest.py (the quarantine of each bad input, training's refusal of
+# exercise in unit/ingest/test_ingest.py (the quarantine of each bad input, training's refusal of
 # damaged tables, the incremental ingest and retention, the loader cache's reuse, locking and
 # eviction, which are the loader's own in-between: the Streaming loader there), and batch
 # scoring (the bundle's score task runs on the runtime), and `flowers-job runs` (MLflow's
 # client as the runtime ships it), and catalog tables (the runtime's pydantic 2.10 rebuilds
 # their settings on the ranks: it caught a dump that only pydantic 2.11+ gave right).
-DBR_ONLY ?= test_clean_install.py test_table_checks.py test_bad_input.py test_incremental.py \
-	test_loader_cache.py test_predict.py test_runs.py test_catalog_tables.py
+DBR_ONLY ?= project/test_clean_install.py unit/tables/test_table_checks.py integration/test_bad_input.py integration/test_incremental.py \
+	unit/loaders/test_loader_cache.py unit/serving/test_batch_predict.py unit/driver/test_runs.py integration/test_catalog_tables.py
 # Tests that `make test` runs in the DBR suite only (test-local deselects them), for the same
 # reason: Delta's commit protocol under an interrupted ingest, which the ingest tests of
 # both stacks build on.
-DBR_ONLY_TESTS ?= test_ingest.py::test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun
+DBR_ONLY_TESTS ?= unit/ingest/test_ingest.py::test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun
 # Tests test-local deselects (`make test` sets it to DBR_ONLY_TESTS).
 LOCAL_DESELECT ?=
 # The test files that run in the DBR 17.3 environment.
-DBR_TESTS ?= test_config.py test_ingest.py test_shards.py test_loaders.py test_job_e2e.py \
-	test_faults.py test_restart.py test_recovery.py test_bundle.py test_fail_fast.py test_stack.py \
-	test_packages.py test_promotion.py test_serving.py $(DBR_ONLY)
+DBR_TESTS ?= unit/config/test_config.py unit/ingest/test_ingest.py unit/loaders/test_shards.py unit/loaders/test_loaders.py integration/test_job_e2e.py \
+	faults/test_faults.py faults/test_restart.py faults/test_recovery.py project/test_bundle.py integration/test_fail_fast.py project/test_stack.py \
+	unit/tracking/test_packages.py unit/driver/test_promotion.py unit/serving/test_serving.py $(DBR_ONLY)
 # Test files test-local leaves out (`make test` sets it to DBR_ONLY).
 LOCAL_IGNORE ?=
 # Tests of the DBR files whose guarantee does not depend on the Python stack run once, in
 # test-local: Delta's commit protocol under a changed ingest and the
 # split's independence of the partitioning (the DBR environment's delta-spark is OSS Delta,
 # not the runtime's own, so it could not speak for Databricks there anyway), and the slot
-# count of a cluster that is too small (Spark's). The rest of test_ingest.py and
-# test_fail_fast.py runs in both: the decode over Arrow (pyarrow 19, NumPy 2, pandas 2.2) and
+# count of a cluster that is too small (Spark's). The rest of unit/ingest/test_ingest.py and
+# integration/test_fail_fast.py runs in both: the decode over Arrow (pyarrow 19, NumPy 2, pandas 2.2) and
 # MLflow 3.0.1's client depend on the stack.
-DBR_DESELECT ?= test_ingest.py::test_changed_clean_input_is_reingested_consistently \
-	test_ingest.py::test_split_is_deterministic_whatever_the_partitioning \
-	test_fail_fast.py::test_cli_exits_2_when_the_processes_do_not_fit_the_cluster
+DBR_DESELECT ?= unit/ingest/test_ingest.py::test_changed_clean_input_is_reingested_consistently \
+	unit/ingest/test_ingest.py::test_split_is_deterministic_whatever_the_partitioning \
+	integration/test_fail_fast.py::test_cli_exits_2_when_the_processes_do_not_fit_the_cluster
 # The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs. Both run
 # in .venv; CI gives petastorm to test-local and streaming to test-dbr, so that each
 # loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
@@ -149,7 +149,7 @@ cluster-down:
 # The jars of Spark on s3a:// (hadoop-aws 3.4.1 and the 550 MB AWS SDK bundle, with Delta) in
 # an Ivy cache outside the repo (FLOWERS_IVY_DIR, default ~/.cache/flowers-job/ivy), from
 # Maven Central once; nothing when they are there. The object-storage tests do the same
-# themselves (tests/s3.py, s3_jars; Cluster.up with s3), so CI needs no step of its own.
+# themselves (tests/support/s3.py, s3_jars; Cluster.up with s3), so CI needs no step of its own.
 s3-jars: setup
 	$(BIN)/python tools/cluster.py jars
 
@@ -188,7 +188,7 @@ $(VENV)/.installed-$(LOCAL_ID):
 setup: $(VENV)/.installed-$(LOCAL_ID)
 
 # The DBR 17.3 LTS ML-like environment (or 18's, DBR_LOCK): the lock file only, no project
-# (test-dbr installs the built wheel into it). pip stays in it: test_bundle.py asks pip what
+# (test-dbr installs the built wheel into it). pip stays in it: project/test_bundle.py asks pip what
 # it would install.
 $(DBR_VENV)/.installed-$(DBR_ID): | $(VENV)/.installed-$(LOCAL_ID)
 	@set -e; t0=$$(date +%s); set -x; \
@@ -288,8 +288,8 @@ test-dbr18:
 # tests/ in a temp dir, so that neither pytest nor the processes it starts
 # (TorchDistributor's `python -m torch.distributed.run` children, the CLI runs) can import
 # the repo's flowers_job/ source instead of the installed wheel; FLOWERS_REPO_ROOT points
-# test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at the wheel under test,
-# FLOWERS_UV at .venv's uv (test_clean_install.py's; the DBR environment has none).
+# project/test_bundle.py at the repo's deployment files, FLOWERS_WHEEL at the wheel under test,
+# FLOWERS_UV at .venv's uv (project/test_clean_install.py's; the DBR environment has none).
 # With ISOLATE, pytest runs in a new mount namespace with a tmpfs on /dev/shm and TMPDIR in
 # the run's folder: Mosaic Streaming's shared memory and lock files, and every check of
 # them, are this suite's alone.

@@ -4,7 +4,7 @@ test pass, on the same rows and cores, in one run.
 On a fresh output directory it ingests the photos (``flowers_job.ingest.job.ingest``,
 in-process, default settings; ingest's own log line gives its decode rate: listing done, the
 decode job's files / seconds) and registers a model of the job's architecture without
-training (``tests/model_registry.py``: EfficientNet-Lite0 with its offline weights and a
+training (``tests/support/model_registry.py``: EfficientNet-Lite0 with its offline weights and a
 seeded new head; any model of the architecture scores at the same speed). Then, one after
 the other:
 
@@ -86,7 +86,7 @@ def prepare(photos: Path, output_dir: Path, repeat: int = 1) -> dict[str, Any]:
     from flowers_job.cluster.session import get_spark
     from flowers_job.config import load_config
     from flowers_job.ingest.job import ingest
-    from tests.model_registry import register_model
+    from tests.support.model_registry import register_model
 
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
@@ -96,7 +96,7 @@ def prepare(photos: Path, output_dir: Path, repeat: int = 1) -> dict[str, Any]:
     (output_dir / "summary.json").write_text(json.dumps(summary))
     cfg = load_config(None, [], **{"paths.output_dir": output_dir, "data.images": photos})
     handler = _DecodeLog()
-    logger = logging.getLogger("flowers_job.data")  # ingest and ingest_write
+    logger = logging.getLogger("flowers_job.ingest")  # ingest.job and ingest.write
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     spark = get_spark("predict_speed")

@@ -17,7 +17,7 @@ the command's JSON report: the Spark job that lists nothing, decodes, scores and
 
 Any registered model of the job's architecture serves at the same speed, so the model is
 registered here without training (EfficientNet-Lite0 with its offline weights and a new
-head, ``tests/model_registry.py``), into a temp output dir. Run from the repository root:
+head, ``tests/support/model_registry.py``), into a temp output dir. Run from the repository root:
 
     .venv/bin/python benchmarks/serving_latency.py \\
         --predict-images ../shared/data/flower_photos --output /tmp/serving_latency.json
@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from report import machine_facts, write_report  # noqa: E402
 
-from tests.model_registry import register_model, serve  # noqa: E402
+from tests.support.model_registry import register_model, serve  # noqa: E402
 
 PHOTOS = REPO.parent / "shared" / "data" / "flower_photos"
 BATCH_SIZES = (1, 32)

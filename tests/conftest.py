@@ -7,23 +7,18 @@ samples are copied into pytest's temp dirs.
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-PHOTOS = Path(
-    os.environ.get(
-        "FLOWERS_PHOTOS", Path(__file__).resolve().parents[2] / "shared" / "data" / "flower_photos"
-    )
-)
-LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+from tests.support import REPO
+from tests.support.data import LOADERS, loader_skip_reason, sample_photos
+from tests.support.packaging import index_url
+
 SHORT_LIVED_JVM = (
     "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
     "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
@@ -44,15 +39,6 @@ long as the suite and runs every in-process ingest and loader cache, so C2's com
 pay back there. Measured 2026-11-25 (2-core machine): test_ingest, test_incremental and
 test_table_checks, 20 tests, 244 s and 235 CPU-seconds in that JVM with
 :data:`SHORT_LIVED_JVM`, 209 s and 210 with these options."""
-LOADERS = ("petastorm", "streaming")
-SELECTED_LOADERS = tuple(
-    name.strip()
-    for name in os.environ.get("FLOWERS_TEST_LOADERS", ",".join(LOADERS)).split(",")
-    if name.strip()
-)
-"""Loaders the loader-parametrized tests run with: ``FLOWERS_TEST_LOADERS`` (comma-separated),
-all of them by default. CI runs petastorm in the local stack and streaming in the DBR 17.3
-environment, so that each loader's end-to-end and fault tests run once."""
 
 
 TIERS = ("gate", "full")
@@ -105,7 +91,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     log = os.environ.get("FLOWERS_RESOURCES_LOG")
     if not log:
         return
-    root = Path(os.environ.get("FLOWERS_REPO_ROOT") or Path(__file__).resolve().parents[1])
+    root = REPO
     proc = subprocess.run(
         [sys.executable, str(root / "tools" / "resources.py"), "report", log],
         capture_output=True,
@@ -117,54 +103,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(line)
 
 
-def run_cli(
-    *args: str, timeout: float = 240, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``python -m flowers_job ARGS`` as a user runs it; output captured, never raises on exit."""
-    return subprocess.run(
-        [sys.executable, "-m", "flowers_job", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env=env,
-    )
-
-
-def index_url() -> str:
-    """The package index pip (and uv, in tests/test_clean_install.py) resolve against."""
-    return os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-
-
-def uv_bin() -> str:
-    """``FLOWERS_UV`` (the DBR suite's: its environment, like the runtime, has no uv), else
-    the uv of this environment (requirements/lock.txt has it)."""
-    given = os.environ.get("FLOWERS_UV")
-    if given:
-        return given
-    uv = pytest.importorskip("uv", reason="uv is not installed (requirements/lock.txt has it)")
-    return str(uv.find_uv_bin())
-
-
-def uv_failure(stderr: str) -> str:
-    """uv's own error lines (``error:``, ``cause:``, ``hint:``) and any exception line of a
-    build backend first, then the tail of ``stderr``: a failed sdist build prints its
-    backend's whole output between uv's error and its hint, so the tail alone can miss the
-    cause (a full disk, a failed download, the backend's exit status)."""
-    cause = re.compile(r"^(error:|cause:|hint:|[\w.]*(Error|Exception)\b)")
-    own = [line.strip() for line in stderr.splitlines() if cause.match(line.strip())]
-    return " | ".join(own) + f"\n{stderr[-4000:]}"
-
-
-def clean_env() -> dict[str, str]:
-    """This process's environment less what would point a child at another environment."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    if "PIP_INDEX_URL" in os.environ:  # a mirror: uv resolves against the same index
-        env["UV_DEFAULT_INDEX"] = index_url()
-    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    return env
-
-
 @pytest.fixture(scope="session")
 def pypi() -> None:
     """Skip, naming why, when the package index cannot be reached (offline machine)."""
@@ -174,17 +112,6 @@ def pypi() -> None:
             response.read(1)
     except OSError as exc:
         pytest.skip(f"the package index {url} cannot be reached: {exc}")
-
-
-def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:
-    """Copy ``per_label`` photos of each label (sorted by name, from ``offset``) into ``dest``."""
-    if not PHOTOS.is_dir():
-        pytest.fail(f"the real photos are missing: {PHOTOS} (set FLOWERS_PHOTOS)")
-    for label in LABELS:
-        (dest / label).mkdir(parents=True, exist_ok=True)
-        for src in sorted((PHOTOS / label).glob("*.jpg"))[offset : offset + per_label]:
-            shutil.copy2(src, dest / label / src.name)
-    return dest
 
 
 @pytest.fixture(scope="session")
@@ -233,43 +160,6 @@ def tables(spark: object, photos: Path, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-MARK_ENV = "FLOWERS_JOB_TEST_MARK"
-"""Set to a fresh value in a CLI driver's environment, so that every process it starts (its
-JVM, Spark's Python workers, the ranks), whatever their parent, can be found."""
-
-
-def marked_processes(mark: str) -> list[psutil.Process]:
-    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARK_ENV) == mark:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
-def copy_tables(tables: Path, out: Path) -> Path:
-    """``out`` (an output dir) holding a copy of the Delta tables of ``tables``, for a test
-    that trains on them without ingesting again: a Delta table's paths are relative to its
-    folder, so a copied folder is the same table (same versions and commit metadata)."""
-    shutil.copytree(tables / "tables", out / "tables")
-    return out
-
-
-def loader_skip_reason(name: str) -> str | None:
-    """Why the tests of loader ``name`` do not run here (None: they do)."""
-    from flowers_job.loaders import loader_problem
-
-    problem = loader_problem(name)
-    if problem is not None:
-        return f"data.loader={name} cannot run on this stack: {problem}"
-    if name not in SELECTED_LOADERS:
-        return f"FLOWERS_TEST_LOADERS={','.join(SELECTED_LOADERS)} leaves out {name}"
-    return None
-
-
 @pytest.fixture(params=LOADERS)
 def loader(request: pytest.FixtureRequest) -> str:
     """Each loader in turn (``data.loader=...``), skipped with the reason where it cannot run
@@ -294,13 +184,3 @@ def _restore_tracking_credentials() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server a test started: SIGTERM, then SIGKILL after 30 s (bounded waits)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)

@@ -41,7 +41,7 @@ STACK = (
     "tools/own_shm.sh",
     "tools/ci_tier.py",
     "tests/conftest.py",
-    "tests/s3.py",
+    "tests/support/s3.py",
 )
 """Paths (a trailing ``/``: a folder) whose change sends CI to the full tier: the lock files
 and project metadata the environments are built from, the Makefile and ``.ci/`` that run the

@@ -19,6 +19,18 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def _file_and_test(classname: str, name: str) -> tuple[str, str]:
+    """``("tests/unit/vision/test_images.py", "TestX::test_y")`` from a JUnit ``classname``
+    (``tests.unit.vision.test_images.TestX``) and a test ``name``: the file is the dotted
+    path up to the first ``test_`` part."""
+    parts = classname.split(".")
+    index = next((i for i, p in enumerate(parts) if p.startswith("test_")), None)
+    if index is None:
+        return classname, name
+    rest = parts[index + 1 :]
+    return "/".join(parts[: index + 1]) + ".py", "::".join([*rest, name])
+
+
 def _cases(path: Path) -> list[tuple[str, str, float, str]]:
     """``(file, test, seconds, outcome)`` of every test case in a JUnit XML file."""
     cases = []
@@ -28,8 +40,7 @@ def _cases(path: Path) -> list[tuple[str, str, float, str]]:
         outcome = next(
             (tag for tag in ("failure", "error", "skipped") if case.find(tag) is not None), "passed"
         )
-        file = "tests/" + module.split(".")[1] + ".py" if module.count(".") >= 1 else module
-        test = module.split(".", 2)[2] + "::" + name if module.count(".") >= 2 else name
+        file, test = _file_and_test(module, name)
         cases.append((file, test, float(case.get("time", 0.0)), outcome))
     return cases
 

@@ -1,16 +1,19 @@
-"""The data loaders, one module each behind :class:`~flowers_job.loaders.base.Loader`, and
-the registry that picks one from ``data.loader``.
+"""The data loaders, one sub-package each behind :class:`~flowers_job.loaders.base.Loader`,
+and the registry that resolves ``data.loader`` once, on the driver, before Spark starts.
 
-- ``petastorm`` (:mod:`flowers_job.loaders.petastorm.petastorm_loader`): Petastorm 0.13.1, its latest
+- ``petastorm`` (:mod:`flowers_job.loaders.petastorm`): Petastorm 0.13.1, its latest
   release; runs on the local pinned stack and on Databricks Runtime ML up to 15.4 LTS
   (pyarrow < 15, NumPy < 2).
-- ``streaming`` (:mod:`flowers_job.loaders.streaming.streaming_loader`): Mosaic Streaming, pre-installed on
+- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, pre-installed on
   Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare data for
   distributed training" now recommends.
 
-A third loader is one new module with a :class:`~flowers_job.loaders.base.Loader` subclass
-and one line in :data:`LOADERS` (docs/architecture.md). Importing this package imports no
-loader library, no Spark and no torch: each loader module is imported on first use.
+:func:`resolve_loader` returns the loader class, which the driver hands on (the cache, the
+placement check, the ranks' job); nothing looks a loader up by name after it. A third loader
+is one new sub-package with a :class:`~flowers_job.loaders.base.Loader` subclass, one line in
+:data:`LOADERS` and its name in :data:`flowers_job.config.data.LoaderName`
+(docs/architecture.md). Importing this package imports no loader library, no Spark and no
+torch: each loader module is imported when it is resolved.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _registered(name: str) -> type[Loader]:
 
 def registered_loaders() -> list[type[Loader]]:
     """Every registered loader, in :data:`LOADERS` order: for what concerns them all (the
-    sweep of a killed run's cache folder, :func:`flowers_job.loaders.cache_dir.sweep_orphans`)."""
+    sweep of a killed run's cache folder, :func:`flowers_job.loaders.cache_dir.sweep_orphaned_caches`)."""
     return [_registered(name) for name in LOADERS]
 
 

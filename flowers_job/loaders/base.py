@@ -18,11 +18,11 @@ Every batch is a dict of tensors (:data:`Batch`):
 - ``label_index``: int64 ``[B]``; ``row_id``: int64 ``[B]``;
 - ``valid``: bool ``[B]``: False for padding rows, which count in no loss, metric or checksum.
 
-Plans are plain data sent to the ranks (:meth:`ShardPlan.to_dict`,
-:meth:`ShardPlan.from_dict`); a loader that needs more than the common fields subclasses
-:class:`ShardPlan` (:attr:`Loader.plan_type`). The pipeline and the training loop never ask
-which loader they have: they go through this interface and the registry
-(:func:`flowers_job.loaders.loader_class`).
+Plans are plain data sent to the ranks (:meth:`ShardPlan.to_dict`), beside the loader class
+the driver resolved once (:func:`flowers_job.loaders.resolve_loader`), whose
+:attr:`Loader.plan_type` rebuilds them; a loader that needs more than the common fields
+subclasses :class:`ShardPlan`. The pipeline and the training loop never ask which loader
+they have: they go through this interface.
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ class Loader(ABC):
         Args:
             plan: the split's plan, from the driver.
             transform: decodes (and for training augments) one stored image.
-            rank: the shard this process reads (:attr:`~flowers_job.runtime.process_group.HostLayout.shard`:
+            rank: the shard this process reads (:attr:`~flowers_job.runtime.layout.HostLayout.shard`:
                 its global rank where the ranks are consecutive on each host);
             world_size: number of ranks (shards); num_nodes: hosts the ranks run on.
             shuffle: a new order every epoch (training) or the stored order.

@@ -37,6 +37,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
+from flowers_job.errors import ConfigError
+
 __all__ = ["HOOKS_ENV", "HOOK_POINTS", "HooksError", "hook", "injector", "wrap_batches"]
 
 T = TypeVar("T")
@@ -60,8 +62,9 @@ _loaded: dict[str, ModuleType] = {}
 entry at most)."""
 
 
-class HooksError(RuntimeError):
-    """``FLOWERS_JOB_HOOKS`` names no injector that can be loaded."""
+class HooksError(ConfigError):
+    """``FLOWERS_JOB_HOOKS`` names no injector that can be loaded: a setting that cannot
+    work (exit 2, as every :class:`~flowers_job.errors.ConfigError`)."""
 
 
 def injector() -> ModuleType | None:

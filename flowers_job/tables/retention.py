@@ -19,7 +19,7 @@ in whole hours: Delta rounds the retention to whole hours (``VacuumCommand``:
 where ``v_min`` is the oldest protected version of ``images``: one that an entry of the
 loader cache was built from (:func:`flowers_job.loaders.cache_dir.cached_versions`) or that a
 registered model version was trained on (its run's ``flowers_job.images_version`` tag,
-:meth:`flowers_job.tracking.mlflow_run.Tracker.log_lineage`). When the registry cannot be read, the
+:meth:`flowers_job.tracking.mlflow_run.RunTracker.log_lineage`). When the registry cannot be read, the
 tables are not vacuumed: a file is never removed on a guess.
 
 A table younger than its retention is not vacuumed: no file of it can be old enough, and a

@@ -145,7 +145,7 @@ DATABRICKS_VARIABLES: dict[str, bool] = {
 """The variables Databricks' unified authentication reads, which MLflow uses for a
 ``databricks`` store (through the Databricks SDK), and whether each is a secret: the SDK's
 configuration attributes of an auth method, plus the host, profile, config file and auth
-type (``databricks.sdk.config.Config.attributes()``; tests/test_executor_probe.py checks
+type (``databricks.sdk.config.Config.attributes()``; tests/unit/cluster/test_executor_probe.py checks
 this against the SDK installed, which the wheel does not itself require)."""
 
 

@@ -3,7 +3,7 @@
 Semantics follow Keras ``EarlyStopping`` (``min_delta``, ``patience``,
 ``restore_best_weights``), which the Databricks guides use, plus Lightning's
 ``stopping_threshold`` and ``check_finite``. The object is pure Python: rank 0 owns the
-decision and broadcasts it (see ``flowers_job.train.worker``).
+decision and broadcasts it (see :mod:`flowers_job.train.loop`).
 """
 
 from __future__ import annotations

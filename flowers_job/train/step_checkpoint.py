@@ -7,11 +7,11 @@ checkpoint holds, one :class:`EpochPosition` per rank: its running sums of the e
 (:class:`~flowers_job.train.metrics.PassSums`), its reader's position
 (:meth:`~flowers_job.loaders.base.ShardReader.position`), its random state (dropout draws
 from torch's generators; the loader has a stream of its own,
-:class:`~flowers_job.loaders.base.LoaderRng`) and the seconds the epoch had trained. A
+:class:`~flowers_job.loaders.position.LoaderRng`) and the seconds the epoch had trained. A
 resume at the same world size continues each rank from its own position: the rows left,
 in the same batches and with the same augmentation, so that the epoch's two parts
 together read every row once, pass the row checks of an uninterrupted epoch, and give its
-metrics (tests/test_restart.py).
+metrics (tests/faults/test_restart.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ a mean absolute difference of 0.72-0.94 grey levels on an H200 (a few pixels at 
 colour edges up to 90; benchmarks/gpu.py reports it). Against the loaders' Pillow path on
 the CPU the decoded pixels are identical and the resize differs (roi_align's bin averages
 against an antialiased bilinear filter): 0.9 grey levels on average at 224 px, which
-tests/test_gpu_path.py bounds.
+tests/unit/train/test_gpu_path.py bounds.
 """
 
 from __future__ import annotations

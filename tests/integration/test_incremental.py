@@ -1,0 +1,178 @@
+"""Data that grows: an incremental ingest decodes only what changed and leaves the tables
+row for row as a fresh full ingest of the same folder would; VACUUM keeps the versions that
+the loader cache names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from delta.tables import DeltaTable
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from flowers_job.config import JobConfig, load_config
+from flowers_job.ingest.job import ingest
+from flowers_job.tables.delta_tables import TABLE_NAMES, checked_tables
+from tests.support import PHOTOS
+from tests.support.data import sample_photos
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("full")]
+
+SETTINGS = (
+    "data.image_size=32",
+    "data.val_fraction=0.3",
+    "data.test_fraction=0.3",
+    "data.max_bad_fraction=0.3",
+)
+
+
+def _cfg(images: Path, out: Path, *overrides: str) -> JobConfig:
+    return load_config(
+        None, [*SETTINGS, *overrides], **{"data.images": images, "paths.output_dir": out}
+    )
+
+
+def _contents(spark: SparkSession, path: str) -> list[tuple[object, ...]]:
+    """Every row and column of a Delta table, binary columns as SHA-256, in a fixed order."""
+    df = spark.read.format("delta").load(path)
+    cols = [F.sha2(c, 256).alias(c) if t == "binary" else F.col(c) for c, t in df.dtypes]
+    return sorted((tuple(r) for r in df.select(*cols).collect()), key=repr)
+
+
+def _photo(label: str, index: int) -> bytes:
+    return sorted((PHOTOS / label).glob("*.jpg"))[index].read_bytes()
+
+
+def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Add, change (same path, new bytes), delete, rename, a file that becomes broken and a
+    broken file that is fixed, in one re-run: only those five files are decoded, the counts
+    say what moved, and both tables equal a fresh full ingest of the folder, every column."""
+    images = sample_photos(tmp_path / "images", per_label=2)
+    (images / "roses" / "breaks.jpg").write_bytes(_photo("roses", 10))
+    (images / "tulips" / "fixed.jpg").write_bytes(b"not an image yet\n")
+    cfg = _cfg(images, tmp_path / "out")
+    first = ingest(spark, cfg)
+    assert (first.mode, first.images_rows, first.quarantined_rows) == ("full: no tables yet", 11, 1)
+    split_before = {
+        r["relative_path"]: r["split"]
+        for r in spark.read.format("delta").load(first.tables["images"]).collect()
+    }
+
+    daisy, dandelion, sunflowers = (
+        sorted((images / n).glob("1*.jpg"))[0] for n in ("daisy", "dandelion", "sunflowers")
+    )
+    (images / "daisy" / "added.jpg").write_bytes(_photo("daisy", 11))
+    daisy.write_bytes(_photo("daisy", 12))  # changed: same path, new bytes
+    os.utime(daisy, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    dandelion.unlink()
+    sunflowers.rename(sunflowers.with_name("renamed.jpg"))
+    (images / "roses" / "breaks.jpg").write_bytes(_photo("roses", 10)[:2000])
+    (images / "tulips" / "fixed.jpg").write_bytes(_photo("tulips", 10))
+
+    second = ingest(spark, cfg)
+    assert second.mode == "incremental" and second.written
+    assert second.files_decoded == 5  # added, changed, renamed, broken, fixed
+    # images: + added, renamed, fixed; ~ changed; - dandelion, the old name, the broken one
+    assert (second.rows_inserted, second.rows_updated, second.rows_deleted) == (3, 1, 3)
+    assert second.rows_quarantined == 1 and second.quarantine_reasons == {"corrupt": 1}
+    assert (second.images_rows, second.quarantined_rows, second.files) == (11, 1, 12)
+    assert checked_tables(spark, cfg).meta["fingerprint"] == second.fingerprint
+    # the MERGE marked the deleted and replaced rows in deletion vectors: it copied no row
+    # of the files those rows shared with unchanged photos
+    merge = DeltaTable.forPath(spark, second.tables["images"]).history(1).first()
+    assert merge is not None and merge["operation"] == "MERGE"
+    metrics = merge["operationMetrics"]
+    assert int(metrics["numTargetDeletionVectorsAdded"]) > 0, metrics
+    assert int(metrics["numTargetRowsCopied"]) == 0, metrics
+    # photos that did not change stayed in their split
+    after = {
+        r["relative_path"]: r["split"]
+        for r in spark.read.format("delta").load(second.tables["images"]).collect()
+    }
+    unchanged = set(split_before) - {str(daisy.relative_to(images))}
+    assert all(after[p] == split_before[p] for p in unchanged if p in after)
+
+    fresh = ingest(spark, _cfg(images, tmp_path / "fresh"))
+    assert fresh.mode == "full: no tables yet"
+    for name in TABLE_NAMES:
+        assert _contents(spark, second.tables[name]) == _contents(spark, fresh.tables[name]), name
+    # unchanged input: no new version, nothing decoded
+    versions = {
+        n: DeltaTable.forPath(spark, p).history(1).first()["version"]  # type: ignore[index]
+        for n, p in second.tables.items()
+    }
+    third = ingest(spark, cfg)
+    assert (third.mode, third.written, third.files_decoded) == ("unchanged", False, 0)
+    assert versions == {
+        n: DeltaTable.forPath(spark, p).history(1).first()["version"]  # type: ignore[index]
+        for n, p in second.tables.items()
+    }
+
+
+def test_too_many_bad_files_counts_the_whole_table_after_the_change(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``max_bad_fraction`` applies to the tables as they would be after the change: one more
+    broken file on top of those already quarantined fails, and nothing is written."""
+    images = sample_photos(tmp_path / "images", per_label=2)
+    (images / "roses" / "bad1.jpg").write_bytes(b"no")
+    cfg = _cfg(images, tmp_path / "out", "data.max_bad_fraction=0.1")
+    first = ingest(spark, cfg)
+    assert first.quarantined_rows == 1
+    history = {n: DeltaTable.forPath(spark, p).history().count() for n, p in first.tables.items()}
+    (images / "tulips" / "bad2.jpg").write_bytes(b"no")  # 2 of 12 = 16.7% > 10%
+    from flowers_job.ingest.job import IngestError
+
+    with pytest.raises(IngestError, match=r"2 of 12 files .* not_an_image 2"):
+        ingest(spark, cfg)
+    assert {n: DeltaTable.forPath(spark, p).history().count() for n, p in first.tables.items()} == (
+        history
+    )
+
+
+def test_vacuum_keeps_the_versions_the_loader_cache_names(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """With ``data.retention_hours=0``, an ingest that writes removes the files of older
+    versions, except those of a version a loader cache entry was built from. The changes
+    are full rebuilds (``--full``): an incremental MERGE marks rows in deletion vectors and
+    leaves every data file of the older versions in use."""
+    from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, PLAN_FILE
+
+    images = sample_photos(tmp_path / "images", per_label=2)
+    cfg = _cfg(images, tmp_path / "out", "data.retention_hours=0")
+    first = ingest(spark, cfg)
+    kept = checked_tables(spark, cfg).versions["images"]
+    # an entry of the loader cache built from that version (as prepare_data writes it)
+    entry = tmp_path / "out" / "loader_cache" / ENTRIES / f"streaming-train-v{kept}-x"
+    entry.mkdir(parents=True)
+    fields = {"table": first.tables["images"], "version": kept}
+    (entry / ENTRY_FILE).write_text(json.dumps({"fields": fields, "bytes": 0}))
+    (entry / PLAN_FILE).write_text("{}")
+
+    def readable(version: int) -> bool:
+        try:
+            df = (
+                spark.read.format("delta")
+                .option("versionAsOf", version)
+                .load(first.tables["images"])
+            )
+            return df.select(F.sum(F.length("image"))).first() is not None
+        except Exception:
+            return False
+
+    rebuild = _cfg(images, tmp_path / "out", "data.retention_hours=0", "data.full_ingest=true")
+    (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()
+    assert ingest(spark, rebuild).mode.startswith("full")  # removes every file of `kept`
+    assert readable(kept)  # protected by the cache entry
+    shutil.rmtree(entry)
+    (images / "roses" / sorted(os.listdir(images / "roses"))[0]).unlink()
+    ingest(spark, rebuild)
+    assert not readable(kept)
+    assert readable(checked_tables(spark, cfg).versions["images"])

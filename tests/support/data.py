@@ -1,0 +1,52 @@
+"""Test data: samples of the real photos, copies of Delta tables, the loaders a test runs with."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support import LABELS, PHOTOS
+
+LOADERS = ("petastorm", "streaming")
+SELECTED_LOADERS = tuple(
+    name.strip()
+    for name in os.environ.get("FLOWERS_TEST_LOADERS", ",".join(LOADERS)).split(",")
+    if name.strip()
+)
+"""Loaders the loader-parametrized tests run with: ``FLOWERS_TEST_LOADERS`` (comma-separated),
+all of them by default. CI runs petastorm in the local stack and streaming in the DBR 17.3
+environment, so that each loader's end-to-end and fault tests run once."""
+
+
+def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:
+    """Copy ``per_label`` photos of each label (sorted by name, from ``offset``) into ``dest``."""
+    if not PHOTOS.is_dir():
+        pytest.fail(f"the real photos are missing: {PHOTOS} (set FLOWERS_PHOTOS)")
+    for label in LABELS:
+        (dest / label).mkdir(parents=True, exist_ok=True)
+        for src in sorted((PHOTOS / label).glob("*.jpg"))[offset : offset + per_label]:
+            shutil.copy2(src, dest / label / src.name)
+    return dest
+
+
+def copy_tables(tables: Path, out: Path) -> Path:
+    """``out`` (an output dir) holding a copy of the Delta tables of ``tables``, for a test
+    that trains on them without ingesting again: a Delta table's paths are relative to its
+    folder, so a copied folder is the same table (same versions and commit metadata)."""
+    shutil.copytree(tables / "tables", out / "tables")
+    return out
+
+
+def loader_skip_reason(name: str) -> str | None:
+    """Why the tests of loader ``name`` do not run here (None: they do)."""
+    from flowers_job.loaders import loader_problem
+
+    problem = loader_problem(name)
+    if problem is not None:
+        return f"data.loader={name} cannot run on this stack: {problem}"
+    if name not in SELECTED_LOADERS:
+        return f"FLOWERS_TEST_LOADERS={','.join(SELECTED_LOADERS)} leaves out {name}"
+    return None
