@@ -353,7 +353,7 @@ def copy_files_up(local_dir: str | os.PathLike[str], url: str, remove: bool = Fa
     return copied
 
 
-if __name__ == "__main__":  # python -m flowers_job.location LOCAL_DIR URL (sentinel.py)
+if __name__ == "__main__":  # python -m flowers_job.location LOCAL_DIR URL (watchdog.py)
     import sys
 
     copy_files_up(sys.argv[1], sys.argv[2], remove=True)

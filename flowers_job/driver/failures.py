@@ -2,7 +2,7 @@
 
 The ranks write into the job's report dir (:mod:`flowers_job.train.rank`): ``rank-<r>.json``
 (a Python exception), ``rank-<r>.fatal`` (a fatal signal), ``ranks.json`` (every rank's host)
-and ``model.json`` (rank 0, once the model is registered); each rank's sentinel
+and ``model.json`` (rank 0, once the model is registered); each rank's watchdog
 (:mod:`flowers_job.runtime.watchdog`) writes ``rank-<r>.killed`` when its rank died without either
 report (SIGKILL, the OOM killer). After TorchDistributor returns or raises, the driver turns
 them into one :class:`TrainingError` that names the failing rank, its host and its cause,
@@ -71,14 +71,14 @@ def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -
     traceback of a rank whose Python code raised; ``rank-<r>.fatal``, what
     :mod:`faulthandler` wrote when a rank died of a fatal signal (a crash in native code:
     SIGSEGV, SIGABRT, ...) and every thread's Python stack; and ``rank-<r>.killed``, what a
-    rank's sentinel saw of a death without either (SIGKILL, the OOM killer). The cause is
+    rank's watchdog saw of a death without either (SIGKILL, the OOM killer). The cause is
     chosen by class, then time: a rank that died (killed or fatal signal), then a Python
     exception, then a consequence (a lost peer: :data:`CONSEQUENCE_MESSAGES`, a
-    ``CollectiveTimeoutError``), last torchrun's SIGTERM (``Terminated``). The sentinel and the
+    ``CollectiveTimeoutError``), last torchrun's SIGTERM (``Terminated``). The watchdog and the
     others' lost connections race by milliseconds, so time alone cannot tell which came
     first. The others are listed after it. Ranks that wrote nothing were stopped from
     outside: hung (the others' collectives then time out), killed by torchrun after another
-    rank failed, or killed without a sentinel.
+    rank failed, or killed without a watchdog.
     """
     failure_dir = Location.of(failure_dir)
     reports = []
@@ -168,8 +168,8 @@ def _kind(report: dict[str, Any]) -> str:
 
 
 def _killed_reports(failure_dir: Location) -> list[dict[str, Any]]:
-    """The sentinels' ``rank-<r>.killed`` reports, each with a ``traceback`` that says what
-    the sentinel saw (there is none: the process was killed)."""
+    """The watchdogs' ``rank-<r>.killed`` reports, each with a ``traceback`` that says what
+    the watchdog saw (there is none: the process was killed)."""
     reports = []
     for path in failure_dir.glob(f"rank-*{KILLED_SUFFIX}"):
         try:
@@ -218,7 +218,7 @@ def wait_for_reports(
     other hosts may still be unwinding: one that wrote its report after the driver had read
     the dir and removed it was missing from the error and left ``rank-3.json`` in the bucket
     (seen in CI across hosts: docs/performance.md). A rank that never writes (its host lost with
-    its sentinel) costs the whole bound.
+    its watchdog) costs the whole bound.
 
     Returns:
         The ranks that did not report in time, sorted (empty when all did).

@@ -9,7 +9,7 @@ hook point is a no-op that costs one environment lookup. Never set it in product
 =========================== ============================================================
 hook point (context)        where it is called
 =========================== ============================================================
-``rank_start``              a training rank, before its sentinel starts
+``rank_start``              a training rank, before its watchdog starts
 (``rank``, ``attempt``)     (:mod:`flowers_job.train.rank`)
 ``mid_epoch``               wraps a rank's training batches of an epoch; ``step`` is the
 (``rank``, ``epoch``,       epoch's middle, counted from where it (re)starts

@@ -1,4 +1,4 @@
-"""The driver's identity and liveness, and the watchdog that ties the ranks' lives to it.
+"""The driver's identity and liveness, and the watch that ties the ranks' lives to it.
 
 Torch-free (psutil only): the driver side imports it while preparing data, and every
 rank starts :func:`watch_driver` first thing. A driver killed with SIGKILL (or by the OOM
@@ -34,9 +34,9 @@ _AT_DRIVER_DEATH: list[Callable[[], None]] = []
 
 
 def at_driver_death(cleanup: Callable[[], None]) -> None:
-    """Run ``cleanup`` (quick, no collectives) if the watchdog ends this process.
+    """Run ``cleanup`` (quick, no collectives) if the driver's watch ends this process.
 
-    The watchdog ends the process with ``os._exit``, which runs no ``atexit`` handler and no
+    The watch ends the process with ``os._exit``, which runs no ``atexit`` handler and no
     ``finally``; what must not outlive the rank (shared memory, lock files) registers here.
     """
     _AT_DRIVER_DEATH.append(cleanup)
@@ -112,7 +112,7 @@ def watch_driver(driver: dict[str, Any] | None, interval_seconds: float = 2.0) -
         interval_seconds: polling period (seconds).
 
     Returns:
-        True if a watchdog was started (False: nothing to watch).
+        True if a watch was started (False: nothing to watch).
     """
     watched = watched_processes(driver)
     if not watched:

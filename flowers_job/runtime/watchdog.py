@@ -1,19 +1,19 @@
-"""A sentinel beside each rank: it names the signal of a rank that dies without a word.
+"""A watchdog beside each rank: it names the signal of a rank that dies without a word.
 
 A rank SIGKILLed (by hand, by torchrun after a SIGTERM it did not answer, or by the kernel's
 OOM killer) runs no Python code: it writes no ``rank-<r>.json`` and :mod:`faulthandler` no
 ``rank-<r>.fatal``, and the driver would lead with another rank's consequence (a collective
 that lost its peer). Each rank therefore starts a small process, first thing
-(:func:`start_sentinel`), that outlives it long enough to say how it ended.
+(:func:`start_watchdog`), that outlives it long enough to say how it ended.
 
-The sentinel
+The watchdog
 
 - runs ``python -I <this file>`` in a session of its own: torchrun stops its workers with
   ``os.killpg``, which must not reach it; it imports neither this package nor torch;
 - waits on a pidfd of the rank (``os.pidfd_open``, Linux >= 5.3) and on its stdin, a pipe
-  from the rank: the rank writes ``done`` there (:func:`sentinel_done`) when
+  from the rank: the rank writes ``done`` there (:func:`watchdog_done`) when
   :func:`~flowers_job.train.rank.train_worker` returns or after it has written its own
-  failure report, and the sentinel then exits;
+  failure report, and the watchdog then exits;
 - when the rank exits without saying ``done``, reads its wait status: from the last field
   of ``/proc/<pid>/stat`` (``exit_code``) while the rank is a zombie, or, once its parent
   (torchrun) has reaped it, from the pidfd (``PIDFD_INFO_EXIT``, Linux >= 6.15); on older
@@ -55,12 +55,12 @@ __all__ = [
     "memory_limit",
     "memory_settings",
     "oom_kills",
-    "sentinel_done",
-    "start_sentinel",
+    "start_watchdog",
+    "watchdog_done",
 ]
 
 KILLED_SUFFIX = ".killed"
-"""``rank-<rank>.killed`` in the report dir: the sentinel's report of a rank that died
+"""``rank-<rank>.killed`` in the report dir: the watchdog's report of a rank that died
 without a Python exception or a fatal-signal report."""
 UPLOAD_SECONDS = 120.0
 """Bound on copying a dead rank's reports to an object store (seconds)."""
@@ -70,9 +70,9 @@ _FATAL_SUFFIX = (
 _DONE = b"done"
 _READY = b"ready\n"
 READY_SECONDS = 5.0
-"""How long the rank waits for its sentinel to take its baselines (seconds)."""
+"""How long the rank waits for its watchdog to take its baselines (seconds)."""
 OOM_RECORD_SECONDS = 0.5
-"""How long the sentinel waits for the kernel's OOM record once the cgroup counted an OOM
+"""How long the watchdog waits for the kernel's OOM record once the cgroup counted an OOM
 kill (seconds): the kernel logs it right after sending SIGKILL."""
 _PIDFD_INFO_EXIT = 1 << 3
 _PIDFD_INFO_SIZE = 64  # PIDFD_INFO_SIZE_VER0: struct pidfd_info up to exit_code (offset 60)
@@ -81,31 +81,31 @@ _CGROUP_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup"))
 
 log = logging.getLogger(__name__)
 
-_started: list[subprocess.Popen[bytes]] = []  # this process's sentinel (at most one)
+_started: list[subprocess.Popen[bytes]] = []  # this process's watchdog (at most one)
 
 
-def start_sentinel(
+def start_watchdog(
     failure_dir: Path,
     rank: int | None,
     config: dict[str, Any] | None = None,
     upload: str | None = None,
 ) -> int | None:
-    """Start this rank's sentinel, and wait (at most :data:`READY_SECONDS`) until it watches.
+    """Start this rank's watchdog, and wait (at most :data:`READY_SECONDS`) until it watches.
 
     Args:
-        failure_dir: the job's report dir, where the sentinel writes ``rank-<rank>.killed``.
-        rank: this process's rank (None, outside torchrun: no sentinel).
+        failure_dir: the job's report dir, where the watchdog writes ``rank-<rank>.killed``.
+        rank: this process's rank (None, outside torchrun: no watchdog).
         config: the job's configuration (``JobConfig.model_dump``), for the settings that
             an OOM report names (:func:`memory_settings`); None names them without values.
-        upload: the report dir in an object store, where the sentinel copies what is in
+        upload: the report dir in an object store, where the watchdog copies what is in
             ``failure_dir`` (this host's) once the rank has died (``python -m
             flowers_job.location``, at most :data:`UPLOAD_SECONDS`).
 
     Returns:
-        The sentinel's pid, or None where it cannot run (no rank, no ``os.pidfd_open``, or
+        The watchdog's pid, or None where it cannot run (no rank, no ``os.pidfd_open``, or
         the start failed: logged).
     """
-    sentinel_done()  # a sentinel of an earlier call in this process
+    watchdog_done()  # a watchdog of an earlier call in this process
     if rank is None:
         return None
     try:
@@ -121,7 +121,7 @@ def start_sentinel(
             "upload": upload,
         }
     except (AttributeError, OSError) as exc:
-        log.warning("rank %s: no sentinel (%s): a SIGKILL would go unnamed", rank, exc)
+        log.warning("rank %s: no watchdog (%s): a SIGKILL would go unnamed", rank, exc)
         return None
     try:
         proc = subprocess.Popen(
@@ -132,7 +132,7 @@ def start_sentinel(
             start_new_session=True,
         )
     except OSError:
-        log.exception("rank %s: the sentinel did not start", rank)
+        log.exception("rank %s: the watchdog did not start", rank)
         return None
     finally:
         os.close(pidfd)
@@ -140,14 +140,14 @@ def start_sentinel(
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], READY_SECONDS)
     if not ready or proc.stdout.readline() != _READY:
-        log.warning("rank %s: its sentinel (pid %d) is not ready", rank, proc.pid)
+        log.warning("rank %s: its watchdog (pid %d) is not ready", rank, proc.pid)
     proc.stdout.close()
     return proc.pid
 
 
-def sentinel_done() -> None:
-    """Tell this process's sentinel that the rank ends as it should (returned, or reported
-    its failure), and reap it (at most 2 s). Nothing without a sentinel."""
+def watchdog_done() -> None:
+    """Tell this process's watchdog that the rank ends as it should (returned, or reported
+    its failure), and reap it (at most 2 s). Nothing without a watchdog."""
     while _started:
         proc = _started.pop()
         try:
@@ -159,7 +159,7 @@ def sentinel_done() -> None:
         try:
             proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
-            log.warning("the sentinel (pid %d) did not exit after done", proc.pid)
+            log.warning("the watchdog (pid %d) did not exit after done", proc.pid)
 
 
 def memory_settings(config: dict[str, Any] | None) -> dict[str, str | None]:
@@ -307,7 +307,7 @@ def _oom_record(records: list[str], pid: int) -> str | None:
 
 
 class _Watch:
-    """What the sentinel knows of its rank: baselines at start, evidence at death."""
+    """What the watchdog knows of its rank: baselines at start, evidence at death."""
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.pid: int = args["pid"]
@@ -449,7 +449,7 @@ def _wait(pidfd: int) -> bool:
 
 
 def _drain_stdin() -> bytes:
-    """What the rank wrote to stdin and the sentinel has not read yet."""
+    """What the rank wrote to stdin and the watchdog has not read yet."""
     data = b""
     while len(data) < 4096 and select.select([0], [], [], 0)[0] and (chunk := os.read(0, 4096)):
         data += chunk
@@ -468,14 +468,14 @@ def _write_report(directory: Path, rank: int, report: dict[str, Any]) -> Path | 
 
 
 def _protect() -> None:
-    """Keep the OOM killer away from the sentinel (a few MiB; needs CAP_SYS_RESOURCE)."""
+    """Keep the OOM killer away from the watchdog (a few MiB; needs CAP_SYS_RESOURCE)."""
     with contextlib.suppress(OSError):
         Path("/proc/self/oom_score_adj").write_text("-1000")
 
 
 def main(argv: list[str]) -> int:
-    """The sentinel process: ``python -I sentinel.py '<json>'``, the JSON of
-    :func:`start_sentinel` (pidfd, pid, start_time, rank, dir, settings)."""
+    """The watchdog process: ``python -I watchdog.py '<json>'``, the JSON of
+    :func:`start_watchdog` (pidfd, pid, start_time, rank, dir, settings)."""
     args = json.loads(argv[0])
     _protect()
     watch = _Watch(args)
@@ -490,7 +490,7 @@ def main(argv: list[str]) -> int:
         report = _report(watch, status, seen)
         path = _write_report(watch.directory, watch.rank, report)
         where = f" ({path})" if path else ""
-        sys.stderr.write(f"flowers_job sentinel: rank {watch.rank} {report['how']}{where}\n")
+        sys.stderr.write(f"flowers_job watchdog: rank {watch.rank} {report['how']}{where}\n")
     if status != 0 and args.get("upload"):  # the report dir is in an object store
         cmd = [sys.executable, "-m", "flowers_job.location", str(watch.directory), args["upload"]]
         with contextlib.suppress(OSError, subprocess.SubprocessError):

@@ -8,7 +8,7 @@ returns a small summary dict, identical on every rank (rank 0's, broadcast: STAC
 - a rank whose Python code raises writes ``rank-<r>.json`` (exception and traceback) into the
   job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);
 - a rank that dies of a fatal signal leaves ``rank-<r>.fatal`` (:mod:`faulthandler`);
-- a rank that dies without either (SIGKILL, the OOM killer) is named by its sentinel
+- a rank that dies without either (SIGKILL, the OOM killer) is named by its watchdog
   (:mod:`flowers_job.runtime.watchdog`, started first thing): ``rank-<r>.killed``;
 - SIGTERM (torchrun stopping the others) unwinds as :class:`Terminated`, so the rank reports
   and rank 0 marks its MLflow run FAILED with the cause; once a rank is reporting a failure,
@@ -52,7 +52,7 @@ from flowers_job.runtime.process_group import (
     shutdown_distributed,
 )
 from flowers_job.runtime.reports import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
-from flowers_job.runtime.watchdog import sentinel_done, start_sentinel
+from flowers_job.runtime.watchdog import start_watchdog, watchdog_done
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
 
@@ -106,7 +106,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             registered = register()
             _write_json(Location.of(job["failure_dir"]) / MODEL_FILE, registered)
             result = {**result, **registered}
-        sentinel_done()
+        watchdog_done()
         _remove_host_reports(job)
         _report_done(Location.of(job["failure_dir"]))
         return result
@@ -114,7 +114,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         _FAILING.set()  # from here on a SIGTERM waits for the report (_terminated)
         explained = _explain_timeout(exc, job)
         _report_failure(Location.of(job["failure_dir"]), explained or exc)
-        sentinel_done()  # the report says how this rank ended
+        watchdog_done()  # the report says how this rank ended
         _remove_host_reports(job)
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
             from flowers_job.tracking.mlflow_run import end_failed_run
@@ -126,7 +126,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepare_process(job: dict[str, Any]) -> None:
-    """Logging with the rank, the fatal-signal report, the sentinel, the allocator, the driver
+    """Logging with the rank, the fatal-signal report, the watchdog, the allocator, the driver
     watchdog and the SIGTERM handler: before anything can fail."""
     logging.basicConfig(
         level=logging.INFO, format=f"[rank{env_rank()}] %(asctime)s %(message)s", force=True
@@ -135,7 +135,7 @@ def _prepare_process(job: dict[str, Any]) -> None:
     reports, here = _report_dirs(job)
     _enable_fatal_report(here)
     hook("rank_start", rank=env_rank(), attempt=int(job.get("attempt", 0)))  # tests only
-    start_sentinel(here, env_rank(), job.get("config"), None if reports.is_local else reports.url)
+    start_watchdog(here, env_rank(), job.get("config"), None if reports.is_local else reports.url)
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
@@ -232,9 +232,9 @@ def _plans(job: dict[str, Any]) -> Plans:
 
 
 def _report_dirs(job: dict[str, Any]) -> tuple[Location, Path]:
-    """The run's report dir, and where on this host faulthandler and the sentinel write:
+    """The run's report dir, and where on this host faulthandler and the watchdog write:
     the report dir itself, or (report dir in an object store) a folder of this host's temp
-    dir, which the sentinel copies up after a death (:func:`start_sentinel`'s ``upload``)."""
+    dir, which the watchdog copies up after a death (:func:`start_watchdog`'s ``upload``)."""
     reports = Location.of(job["failure_dir"])
     if reports.is_local:
         return reports, reports.local_path
@@ -243,7 +243,7 @@ def _report_dirs(job: dict[str, Any]) -> tuple[Location, Path]:
 
 def _remove_host_reports(job: dict[str, Any]) -> None:
     """The rank reported (or had nothing to report): its host folder of a remote report dir
-    goes (the sentinel removes it after a death, once it has copied it up)."""
+    goes (the watchdog removes it after a death, once it has copied it up)."""
     reports, here = _report_dirs(job)
     if not reports.is_local:
         shutil.rmtree(here, ignore_errors=True)

@@ -529,7 +529,7 @@ class TestFaults:
         self, cluster: Cluster, petastorm_job: dict[str, Any]
     ) -> None:
         """The Petastorm job (:func:`petastorm_job`): rank 1 SIGKILLed in epoch 2 is named
-        with its signal and host by its sentinel, and the barrier stage runs again from the
+        with its signal and host by its watchdog, and the barrier stage runs again from the
         last checkpoint, in the same MLflow run, to the end."""
         rc, log, out = petastorm_job["rc"], petastorm_job["log"], petastorm_job["out"]
         assert rc == 0, log[-4000:]

@@ -21,7 +21,7 @@ kind                  what that rank does at that epoch
 ``abort``             the rank calls ``os.abort()`` half-way through the epoch: it dies of
                       SIGABRT without a Python exception, as a crash in native code does
 ``kill``              the rank SIGKILLs itself half-way through the epoch: no exception, no
-                      fatal-signal report; its sentinel (:mod:`flowers_job.runtime.watchdog`)
+                      fatal-signal report; its watchdog (:mod:`flowers_job.runtime.watchdog`)
                       names it
 ``oom``               the rank allocates and touches memory half-way through the epoch until
                       the kernel's OOM killer ends it (at most :data:`OOM_MAX_BYTES` or
@@ -216,7 +216,7 @@ def join_fault_cgroup(rank: int | None) -> bool:
     """Move this process into the memory cgroup ``FLOWERS_JOB_FAULT_CGROUP`` names (its
     directory, e.g. ``/sys/fs/cgroup/memory/<name>``) if ``FLOWERS_JOB_FAULT`` holds an
     ``oom`` entry for ``rank`` (any epoch, this attempt); :func:`rank_start` calls it before
-    the rank starts its sentinel, so that both count against the cgroup's limit. Needs write
+    the rank starts its watchdog, so that both count against the cgroup's limit. Needs write
     access to the cgroup's ``cgroup.procs`` (root); a failure is logged, and the ``oom``
     fault then refuses to run.
 

@@ -110,7 +110,7 @@ def test_an_object_store_output_dir_needs_a_tracking_server() -> None:
 
 
 def test_a_dead_ranks_reports_are_copied_up_then_removed(s3: S3Store, tmp_path: Path) -> None:  # noqa: F811
-    """What the sentinel runs after a death (``python -m flowers_job.location``): the
+    """What the watchdog runs after a death (``python -m flowers_job.location``): the
     non-empty files go to the report dir in the bucket, the host's folder goes."""
     here = tmp_path / "flowers-failures-x-rank1"
     here.mkdir()

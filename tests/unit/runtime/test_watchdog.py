@@ -1,10 +1,10 @@
-"""A killed rank is named, with its signal (issue 18, part 5): each rank's sentinel
+"""A killed rank is named, with its signal (issue 18, part 5): each rank's watchdog
 (:mod:`flowers_job.runtime.watchdog`) with real processes, no Spark, no torch.
 
-A stand-in rank (``python -c``) starts its sentinel through :func:`start_sentinel`, as
+A stand-in rank (``python -c``) starts its watchdog through :func:`start_watchdog`, as
 :func:`flowers_job.train.rank.train_worker` does, and then sleeps, says done, reports an
 exception, SIGKILLs itself or runs out of memory in a real memory cgroup. The driver's side
-(:func:`flowers_job.driver.failures.failure`) reads what the sentinel wrote.
+(:func:`flowers_job.driver.failures.failure`) reads what the watchdog wrote.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flowers_job.driver.failures import (
     failure,
     wait_for_reports,
 )
-from flowers_job.runtime.watchdog import KILLED_SUFFIX, sentinel_done, start_sentinel
+from flowers_job.runtime.watchdog import KILLED_SUFFIX, start_watchdog, watchdog_done
 from tests.support import faults
 from tests.support.faults import ATTEMPT_ENV, FAULT_ENV, delay, fault_env, inject
 
@@ -47,15 +47,15 @@ _RANK = """
 import json, sys, time
 from pathlib import Path
 from flowers_job.runtime.hooks import hook, injector
-from flowers_job.runtime.watchdog import sentinel_done, start_sentinel
+from flowers_job.runtime.watchdog import watchdog_done, start_watchdog
 
 directory, mode = Path(sys.argv[1]), sys.argv[2]
 hook("rank_start", rank=1, attempt=0)
-print(start_sentinel(directory, 1, json.loads(sys.argv[3])), flush=True)
+print(start_watchdog(directory, 1, json.loads(sys.argv[3])), flush=True)
 if mode == "sleep":
     time.sleep(60)
 elif mode == "done":
-    sentinel_done()
+    watchdog_done()
 elif mode == "report":
     (directory / "rank-1.json").write_text(json.dumps({"rank": 1, "type": "RuntimeError"}))
     sys.exit(1)
@@ -64,14 +64,14 @@ else:
     time.sleep(60)
 """
 GONE_SECONDS = 5.0
-"""How soon after its rank the sentinel must be gone (seconds)."""
+"""How soon after its rank the watchdog must be gone (seconds)."""
 
 
 def _start_rank(
     directory: Path, mode: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], int]:
     """A stand-in rank in a process group of its own (torchrun's workers are), and its
-    sentinel's pid."""
+    watchdog's pid."""
     directory.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-c", _RANK, str(directory), mode, json.dumps(CONFIG)],
@@ -82,7 +82,7 @@ def _start_rank(
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
-    assert line.isdigit(), f"no sentinel started: {line!r}"
+    assert line.isdigit(), f"no watchdog started: {line!r}"
     return proc, int(line)
 
 
@@ -97,7 +97,7 @@ def _wait_gone(pid: int) -> float:
     """Seconds until process ``pid`` is gone; fails after :data:`GONE_SECONDS`."""
     t0 = time.monotonic()
     while not _gone(pid):
-        assert time.monotonic() - t0 < GONE_SECONDS, f"the sentinel (pid {pid}) is still running"
+        assert time.monotonic() - t0 < GONE_SECONDS, f"the watchdog (pid {pid}) is still running"
         time.sleep(0.02)
     return time.monotonic() - t0
 
@@ -107,13 +107,13 @@ def _killed(directory: Path) -> dict[str, object]:
 
 
 def test_a_sigkilled_rank_is_named_with_its_signal(tmp_path: Path) -> None:
-    """torchrun's way: SIGKILL to the rank's process group. The sentinel, in a session of its
+    """torchrun's way: SIGKILL to the rank's process group. The watchdog, in a session of its
     own, survives it, writes ``rank-1.killed`` naming SIGKILL and no OOM kill, and exits."""
-    rank, sentinel = _start_rank(tmp_path, "sleep")
+    rank, watchdog = _start_rank(tmp_path, "sleep")
     os.killpg(rank.pid, signal.SIGKILL)
     killed_at = time.time()
     assert rank.wait(10) == -signal.SIGKILL
-    print(f"sentinel gone {_wait_gone(sentinel):.3f} s after the reap")
+    print(f"watchdog gone {_wait_gone(watchdog):.3f} s after the reap")
     report = _killed(tmp_path)
     assert report["type"] == "Killed"
     assert (report["signal"], report["signal_number"]) == ("SIGKILL", 9)
@@ -127,36 +127,36 @@ def test_a_sigkilled_rank_is_named_with_its_signal(tmp_path: Path) -> None:
 
 
 def test_the_kill_fault_sigkills_the_rank(tmp_path: Path) -> None:
-    rank, sentinel = _start_rank(tmp_path, "kill", fault_env("kill:1:0"))
+    rank, watchdog = _start_rank(tmp_path, "kill", fault_env("kill:1:0"))
     assert rank.wait(10) == -signal.SIGKILL
-    _wait_gone(sentinel)
+    _wait_gone(watchdog)
     assert _killed(tmp_path)["signal"] == "SIGKILL"
 
 
 def test_a_rank_that_says_done_leaves_no_report(tmp_path: Path) -> None:
-    rank, sentinel = _start_rank(tmp_path, "done")
+    rank, watchdog = _start_rank(tmp_path, "done")
     assert rank.wait(10) == 0
-    _wait_gone(sentinel)
+    _wait_gone(watchdog)
     assert not list(tmp_path.iterdir())
 
 
 def test_a_rank_that_reported_its_exception_gets_no_killed_report(tmp_path: Path) -> None:
     """It wrote ``rank-1.json`` and exited 1 without saying done: its own report stands."""
-    rank, sentinel = _start_rank(tmp_path, "report")
+    rank, watchdog = _start_rank(tmp_path, "report")
     assert rank.wait(10) == 1
-    _wait_gone(sentinel)
+    _wait_gone(watchdog)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-1.json"]
 
 
-def test_the_sentinel_leaves_no_process_or_thread_behind(tmp_path: Path) -> None:
+def test_the_watchdog_leaves_no_process_or_thread_behind(tmp_path: Path) -> None:
     """Started and told done in this very process: no child, no new thread afterwards."""
     threads = threading.active_count()
     children = {c.pid for c in psutil.Process().children()}  # the suite's Spark JVM, say
-    pid = start_sentinel(tmp_path, 0, None)
+    pid = start_watchdog(tmp_path, 0, None)
     assert pid is not None and not _gone(pid)
     assert psutil.Process(pid).ppid() == os.getpid()
     assert os.getsid(pid) == pid  # a session of its own: torchrun's killpg misses it
-    sentinel_done()
+    watchdog_done()
     assert _gone(pid)
     assert {c.pid for c in psutil.Process().children()} <= children
     assert threading.active_count() == threads
@@ -204,9 +204,9 @@ def test_an_oom_killed_rank_is_named_with_the_oom_killer_and_the_settings(
     """The ``oom`` fault in a 256 MiB cgroup: the kernel's OOM killer SIGKILLs the rank;
     the report says so and names the settings that decide a rank's memory."""
     env = fault_env("oom:1:0", cgroup=limited_cgroup)
-    rank, sentinel = _start_rank(tmp_path / "failures", "oom", env)
+    rank, watchdog = _start_rank(tmp_path / "failures", "oom", env)
     assert rank.wait(60) == -signal.SIGKILL
-    _wait_gone(sentinel)
+    _wait_gone(watchdog)
     report = _killed(tmp_path / "failures")
     print(report["message"])
     assert report["signal"] == "SIGKILL"
@@ -246,12 +246,12 @@ GLOO_RESET = (
 
 
 def test_the_driver_names_the_killed_rank_before_an_earlier_lost_peer(tmp_path: Path) -> None:
-    """Rank 0's gloo error is written 5 ms before rank 1's sentinel report: the error leads
+    """Rank 0's gloo error is written 5 ms before rank 1's watchdog report: the error leads
     with rank 1 and its signal all the same, rank 0's error after it as a consequence."""
-    rank, sentinel = _start_rank(tmp_path, "sleep")
+    rank, watchdog = _start_rank(tmp_path, "sleep")
     os.killpg(rank.pid, signal.SIGKILL)
     rank.wait(10)
-    _wait_gone(sentinel)
+    _wait_gone(watchdog)
     _ranks_file(tmp_path)
     _report(tmp_path, 0, "RuntimeError", GLOO_RESET, float(_killed(tmp_path)["time"]) - 0.005)  # type: ignore[arg-type]
     error = failure(tmp_path, RuntimeError("torchrun failed"), world_size=2)
