@@ -148,10 +148,10 @@ def prepare_data(
             f"prepare_data: data.loader is {cfg.data.loader!r}, the loader is {loader.name!r}; "
             "pass what flowers_job.loaders.resolve_loader returns (the pipeline's preflight does)"
         )
-    writer = loader(cfg)
     checked = checked_tables(spark, cfg)
     version = checked.versions["images"]
     images = table_ref(cfg, "images")
+    writer = loader(cfg, images.describe())
     detail = images.delta(spark).detail().select("id", "sizeInBytes").first()
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())

@@ -49,7 +49,7 @@ so an interrupted run leaves tables that training refuses and that the next inge
 rebuilds. Re-running on unchanged input writes nothing.
 
 Retention: after an ingest that writes, both tables are vacuumed
-(:func:`flowers_job.tables.retention.vacuum_tables`).
+(:func:`flowers_job.ingest.retention.vacuum_tables`).
 
 Test hook: the ``ingest_table_written`` hook point (:mod:`flowers_job.runtime.hooks`) right
 after each table is written; the tests' injector pauses there, so that a test can kill
@@ -274,7 +274,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     finally:
         listing.unpersist()
     if changes.mode != "unchanged":
-        from flowers_job.tables.retention import vacuum_tables
+        from flowers_job.ingest.retention import vacuum_tables
 
         vacuum_tables(spark, cfg)
     return _report(spark, cfg, tables, n_files, fingerprint, labels, changes, start)

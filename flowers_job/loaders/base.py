@@ -3,7 +3,7 @@
 A loader turns a split's Delta table into a cache that ``world_size`` ranks read in exactly
 ``steps_per_epoch`` batches each, every row once per epoch:
 
-- **driver side** (Spark, :mod:`flowers_job.driver.prepare` calls it): ``Loader(cfg)``, then
+- **driver side** (Spark, :mod:`flowers_job.driver.prepare` calls it): ``Loader(cfg, source)``, then
   :meth:`Loader.write` once per split (write the split's cache, plan its shards: a
   :class:`ShardPlan`), :meth:`Loader.release` when the run ends, and
   :meth:`Loader.sweep` for what a killed run left on this host;
@@ -195,8 +195,11 @@ class Loader(ABC):
     plan_type: ClassVar[type[ShardPlan]] = ShardPlan
     """The plan this loader writes and reads."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, source: str) -> None:
+        """The driver side of one run. ``source``: the table the splits are read from, as
+        its messages name it (:meth:`flowers_job.tables.table_ref.TableRef.describe`)."""
         self.cfg = cfg
+        self.source = source
 
     # ---------------------------------------------------------------- the stack
 

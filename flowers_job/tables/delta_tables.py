@@ -42,6 +42,7 @@ __all__ = [
     "latest_commit",
     "merge_table",
     "read_table_metadata",
+    "session_settings",
     "split_frame",
     "tables_mismatch",
     "write_table",
@@ -184,6 +185,14 @@ def _commit_metadata(spark: SparkSession, meta: dict[str, object]) -> Iterator[N
             {META_KEY: meta}, sort_keys=True
         ),
     }
+    with session_settings(spark, settings):
+        yield
+
+
+@contextmanager
+def session_settings(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
+    """The Spark session's ``settings`` for the block; each key's value before, or its
+    absence, restored after."""
     before = {key: spark.conf.get(key, None) for key in settings}
     for key, value in settings.items():
         spark.conf.set(key, value)

@@ -3,27 +3,23 @@
 The driver checks the store and creates the experiment before any worker starts
 (:func:`preflight`), failing within seconds when the store cannot be used. Rank 0 then
 owns one MLflow run (:class:`RunTracker`): params once, metrics per epoch with
-``step=epoch``, and at the end the model as a pyfunc
-(:class:`~flowers_job.serving.pyfunc_model.FlowersClassifierModel`) with signature and input example,
-registered under ``tracking.registered_model_name``. A resumed run continues the same
-MLflow run and logs no param and no epoch twice.
+``step=epoch``, the test report and the lineage; the model itself is logged into that run
+and registered by :func:`flowers_job.serving.registration.log_pyfunc_model` (this package
+imports nothing of ``serving/``). A resumed run continues the same MLflow run and logs no
+param and no epoch twice.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import mlflow
 import pandas as pd
-import torch
 from mlflow import environment_variables as mlflow_env
-from mlflow.models import infer_signature
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import TrackingError
@@ -57,9 +53,6 @@ PREFLIGHT_TIMEOUT_SECONDS = 10
 """Per-request timeout of the preflight's HTTP calls, seconds (MLflow's default is 120)."""
 
 log = logging.getLogger(__name__)
-
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent
-"""The ``flowers_job`` package directory: the logged model's ``code_paths``."""
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -156,28 +149,6 @@ def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) 
             f"tracking.tracking_uri: the MLflow store {uri} cannot be used: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-
-
-def _pip_requirements() -> list[str]:
-    """The served model's requirements, pinned to this environment's versions without their
-    local tags (``torch==2.13.0``, not ``+cu130``): on Linux, PyPI's wheels of those versions
-    are the CUDA builds, so a GPU serving endpoint gets a CUDA torch (docs/using-the-model.md,
-    "On a GPU")."""
-    names = ["torch", "torchvision", "pillow", "pandas", "numpy", "mlflow", "pydantic", "pyyaml"]
-    names.append("efficientnet-lite-pytorch")
-    reqs = []
-    for name in names:
-        try:
-            reqs.append(f"{name}=={metadata.version(name).split('+')[0]}")
-        except metadata.PackageNotFoundError:
-            if name == "mlflow":  # Databricks runtimes ship mlflow-skinny only
-                try:
-                    reqs.append(f"mlflow-skinny=={metadata.version('mlflow-skinny')}")
-                    continue
-                except metadata.PackageNotFoundError:
-                    pass
-            reqs.append(name)
-    return reqs
 
 
 class RunTracker:
@@ -292,7 +263,7 @@ class RunTracker:
         ``split`` tag; context = the split), and the run tags ``flowers_job.ingest_fingerprint``,
         ``flowers_job.test_split_digest``, ``flowers_job.images_table``,
         ``flowers_job.images_version`` (which retention keeps readable:
-        :mod:`flowers_job.tables.retention`) and ``flowers_job.version``.
+        :mod:`flowers_job.ingest.retention`) and ``flowers_job.version``.
 
         Args:
             lineage: :func:`flowers_job.driver.prepare.lineage`'s dict.
@@ -331,42 +302,6 @@ class RunTracker:
                 TAG_VERSION: __version__,
             }
         )
-
-    def log_model(
-        self,
-        model: torch.nn.Module,
-        model_config: dict[str, Any],
-        example: pd.DataFrame,
-    ) -> tuple[str, int | None]:
-        """Log the pyfunc model and register it.
-
-        Returns:
-            ``(model_uri, registered_model_version)``; the version is None when
-            ``tracking.registered_model_name`` is None.
-        """
-        from flowers_job.serving.pyfunc_model import FlowersClassifierModel
-
-        name = self.cfg.tracking.registered_model_name
-        with tempfile.TemporaryDirectory() as tmp:
-            weights = Path(tmp) / "state_dict.pt"
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights)
-            probe = FlowersClassifierModel()
-            probe.load_context(_Context(model_config, {"state_dict": str(weights)}))
-            output = probe.predict(None, example)
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=str(_PACKAGE_DIR / "serving" / "model_code.py"),
-                artifacts={"state_dict": str(weights)},
-                model_config=model_config,
-                code_paths=[str(_PACKAGE_DIR)],
-                signature=infer_signature(example, output),
-                input_example=example,
-                pip_requirements=_pip_requirements(),
-                registered_model_name=name,
-            )
-        mlflow.log_dict({"label_names": model_config["label_names"]}, "label_names.json")
-        version = info.registered_model_version
-        return info.model_uri, int(version) if version is not None else None
 
     def finish(self, status: str = "FINISHED") -> None:
         mlflow.end_run(status=status)
@@ -427,11 +362,3 @@ def mark_run_failed(
     except Exception:
         log.exception("could not check or end MLflow run %s", run_id)
         return False
-
-
-class _Context:
-    """Stand-in for MLflow's PythonModelContext, to check the model before logging it."""
-
-    def __init__(self, model_config: dict[str, Any], artifacts: dict[str, str]) -> None:
-        self.model_config = model_config
-        self.artifacts = artifacts

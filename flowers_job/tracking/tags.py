@@ -19,7 +19,7 @@ TAG_VERSION = "flowers_job.version"
 TAG_IMAGES_TABLE = "flowers_job.images_table"
 TAG_IMAGES_VERSION = "flowers_job.images_version"
 """MLflow run tags: the ``images`` table and the Delta version a run trained on
-(retention keeps that version readable: :mod:`flowers_job.tables.retention`)."""
+(retention keeps that version readable: :mod:`flowers_job.ingest.retention`)."""
 TAG_OUTPUT_DIR = "flowers_job.output_dir"
 """Run tag: the resolved ``paths.output_dir`` of the training, set when the run starts
 (``flowers-job runs`` lists an output dir's runs by it: :mod:`flowers_job.driver.runs`)."""

@@ -161,6 +161,7 @@ def finish(
         else state.history[-1]
     )
     from flowers_job.serving.pyfunc_model import model_config  # MLflow: rank 0 only
+    from flowers_job.serving.registration import log_pyfunc_model
 
     config = model_config(state.cfg, state.label_names)
     figures = report_figures(test, state.history, best_epoch)
@@ -182,8 +183,11 @@ def finish(
         tracker.log_test(test, figures)
         tracker.log_lineage(lineage)
         hook("before_log_model", rank=rank)
-        model_uri, version = tracker.log_model(
-            model, config, pd.DataFrame({"image": example_images})
+        model_uri, version = log_pyfunc_model(
+            model,
+            config,
+            pd.DataFrame({"image": example_images}),
+            state.cfg.tracking.registered_model_name,
         )
         tracker.finish()
         return {"model_uri": model_uri, "registered_model_version": version}

@@ -25,9 +25,9 @@ from flowers_job.config import ConfigError, JobConfig, load_config
 from flowers_job.driver.pipeline import run_training
 from flowers_job.errors import DataError
 from flowers_job.ingest.job import ingest
+from flowers_job.ingest.retention import vacuum_tables
 from flowers_job.location import Location
 from flowers_job.tables.delta_tables import checked_tables, latest_commit
-from flowers_job.tables.retention import vacuum_tables
 from flowers_job.tables.table_ref import TableRef, ensure_schema, table_ref
 from flowers_job.tracking.tags import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 from tests.support import PHOTOS

@@ -2,7 +2,7 @@
 with :mod:`ast`: every import counts, at module level, inside a function or under
 ``TYPE_CHECKING``.
 
-- no import cycle between the package's modules;
+- no import cycle between the package's modules, nor between its folders;
 - the rank side (``runtime/``, ``train/``, ``vision/``) imports neither ``driver/`` nor
   ``cluster/``, and importing the rank's entry module loads no pyspark;
 - ``config/`` imports, of the package, only the storage location type (and the error base
@@ -89,6 +89,25 @@ def cycle(graph: Graph) -> list[str] | None:
     return None
 
 
+def package_graph(graph: Graph) -> Graph:
+    """The graph of the package's folders: a module counts as its folder under
+    ``flowers_job/`` (``flowers_job.loaders.petastorm.balanced`` -> ``flowers_job.loaders``),
+    a top-level module as itself; the package's own ``__init__`` is left out."""
+
+    def folder(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    packages: Graph = {}
+    for m, deps in graph.items():
+        if m == "flowers_job":
+            continue
+        mine = packages.setdefault(folder(m), set())
+        mine.update(
+            folder(d) for d in deps if d in graph and d != "flowers_job" and folder(d) != folder(m)
+        )
+    return packages
+
+
 def crossings(graph: Graph, sources: Iterable[str], banned: Iterable[str]) -> list[str]:
     """``"a -> b"`` for every module under ``sources`` that imports something under
     ``banned``."""
@@ -125,6 +144,12 @@ def graph() -> Graph:
 
 def test_no_import_cycle_between_the_modules(graph: Graph) -> None:
     assert cycle(graph) is None, f"import cycle: {' -> '.join(cycle(graph) or [])}"
+
+
+def test_no_import_cycle_between_the_packages(graph: Graph) -> None:
+    """Imports point one way between the folders too (docs/architecture.md has the order)."""
+    found = cycle(package_graph(graph))
+    assert found is None, f"import cycle between packages: {' -> '.join(found or [])}"
 
 
 def test_the_rank_side_imports_neither_the_driver_nor_the_cluster(graph: Graph) -> None:
@@ -199,6 +224,23 @@ def test_cycle_finds_a_cycle_made_by_an_import_inside_a_function(tmp_path: Path)
     assert cycle(import_graph(package)) in (
         ["flowers_job.a", "flowers_job.b", "flowers_job.a"],
         ["flowers_job.b", "flowers_job.a", "flowers_job.b"],
+    )
+
+
+def test_package_graph_finds_two_packages_that_import_each_other(tmp_path: Path) -> None:
+    package = _write(
+        tmp_path,
+        {
+            "tracking/run.py": "def log():\n    from flowers_job.serving.model import M\n",
+            "serving/model.py": "M = 1\n",
+            "serving/ref.py": "from flowers_job.tracking import run\n",
+        },
+    )
+    graph = import_graph(package)
+    assert cycle(graph) is None  # no cycle between modules
+    assert cycle(package_graph(graph)) in (
+        ["flowers_job.tracking", "flowers_job.serving", "flowers_job.tracking"],
+        ["flowers_job.serving", "flowers_job.tracking", "flowers_job.serving"],
     )
 
 

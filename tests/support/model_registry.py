@@ -36,6 +36,7 @@ from cluster import mlflow_server
 
 from flowers_job.config import load_config
 from flowers_job.serving.pyfunc_model import model_config
+from flowers_job.serving.registration import log_pyfunc_model
 from flowers_job.tracking.mlflow_run import RunTracker, preflight
 from flowers_job.vision.backbones import build_model
 
@@ -76,8 +77,11 @@ def register_model(
     preflight(cfg)  # the experiment, its artifacts under output_dir (not ./mlruns)
     tracker = RunTracker(cfg)
     try:
-        model_uri, version = tracker.log_model(
-            model, model_config(cfg, names), pd.DataFrame({"image": examples})
+        model_uri, version = log_pyfunc_model(
+            model,
+            model_config(cfg, names),
+            pd.DataFrame({"image": examples}),
+            cfg.tracking.registered_model_name,
         )
     finally:
         tracker.finish()

@@ -171,11 +171,8 @@ class PetastormLoader(Loader):
                 does not hold the rows as written, or the volume filling up during the write
                 (naming the directory).
         """
-        from flowers_job.tables.table_ref import table_ref
-
         cfg = self.cfg
         quiet_petastorm()
-        images = table_ref(cfg, "images")
         out_url = f"{cache_url.rstrip('/')}/petastorm-{split}"
         t0 = time.perf_counter()
         cache = write_balanced(
@@ -184,7 +181,7 @@ class PetastormLoader(Loader):
             out_url,
             world_size=cfg.world_size,
             min_partitions=cfg.num_partitions,
-            what=f"the {split} split of {images}",
+            what=f"the {split} split of {self.source}",
         )
         t1 = time.perf_counter()
         rows, checksum, steps = plan_shards(

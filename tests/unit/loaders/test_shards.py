@@ -247,7 +247,9 @@ def test_petastorm_shards_stay_within_one_row_whatever_the_input_partitions(
         ],
         **{"paths.output_dir": tmp_path},
     )
-    plan = PetastormLoader(cfg).write(spark, df, (tmp_path / "cache").as_uri(), "train")
+    plan = PetastormLoader(cfg, "a test frame").write(
+        spark, df, (tmp_path / "cache").as_uri(), "train"
+    )
     assert isinstance(plan, PetastormPlan)
     partitions = cache_partitions(rows * len(jpeg), world_size, cfg.num_partitions)
     assert len(plan.file_urls) == partitions > cfg.num_partitions

@@ -40,7 +40,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig
-from flowers_job.tables.delta_tables import TABLE_NAMES
+from flowers_job.tables.delta_tables import TABLE_NAMES, session_settings
 from flowers_job.tables.table_ref import TableRef, table_ref
 from flowers_job.tracking.tags import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 
@@ -143,12 +143,13 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
         age = _hours_since_commit(spark, table_ref(cfg, "images"), oldest)
         if age is not None:
             hours["images"] = max(hours["images"], math.ceil(age) + 1)
-    saved = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _LISTING_PARALLELISM)}
-    spark.conf.set(_RETENTION_CHECK, "false")  # retention_hours below Delta's 168 is allowed
-    # two listing tasks per slot, not 10,000: a third of the time on a small table
-    # (docs/performance.md)
-    spark.conf.set(_LISTING_PARALLELISM, str(2 * spark.sparkContext.defaultParallelism))
-    try:
+    settings = {
+        _RETENTION_CHECK: "false",  # retention_hours below Delta's 168 is allowed
+        # two listing tasks per slot, not 10,000: a third of the time on a small table
+        # (docs/performance.md)
+        _LISTING_PARALLELISM: str(2 * spark.sparkContext.defaultParallelism),
+    }
+    with session_settings(spark, settings):
         for name, retain in hours.items():
             table = table_ref(cfg, name)
             age = _table_age_hours(spark, table)
@@ -168,10 +169,4 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
                 else "",
                 time.perf_counter() - t0,
             )
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
     return hours
