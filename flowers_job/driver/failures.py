@@ -21,6 +21,7 @@ from flowers_job.errors import TrainingError
 from flowers_job.location import Location
 from flowers_job.runtime.reports import (
     DONE_SUFFIX,
+    FAILURE_SUFFIX,
     FATAL_SUFFIX,
     KILLED_SUFFIX,
     MODEL_FILE,
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 REPORT_WAIT_SECONDS = 30.0
 """Bound on the driver's wait for the ranks' reports after a failed run (seconds)."""
-_ENDED = (".json", DONE_SUFFIX, KILLED_SUFFIX, FATAL_SUFFIX)
+_ENDED = (FAILURE_SUFFIX, DONE_SUFFIX, KILLED_SUFFIX, FATAL_SUFFIX)
 KINDS = ("killed", "fatal_signal", "timeout", "connection", "exception", "permanent")
 """:attr:`TrainingError.kind`: how the failing rank failed. ``killed``: it died without a
 word (SIGKILL, the OOM killer; also when no rank reported anything); ``fatal_signal``: a
@@ -82,7 +83,7 @@ def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -
     """
     failure_dir = Location.of(failure_dir)
     reports = []
-    for path in failure_dir.glob("rank-*.json"):
+    for path in failure_dir.glob(f"rank-*{FAILURE_SUFFIX}"):
         try:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -259,7 +260,7 @@ def check_finished(failure_dir: Location | Path, world_size: int) -> None:
     failure_dir = Location.of(failure_dir)
     fatal = [p for p in failure_dir.glob(f"rank-*{FATAL_SUFFIX}") if p.size_bytes() > 0]
     killed = list(failure_dir.glob(f"rank-*{KILLED_SUFFIX}"))
-    if fatal or killed or list(failure_dir.glob("rank-*.json")):
+    if fatal or killed or list(failure_dir.glob(f"rank-*{FAILURE_SUFFIX}")):
         raise failure(failure_dir, RuntimeError("a rank failed after training"), world_size)
     if not (failure_dir / MODEL_FILE).exists():
         raise TrainingError(

@@ -21,7 +21,6 @@ returns a small summary dict, identical on every rank (rank 0's, broadcast: STAC
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import shutil
 import signal
@@ -51,7 +50,14 @@ from flowers_job.runtime.process_group import (
     init_distributed,
     shutdown_distributed,
 )
-from flowers_job.runtime.reports import DONE_SUFFIX, FATAL_SUFFIX, MODEL_FILE, RANKS_FILE
+from flowers_job.runtime.reports import (
+    DONE_SUFFIX,
+    FAILURE_SUFFIX,
+    FATAL_SUFFIX,
+    MODEL_FILE,
+    RANKS_FILE,
+    write_json,
+)
 from flowers_job.runtime.watchdog import start_watchdog, watchdog_done
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
@@ -104,7 +110,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
             # registry never runs into distributed.timeout_seconds, and the other ranks
             # have already returned. The driver merges model.json into its result.
             registered = register()
-            _write_json(Location.of(job["failure_dir"]) / MODEL_FILE, registered)
+            write_json(Location.of(job["failure_dir"]) / MODEL_FILE, registered)
             result = {**result, **registered}
         watchdog_done()
         _remove_host_reports(job)
@@ -185,7 +191,7 @@ def _place_threads(ctx: DistContext, job: dict[str, Any]) -> list[dict[str, Any]
         r["threads"] = job.get("threads_per_process") or threads_for_rank(job, ranks, r)
     torch.set_num_threads(ranks[ctx.rank]["threads"])
     if ctx.is_main:
-        _write_json(Location.of(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
+        write_json(Location.of(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
     return ranks
 
 
@@ -218,10 +224,6 @@ def _enable_fatal_report(directory: Path) -> None:
     except OSError:
         log.exception("no fatal-signal report file in %s; faulthandler writes to stderr", directory)
         faulthandler.enable(all_threads=True)
-
-
-def _write_json(path: Location, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data))  # whole or absent (Location.write_bytes)
 
 
 def _plans(job: dict[str, Any]) -> Plans:
@@ -305,6 +307,6 @@ def _report_failure(directory: Location, exc: BaseException) -> None:
     }
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"rank-{rank}.json").write_text(json.dumps(report))
+        write_json(directory / f"rank-{rank}{FAILURE_SUFFIX}", report)
     except OSError:
         log.exception("could not write the failure report of rank %s", rank)

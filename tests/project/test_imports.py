@@ -2,7 +2,8 @@
 with :mod:`ast`: every import counts, at module level, inside a function or under
 ``TYPE_CHECKING``.
 
-- no import cycle between the package's modules, nor between its folders;
+- no import cycle between the package's modules, nor between its folders, which import
+  down documented layers (:data:`LAYERS`);
 - the rank side (``runtime/``, ``train/``, ``vision/``) imports neither ``driver/`` nor
   ``cluster/``, and importing the rank's entry module loads no pyspark;
 - ``config/`` imports, of the package, only the storage location type (and the error base
@@ -37,6 +38,21 @@ CONFIG_MAY_IMPORT = ("flowers_job.location", "flowers_job.errors")
 CONFIG_MUST_NOT_IMPORT = ("torch", "flowers_job.loaders")
 SERVING_MUST_NOT_IMPORT = ("flowers_job.train", "flowers_job.ingest")
 RANK_ENTRY = "flowers_job.train.rank"
+LAYERS = (
+    ("__main__",),
+    ("cli",),
+    ("driver",),
+    ("train", "ingest"),
+    ("serving",),
+    ("photos",),
+    ("cluster",),
+    ("loaders", "tracking"),
+    ("vision", "tables"),
+    ("config", "runtime"),
+    ("location", "errors"),
+)
+"""The package's folders (and top-level modules) from the top down, as docs/architecture.md
+lists them: each imports only from layers below its own."""
 MAX_TOP_LEVEL_MODULES = 8
 MAX_MODULE_LINES = 800
 """A backstop against a file that grows unnoticed, not a reason to split one: a module splits
@@ -152,6 +168,24 @@ def test_no_import_cycle_between_the_packages(graph: Graph) -> None:
     assert found is None, f"import cycle between packages: {' -> '.join(found or [])}"
 
 
+def upward(graph: Graph, layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """``"a -> b"`` for every import of the folders' graph (:func:`package_graph`) that does
+    not go to a lower layer of ``layers``, and ``"a: no layer"`` for a folder not in them."""
+    level = {f"flowers_job.{name}": i for i, names in enumerate(layers) for name in names}
+    found = [f"{m}: no layer" for m in sorted(graph) if m not in level]
+    found += [
+        f"{m} -> {d}"
+        for m, deps in sorted(graph.items())
+        for d in sorted(deps)
+        if m in level and d in level and level[d] <= level[m]
+    ]
+    return found
+
+
+def test_the_folders_import_down_the_documented_layers(graph: Graph) -> None:
+    assert not upward(package_graph(graph), LAYERS)
+
+
 def test_the_rank_side_imports_neither_the_driver_nor_the_cluster(graph: Graph) -> None:
     assert not crossings(graph, RANK_SIDE, DRIVER_SIDE)
 
@@ -242,6 +276,18 @@ def test_package_graph_finds_two_packages_that_import_each_other(tmp_path: Path)
         ["flowers_job.tracking", "flowers_job.serving", "flowers_job.tracking"],
         ["flowers_job.serving", "flowers_job.tracking", "flowers_job.serving"],
     )
+
+
+def test_upward_finds_an_import_up_a_layer_and_a_folder_without_one() -> None:
+    graph = {
+        "flowers_job.config": {"flowers_job.errors"},
+        "flowers_job.errors": {"flowers_job.config"},
+        "flowers_job.extra": set(),
+    }
+    assert upward(graph, (("config",), ("errors",))) == [
+        "flowers_job.extra: no layer",
+        "flowers_job.errors -> flowers_job.config",
+    ]
 
 
 def test_crossings_find_the_rank_side_importing_the_driver(tmp_path: Path) -> None:
