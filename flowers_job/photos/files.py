@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import pandas as pd
@@ -31,7 +31,7 @@ from flowers_job.cluster.python_workers import prepare_worker
 from flowers_job.location import is_remote
 from flowers_job.photos.listing import list_entry, read_listed_file
 from flowers_job.photos.object_listing import ObjectStoreError
-from flowers_job.vision.images import ImageRejected, normalize_image
+from flowers_job.vision.images import ImageLimits, ImageRejected, normalize_image
 
 __all__ = [
     "DECODED_SCHEMA",
@@ -83,11 +83,13 @@ MAX_LISTING_TASKS = 1024
 """Most Spark tasks of a listing, whatever the cluster's size (several units per task)."""
 
 
-def max_file_bytes(max_pixels: int) -> int:
-    """Largest file (bytes) that can hold an image of ``max_pixels`` pixels: 8 bytes per
-    pixel (16-bit RGBA, uncompressed) plus 1 MiB of metadata. Larger files are quarantined
-    as ``file_too_large`` without being read."""
-    return 8 * max_pixels + 2**20
+def max_file_bytes(max_pixels: int, limit: int | None = None) -> int:
+    """Largest file (bytes) ingest reads: ``limit`` (``data.max_file_bytes``), and never more
+    than can hold an image of ``max_pixels`` pixels: 8 bytes per pixel (16-bit RGBA,
+    uncompressed) plus 1 MiB of metadata. Larger files are quarantined as
+    ``file_too_large`` from their listed size, without being read."""
+    most = 8 * max_pixels + 2**20
+    return most if limit is None else min(most, limit)
 
 
 def _list_partitions(
@@ -164,7 +166,12 @@ def list_files(
 
 
 def decode_partitions(
-    root: str, short_side: int, quality: int, max_pixels: int, extensions: tuple[str, ...]
+    root: str,
+    short_side: int,
+    quality: int,
+    max_pixels: int,
+    extensions: tuple[str, ...],
+    limits: ImageLimits | None = None,
 ) -> Callable[[Iterable[pd.DataFrame]], Iterator[pd.DataFrame]]:
     """The ``mapInPandas`` function that reads and decodes a partition of the listing
     (``relative_path, label, num_bytes, reason_code, reason``, optionally ``mtime_ns``) into
@@ -179,10 +186,15 @@ def decode_partitions(
     (:class:`~flowers_job.photos.object_listing.ObjectStoreError`). ``source_path`` is
     ``file:<root>/<relative_path>``, or ``<root URI>/<relative_path>``. Images are
     normalised by :func:`~flowers_job.vision.images.normalize_image` to
-    ``short_side`` pixels, JPEG ``quality``.
+    ``short_side`` pixels, JPEG ``quality``, opening only ``limits.formats`` and refusing by
+    ``limits`` (:class:`~flowers_job.vision.images.ImageLimits`: the formats, the aspect
+    ratio, the long side, the file size; None: the defaults) with ``max_pixels`` as the
+    pixel limit. A file over :func:`max_file_bytes` by its listed size is never read; one
+    that grew past it since the listing is refused after the read.
     """
     exts = {e.lower().lstrip(".") for e in extensions}
-    too_large = max_file_bytes(max_pixels)
+    limits = replace(limits or ImageLimits(), max_pixels=max_pixels)
+    too_large = max_file_bytes(max_pixels, limits.max_file_bytes)
     columns = [f.name for f in DECODED_SCHEMA.fields]
     source = f"{root}/" if is_remote(root) else f"file:{root}/"
 
@@ -208,16 +220,23 @@ def decode_partitions(
                     f"extension {ext!r} is not one of data.extensions {sorted(exts)}; not read",
                 )
             if num_bytes is not None and num_bytes > too_large:
+                raise ImageRejected("file_too_large", _too_large(num_bytes, too_large, limits))
+            # at most one byte past the limit is read: a file that grew since the listing
+            # costs no more memory than the limit
+            content = read_listed_file(root, rec.relative_path, max_bytes=too_large)
+            if len(content) > too_large:  # grew since the listing
                 raise ImageRejected(
                     "file_too_large",
-                    f"{num_bytes} bytes, more than any image within data.max_image_pixels="
-                    f"{max_pixels} can take ({too_large} bytes); not read",
+                    _too_large(
+                        len(content),
+                        too_large,
+                        limits,
+                        "; it grew since the listing, and was read no further",
+                        at_least=True,
+                    ),
                 )
-            content = read_listed_file(root, rec.relative_path)
             row.update(num_bytes=len(content), content_sha256=hashlib.sha256(content).hexdigest())
-            out = normalize_image(
-                content, short_side=short_side, quality=quality, max_pixels=max_pixels
-            )
+            out = normalize_image(content, short_side=short_side, quality=quality, limits=limits)
             row.update(image=out.jpeg, width=out.width, height=out.height, notes=out.notes)
         except ImageRejected as exc:
             row.update(reason_code=exc.code, reason=exc.message)
@@ -233,6 +252,24 @@ def decode_partitions(
             yield pd.DataFrame([one(rec) for rec in pdf.itertuples(index=False)], columns=columns)
 
     return decode
+
+
+def _too_large(
+    num_bytes: int,
+    too_large: int,
+    limits: ImageLimits,
+    tail: str = "; not read",
+    at_least: bool = False,
+) -> str:
+    """The reason of ``file_too_large``, naming the setting that decided it (``at_least``:
+    ``num_bytes`` is what was read before stopping, not the file's size)."""
+    size = f"at least {num_bytes}" if at_least else str(num_bytes)
+    if too_large == limits.max_file_bytes:
+        return f"{size} bytes, more than data.max_file_bytes={too_large}{tail}"
+    return (
+        f"{size} bytes, more than any image within data.max_image_pixels="
+        f"{limits.max_pixels} can take ({too_large} bytes){tail}"
+    )
 
 
 def listing_key() -> list[Column]:

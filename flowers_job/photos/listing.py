@@ -26,9 +26,14 @@ reason_code              entry
 ``not_a_regular_file``   a FIFO, socket or device
 ``unreadable_directory`` a directory that cannot be listed (its files are unknown)
 ``hidden_path``          a file or folder name on the path starts with ``.`` or ``_``
+                         (skipped: counted apart, not towards ``data.max_bad_fraction``)
 ``not_in_label_folder``  a file directly in the images root, not in ``<label>/``
 ``bad_file_name``        a name that is not valid UTF-8 (shown with ``\\xNN`` escapes)
 ======================== ================================================================
+
+Hidden entries (``.DS_Store``, ``._x.jpg``) are *skipped*, not bad
+(:data:`~flowers_job.photos.verdicts.SKIPPED_REASONS`): still recorded in quarantine, but
+ingest reports them as "N hidden files skipped" and leaves them out of the bad fraction.
 
 Symbolic links to files inside the root are followed: the file is ingested under the
 link's path and label (a byte-identical target gets the same split, see ``ingest``).
@@ -44,6 +49,7 @@ from collections.abc import Iterator
 from flowers_job.location import Location, is_remote
 from flowers_job.photos.verdicts import (
     LISTING_REASONS,
+    SKIPPED_REASONS,
     ListedFile,
     display_name,
     is_hidden,
@@ -53,6 +59,7 @@ from flowers_job.vision.images import ImageRejected
 
 __all__ = [
     "LISTING_REASONS",
+    "SKIPPED_REASONS",
     "ListedFile",
     "display_name",
     "entry_shard",
@@ -316,8 +323,10 @@ def _file_verdict(
     return None, None
 
 
-def read_listed_file(root: str, relative_path: str) -> bytes:
-    """The bytes of a file that :func:`list_entry` found readable.
+def read_listed_file(root: str, relative_path: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of a file that :func:`list_entry` found readable: all of them, or at most
+    ``max_bytes + 1`` (bytes) when ``max_bytes`` is given, so that a caller sees that the
+    file is larger than its limit without holding more than the limit in memory.
 
     The path is resolved again just before reading: a file that became a link out of the
     root since the listing is refused, and a FIFO put in its place is not waited on.
@@ -333,7 +342,7 @@ def read_listed_file(root: str, relative_path: str) -> bytes:
     if is_remote(root):
         from flowers_job.photos.object_listing import read_object
 
-        return read_object(root, relative_path)
+        return read_object(root, relative_path, max_bytes)
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(real_root, relative_path))
     if not _inside(real, real_root):
@@ -349,6 +358,6 @@ def read_listed_file(root: str, relative_path: str) -> bytes:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ImageRejected("not_a_regular_file", "not a regular file when read")
         try:
-            return f.read()
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
         except OSError as exc:
             raise ImageRejected("unreadable", f"cannot read: {exc.strerror or exc}") from None

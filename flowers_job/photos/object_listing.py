@@ -7,7 +7,8 @@ Every key under the root ends either readable (ingest reads and decodes it) or w
 ``reason_code`` (quarantine), as for a local root. An object store has no symbolic links,
 special files or unreadable directories, so of the listing's reasons only these apply:
 
-- ``hidden_path``: a segment of the key (between ``/``) starts with ``.`` or ``_``;
+- ``hidden_path``: a segment of the key (between ``/``) starts with ``.`` or ``_``
+  (skipped, as a local root's hidden files: not counted towards ``data.max_bad_fraction``);
 - ``not_in_label_folder``: a key directly under the root;
 - ``bad_file_name``: a key with an empty segment (``daisy//a.jpg``), which no file-system
   path (pyarrow's, Hadoop's, a mounted volume's) can name. Keys are UTF-8 by the S3 API, so
@@ -162,9 +163,10 @@ def _verdict(rel: str) -> tuple[str | None, str | None]:
     return code, reason
 
 
-def read_object(root: str, relative_path: str) -> bytes:
+def read_object(root: str, relative_path: str, max_bytes: int | None = None) -> bytes:
     """The bytes of the object ``<root>/<relative_path>`` that :func:`list_object_unit`
-    found readable: one GET through pyarrow.
+    found readable: one GET through pyarrow; at most ``max_bytes + 1`` bytes when
+    ``max_bytes`` is given (:func:`~flowers_job.photos.listing.read_listed_file`).
 
     Raises:
         ImageRejected: ``unreadable``: no object under that key (deleted since the listing,
@@ -174,7 +176,7 @@ def read_object(root: str, relative_path: str) -> bytes:
     fs, base = filesystem(root)
     try:
         with fs.open_input_stream(f"{base}/{relative_path}") as f:
-            return bytes(f.read())
+            return bytes(f.read() if max_bytes is None else f.read(max_bytes + 1))
     except FileNotFoundError:
         raise ImageRejected(
             "unreadable",

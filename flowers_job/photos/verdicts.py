@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LISTING_REASONS", "ListedFile", "display_name", "is_hidden", "path_verdict"]
+__all__ = [
+    "LISTING_REASONS",
+    "SKIPPED_REASONS",
+    "ListedFile",
+    "display_name",
+    "is_hidden",
+    "path_verdict",
+]
 
 
 LISTING_REASONS = (
@@ -23,6 +30,11 @@ LISTING_REASONS = (
     "bad_file_name",
 )
 """The ``reason_code`` values the listing gives (the table above): entries never opened."""
+SKIPPED_REASONS = ("hidden_path",)
+"""Listing verdicts that mean "skipped", not "bad": hidden names (``.DS_Store``, macOS's
+``._x.jpg``, ``.git/``), which Spark and Hadoop skip too. Such an entry is still recorded in
+quarantine with its reason (nothing is lost), but ingest counts it apart, and not towards
+``data.max_bad_fraction`` (:mod:`flowers_job.ingest.write`)."""
 
 
 @dataclass(frozen=True)

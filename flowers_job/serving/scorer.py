@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowers_job.vision.images import ImageRejected
+from flowers_job.vision.images import ImageLimits, ImageRejected, check_size, pillow_pixel_limit
 
 __all__ = ["SCORE_BATCH_SIZE", "Scorer", "Scores"]
 
@@ -48,8 +48,10 @@ class Scores:
             scored row sums to 1; a rejected row is all NaN.
         rejections: N entries: None for a scored row, else the
             :class:`~flowers_job.vision.images.ImageRejected` that says why (``code`` is one of
-            ingest's reason codes: ``empty_file``, ``not_an_image``, ``too_many_pixels``,
-            ``corrupt``, or ``decode_error`` for any other failure to decode).
+            ingest's reason codes: ``empty_file``, ``file_too_large``, ``unsupported_format``
+            (naming the real format), ``not_an_image``, ``too_many_pixels``,
+            ``long_side_too_large``, ``extreme_aspect``, ``animated_image``, ``corrupt``, or
+            ``decode_error`` for any other failure to decode).
     """
 
     probabilities: np.ndarray
@@ -69,7 +71,10 @@ class Scorer:
     """The network and its preprocessing, rebuilt from a pyfunc's ``model_config``.
 
     ``config`` keys: architecture, label_names, image_size, resize_size, mean, std, dropout,
-    max_pixels, batch_size (:func:`flowers_job.serving.pyfunc_model.model_config`); ``state_dict``: the
+    max_pixels, batch_size (:func:`flowers_job.serving.pyfunc_model.model_config`), and the
+    limits of :meth:`ImageLimits.model_config <flowers_job.vision.images.ImageLimits.model_config>`
+    (image_formats, max_aspect_ratio, max_long_side, max_file_bytes: each defaults to
+    ``data``'s default when absent, as in a model registered before them); ``state_dict``: the
     classifier's weights (a ``torch.save`` file, loaded with ``weights_only``).
     ``device``: None = :func:`~flowers_job.runtime.devices.serving_device`.
     ``batch_decode``: decode the plain JPEGs in one batched call on a CPU device too (on a
@@ -92,7 +97,7 @@ class Scorer:
 
         cfg = config
         self.label_names = list(cfg["label_names"])
-        self.max_pixels = int(cfg["max_pixels"])
+        self.limits = ImageLimits.from_model_config(cfg)
         self.batch_size = int(cfg.get("batch_size", SCORE_BATCH_SIZE))
         self.model = build_model(
             cfg["architecture"],
@@ -125,6 +130,10 @@ class Scorer:
     def score(self, contents: Sequence[bytes | bytearray | memoryview | None]) -> Scores:
         """Decode and score N images; a row that does not decode is rejected, not raised.
 
+        Each image is checked by its header against the model's
+        :class:`~flowers_job.vision.images.ImageLimits` (format, pixels, long side, aspect
+        ratio) before it is decoded or resized: a refused row costs no pixel memory.
+
         Args:
             contents: N file bytes (any format Pillow reads); None (or NaN) counts as an
                 empty file, any other non-bytes value is ``not_an_image``.
@@ -147,7 +156,7 @@ class Scorer:
             except ImageRejected as exc:
                 rejections[i] = exc
                 continue
-            is_plain = self.decoder is not None and _plain_jpeg(raws[i], self.max_pixels)
+            is_plain = self.decoder is not None and _plain_jpeg(raws[i], self.limits)
             (plain if is_plain else others).append(i)
         for group, batched in ((plain, True), (others, False)):
             for k in range(0, len(group), self.batch_size):
@@ -179,7 +188,7 @@ class Scorer:
         tensors, kept = [], []
         for i in rows:
             try:
-                img, _, _ = open_rgb(raws[i], max_pixels=self.max_pixels)
+                img, _, _ = open_rgb(raws[i], limits=self.limits)
                 tensors.append(self.pixels(img))
                 kept.append(i)
             except ImageRejected as exc:
@@ -200,21 +209,27 @@ class Scorer:
         return torch.softmax(logits.float(), dim=1).double().cpu().numpy()
 
 
-def _plain_jpeg(raw: bytes, max_pixels: int) -> bool:
+def _plain_jpeg(raw: bytes, limits: ImageLimits) -> bool:
     """True for a JPEG the batched decoder reads as Pillow would: 8-bit RGB (YCbCr) or
-    grey, upright (no EXIF rotation), without an ICC profile, within ``max_pixels``. Reads
-    the header only (Pillow opens lazily); anything else takes the Pillow path."""
+    grey, upright (no EXIF rotation), without an ICC profile, within ``limits`` (JPEG among
+    its formats, pixels, long side, aspect ratio: :func:`~flowers_job.vision.images.check_size`).
+    Reads the header only (Pillow opens lazily, and as a JPEG only); anything else takes
+    the Pillow path, which names why it refuses a file."""
     from PIL import Image
 
+    if "JPEG" not in limits.formats or len(raw) > limits.max_file_bytes:
+        return False
     try:
-        with Image.open(io.BytesIO(raw)) as img:
-            w, h = img.size
+        with (
+            pillow_pixel_limit(limits.max_pixels),
+            Image.open(io.BytesIO(raw), formats=("JPEG",)) as img,
+        ):
+            check_size(*img.size, limits)
             return (
                 img.format == "JPEG"
                 and img.mode in ("RGB", "L")
                 and not img.info.get("icc_profile")
                 and img.getexif().get(0x0112, 1) == 1
-                and w * h <= max_pixels
             )
     except Exception:
         return False

@@ -40,6 +40,7 @@ __all__ = [
     "BatchDecoder",
     "crop_boxes",
     "pad_jpegs",
+    "padding_groups",
     "step_seed",
 ]
 
@@ -146,6 +147,35 @@ def crop_boxes(
     return boxes, flips
 
 
+def padding_groups(
+    sizes: Sequence[tuple[int, int]],
+) -> list[tuple[list[int], tuple[int, int]]]:
+    """The images of a batch in groups that share one zero-padded canvas, and its size.
+
+    An image of ``h x w`` pixels joins the group of ``(ceil(log2 h), ceil(log2 w))``, so in
+    its group's canvas ``H x W`` both ``H < 2h`` and ``W < 2w``: its slot is under 4 times
+    its own pixels, whatever the rest of the batch (one canvas of the batch's largest height
+    by its largest width would give a 256x5120 and a 5120x256 image a 5120x5120 slot each,
+    20 times their pixels). Photos of one batch mostly share one or two groups (landscape
+    and portrait).
+
+    Args:
+        sizes: ``(height, width)`` in pixels of each image of the batch.
+
+    Returns:
+        ``[(indices, (height, width))]``: the indices into ``sizes`` of each group, in the
+        order of ``sizes``, and its canvas (the group's largest height and width); groups
+        in the order of their first image.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (h, w) in enumerate(sizes):
+        groups.setdefault(((h - 1).bit_length(), (w - 1).bit_length()), []).append(i)
+    return [
+        (idx, (max(sizes[i][0] for i in idx), max(sizes[i][1] for i in idx)))
+        for idx in groups.values()
+    ]
+
+
 class BatchDecoder:
     """Stored JPEGs -> uint8 ``[B, 3, S, S]`` on ``device``: decoded in one batched call,
     then cropped, resized (bilinear, antialiased) and flipped there.
@@ -210,12 +240,17 @@ class BatchDecoder:
     ) -> torch.Tensor:
         """Decoded uint8 ``[3, H, W]`` images (on the device) -> uint8 ``[B, 3, S, S]``.
 
-        All crops and resizes in one ``torchvision.ops.roi_align`` call over the batch
-        (zero-padded to its largest image): each output pixel averages a grid of bilinear
-        samples over its bin (``sampling_ratio=-1``: ``ceil(box / S)`` per side), an
-        antialiased downscale like torchvision's ``antialias=True`` bilinear resize, in a
+        The crops and resizes in one ``torchvision.ops.roi_align`` call per group of
+        similar sizes (:func:`padding_groups`; most batches are one or two groups), each
+        group zero-padded to its own largest image: each output pixel averages a grid of
+        bilinear samples over its bin (``sampling_ratio=-1``: ``ceil(box / S)`` per side),
+        an antialiased downscale like torchvision's ``antialias=True`` bilinear resize, in a
         few launches per batch instead of several per image (measured on an H200:
         benchmarks/README.md).
+
+        Memory: the float32 canvases hold under 4 slots of an image's own pixels each, so
+        they take less than 48 bytes per decoded pixel of the batch (3 channels x 4 bytes x
+        4), whatever mix of tall and wide images it holds.
 
         Args:
             generator: the step's draws (:func:`step_seed`); required when training.
@@ -228,24 +263,44 @@ class BatchDecoder:
             return torch.empty(0, 3, size, size, dtype=torch.uint8, device=self.device)
         sizes = [(int(i.shape[-2]), int(i.shape[-1])) for i in images]
         boxes, flips = self.boxes(sizes, generator)
-        height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
-        batch = torch.zeros(len(images), 3, height, width, device=self.device)
-        for i, (img, (h, w)) in enumerate(zip(images, sizes, strict=True)):
-            batch[i, :, :h, :w] = img
+        groups = padding_groups(sizes)
+        order = [i for idx, _ in groups for i in idx]
+        slot = {i: k for idx, _ in groups for k, i in enumerate(idx)}  # index in its canvas
         rois = torch.tensor(
-            [[i, left, top, left + w, top + h] for i, (top, left, h, w) in enumerate(boxes)],
+            [
+                [slot[i], left, top, left + w, top + h]
+                for i in order
+                for top, left, h, w in [boxes[i]]
+            ],
             dtype=torch.float32,
         )
-        flip = torch.tensor(flips, dtype=torch.bool)
+        flip = torch.tensor([flips[i] for i in order], dtype=torch.bool)
         if self.device.type == "cuda":  # a pageable copy would wait for the device
             rois, flip = rois.pin_memory(), flip.pin_memory()
         rois = rois.to(self.device, non_blocking=True)
         flip = flip.to(self.device, non_blocking=True)
-        out = roi_align(
-            batch, rois, (size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True
-        )
+        parts, start = [], 0
+        for idx, (height, width) in groups:
+            canvas = torch.zeros(len(idx), 3, height, width, device=self.device)
+            for k, i in enumerate(idx):
+                h, w = sizes[i]
+                canvas[k, :, :h, :w] = images[i]
+            part = rois[start : start + len(idx)]
+            parts.append(
+                roi_align(
+                    canvas, part, (size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True
+                )
+            )
+            start += len(idx)
+            del canvas
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = torch.where(flip.view(-1, 1, 1, 1), out.flip(-1), out)
-        return out.round_().clamp_(0, 255).to(torch.uint8)
+        out = out.round_().clamp_(0, 255).to(torch.uint8)
+        if order != list(range(len(order))):  # back to the batch's order
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+            out = out[inverse.to(self.device, non_blocking=True)]
+        return out
 
     def __call__(
         self, jpeg: torch.Tensor, length: torch.Tensor, generator: torch.Generator | None = None

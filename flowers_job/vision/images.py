@@ -10,9 +10,11 @@ resident memory per process).
 from __future__ import annotations
 
 import io
+import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,14 +24,21 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
+    from flowers_job.config.data import DataConfig
+
 __all__ = [
+    "STORED_FORMATS",
     "DecodeTransform",
+    "ImageLimits",
     "ImageRejected",
     "NormalizedImage",
+    "check_size",
     "eval_pixels",
     "eval_transform",
     "normalize_image",
     "open_rgb",
+    "pillow_pixel_limit",
+    "sniff_format",
     "train_pixels",
 ]
 
@@ -44,6 +53,207 @@ class ImageRejected(ValueError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+STORED_FORMATS = ("JPEG",)
+"""What the images table holds: ingest re-encodes every photo as a JPEG, so the loaders
+open stored images as JPEG only."""
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What the job decodes, and how large: ingest, predict and the served model check every
+    file against these before its pixels are decoded (the defaults are ``data``'s).
+
+    Attributes:
+        formats: Pillow format names opened (``data.image_formats``); a file of any other
+            format is ``unsupported_format`` and no other Pillow plugin ever reads it (the
+            workaround of CVE-2026-25990's advisory, a crafted PSD).
+        max_pixels: width x height at most (``data.max_image_pixels``), ``too_many_pixels``.
+        max_aspect_ratio: long side / short side at most (``data.max_aspect_ratio``),
+            ``extreme_aspect``: resizing the short side to 256 px makes a 4000x1 image
+            1,024,000x256 (about 1 GB).
+        max_long_side: pixels of the longer side at most (``data.max_long_side_pixels``),
+            ``long_side_too_large``.
+        max_file_bytes: bytes of the file at most (``data.max_file_bytes``),
+            ``file_too_large``.
+    """
+
+    formats: tuple[str, ...] = ("JPEG", "PNG")
+    max_pixels: int = 89_478_485
+    max_aspect_ratio: float = 20.0
+    max_long_side: int = 16_384
+    max_file_bytes: int = 128 * 2**20
+
+    @classmethod
+    def from_data(cls, data: DataConfig) -> ImageLimits:
+        """The limits a ``data`` section sets."""
+        return cls(
+            formats=tuple(data.image_formats),
+            max_pixels=data.max_image_pixels,
+            max_aspect_ratio=data.max_aspect_ratio,
+            max_long_side=data.max_long_side_pixels,
+            max_file_bytes=data.max_file_bytes,
+        )
+
+    def model_config(self) -> dict[str, Any]:
+        """The limits as the served model's ``model_config`` entries (plain JSON values;
+        ``max_pixels`` is the key models registered before already have)."""
+        return {
+            "image_formats": list(self.formats),
+            "max_pixels": self.max_pixels,
+            "max_aspect_ratio": self.max_aspect_ratio,
+            "max_long_side": self.max_long_side,
+            "max_file_bytes": self.max_file_bytes,
+        }
+
+    @classmethod
+    def from_model_config(cls, config: Mapping[str, Any]) -> ImageLimits:
+        """The limits of a served model's ``model_config``; a key that a model registered
+        before this setting existed lacks takes its default."""
+        default = cls()
+        return cls(
+            formats=tuple(config.get("image_formats", default.formats)),
+            max_pixels=int(config.get("max_pixels", default.max_pixels)),
+            max_aspect_ratio=float(config.get("max_aspect_ratio", default.max_aspect_ratio)),
+            max_long_side=int(config.get("max_long_side", default.max_long_side)),
+            max_file_bytes=int(config.get("max_file_bytes", default.max_file_bytes)),
+        )
+
+
+_SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
+    (0, b"\xff\xd8\xff", "JPEG"),
+    (0, b"\x89PNG\r\n\x1a\n", "PNG"),
+    (0, b"8BPS", "PSD"),
+    (0, b"II*\x00", "TIFF"),
+    (0, b"MM\x00*", "TIFF"),
+    (0, b"II+\x00", "TIFF"),  # BigTIFF
+    (0, b"MM\x00+", "TIFF"),
+    (0, b"GIF87a", "GIF"),
+    (0, b"GIF89a", "GIF"),
+    (8, b"WEBP", "WEBP"),  # after b"RIFF" and the chunk's length
+    (0, b"BM", "BMP"),
+    (0, b"\x00\x00\x01\x00", "ICO"),
+    (0, b"\x00\x00\x02\x00", "CUR"),
+    (0, b"icns", "ICNS"),
+    (0, b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG2000"),
+    (0, b"\xffO\xffQ", "JPEG2000"),
+    (0, b"qoif", "QOI"),
+    (0, b"DDS ", "DDS"),
+    (0, b"v/1\x01", "OpenEXR"),
+    (0, b"%PDF", "PDF"),
+    (0, b"%!PS", "EPS"),
+    (0, b"\xc5\xd0\xd3\xc6", "EPS"),
+)
+"""File signatures ("magic numbers") of the image formats a file named ``.jpg`` may really
+hold, from each format's specification (Gary Kessler's table of file signatures collects
+them); matched on the file's first bytes, never by a decoder."""
+_HEIF_BRANDS = {
+    b"heic": "HEIC",
+    b"heix": "HEIC",
+    b"mif1": "HEIF",
+    b"msf1": "HEIF",
+    b"avif": "AVIF",
+    b"avis": "AVIF",
+}
+
+
+def sniff_format(content: bytes) -> str | None:
+    """The image format ``content`` starts like (``"PSD"``, ``"TIFF"``, ``"WEBP"``, ...), from
+    its signature alone: no decoder reads the file. None when no signature matches.
+
+    ISO base media files (HEIC, HEIF, AVIF) are told by their ``ftyp`` box's major brand.
+    """
+    head = content[:32]
+    if head[4:8] == b"ftyp":
+        brand = head[8:12]
+        return _HEIF_BRANDS.get(brand, f"ISO media (ftyp {brand.decode('latin-1')!r})")
+    for offset, magic, name in _SIGNATURES:
+        if head[offset : offset + len(magic)] == magic:
+            if name == "WEBP" and head[:4] != b"RIFF":
+                continue
+            return name
+    return None
+
+
+_LIMIT_LOCK = threading.Lock()
+_limit_users: list[int] = []
+_pillow_default: list[int | None] = []
+
+
+@contextmanager
+def pillow_pixel_limit(max_pixels: int) -> Iterator[None]:
+    """Raise Pillow's process-wide decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``) to at
+    least ``max_pixels`` for the ``with`` block, so that ``data.max_image_pixels`` above
+    Pillow's 89,478,485 is what decides (Pillow refuses more than twice its limit in
+    ``Image.open``). Never lowers it; nested and concurrent blocks (threads of a REST
+    server) hold the largest limit in use, and the value found before the first block comes
+    back when the last one ends. The job's own check (:func:`check_size`) then applies each
+    decode's limit."""
+    with _LIMIT_LOCK:
+        if not _limit_users:
+            _pillow_default[:] = [Image.MAX_IMAGE_PIXELS]
+        _limit_users.append(max_pixels)
+        base = _pillow_default[0]
+        if base is not None:
+            Image.MAX_IMAGE_PIXELS = max(base, *_limit_users)
+    try:
+        yield
+    finally:
+        with _LIMIT_LOCK:
+            _limit_users.remove(max_pixels)
+            base = _pillow_default[0]
+            if base is not None:
+                Image.MAX_IMAGE_PIXELS = max(base, *_limit_users) if _limit_users else base
+
+
+def check_size(width: int, height: int, limits: ImageLimits) -> None:
+    """Refuse an image by its size (read from its header, before any pixel is decoded).
+
+    Raises:
+        ImageRejected: ``too_many_pixels`` (width x height over ``limits.max_pixels``),
+            ``long_side_too_large`` or ``extreme_aspect``, naming the size and the setting.
+    """
+    w, h = width, height
+    if w * h > limits.max_pixels:
+        raise ImageRejected(
+            "too_many_pixels",
+            f"{w}x{h} = {w * h} pixels exceeds the limit of {limits.max_pixels} "
+            "(data.max_image_pixels)",
+        )
+    if max(w, h) > limits.max_long_side:
+        raise ImageRejected(
+            "long_side_too_large",
+            f"{w}x{h}: a side of {max(w, h)} pixels exceeds the limit of "
+            f"{limits.max_long_side} (data.max_long_side_pixels)",
+        )
+    aspect = max(w, h) / max(1, min(w, h))
+    if aspect > limits.max_aspect_ratio:
+        raise ImageRejected(
+            "extreme_aspect",
+            f"{w}x{h}: an aspect ratio of {aspect:.4g} exceeds the limit of "
+            f"{limits.max_aspect_ratio:g} (data.max_aspect_ratio); resizing its short side "
+            "would make it very large",
+        )
+
+
+def _unsupported(content: bytes, formats: tuple[str, ...]) -> ImageRejected:
+    """Why a file that no allowed decoder identifies is refused: ``unsupported_format``
+    naming its real format when its signature tells it, else ``not_an_image``."""
+    found = sniff_format(content)
+    if found is None:
+        # Pillow's own message names the BytesIO object's address: not reproducible.
+        return ImageRejected(
+            "not_an_image",
+            f"not a {' or '.join(formats)} file (no known image signature in its first bytes)",
+        )
+    if found in formats:
+        return ImageRejected("corrupt", f"starts like a {found} file, but its header is damaged")
+    return ImageRejected(
+        "unsupported_format",
+        f"a {found} file (told by its signature), not one of data.image_formats "
+        f"{list(formats)}; not decoded",
+    )
 
 
 @dataclass(frozen=True)
@@ -91,17 +301,63 @@ def _to_srgb(img: Image.Image, notes: list[str]) -> Image.Image:
     return out
 
 
-def _to_rgb(img: Image.Image, notes: list[str]) -> Image.Image:
-    """8-bit RGB from any Pillow mode; transparency is composited on white."""
+_STRIP_PIXELS = 1 << 20
+"""Pixels converted at a time from a 16/32-bit or float image to 8 bits: the float32 copy
+of one strip is 4 MiB, whatever the image's size."""
+
+
+def _gray8(img: Image.Image, scale: float, offset: float) -> Image.Image:
+    """A one-channel 16/32-bit or float image -> mode ``L``: ``clip(round(v * scale +
+    offset), 0, 255)`` per pixel (NaN -> 0), a strip of rows at a time, so that the image
+    costs its own pixels, one byte per pixel out, and a float32 copy of one strip (never a
+    float64 copy of the whole image: 8 bytes per pixel, 288 MB at 6000x6000)."""
+    out = Image.new("L", img.size)
+    rows = max(1, _STRIP_PIXELS // max(1, img.width))
+    for top in range(0, img.height, rows):
+        box = (0, top, img.width, min(img.height, top + rows))
+        strip = np.asarray(img.crop(box), dtype=np.float32)
+        strip = np.nan_to_num(strip * np.float32(scale) + np.float32(offset + 0.5), nan=0.0)
+        np.clip(strip, 0, 255, out=strip)
+        out.paste(Image.fromarray(strip.astype(np.uint8), "L"), box[:2])
+    return out
+
+
+def _high_depth_to_l(img: Image.Image, notes: list[str]) -> Image.Image:
+    """16-bit and 32-bit integer and float grey images -> 8-bit ``L``, scaled, not clipped
+    (``convert('L')`` clips at 255).
+
+    ``I;16*``: 0..65535 -> 0..255 (v / 257). ``I``: the same when a value is over 255, else
+    as it is. ``F``: its real range (min..max) -> 0..255, as image viewers show a float
+    image: float images come in 0..1 as often as in 0..255, and the range is the one
+    scale that shows both; a constant image keeps its value, clipped to 0..255.
+    """
     mode = img.mode
-    if mode == "RGB":
+    if mode.startswith("I;16"):
+        return _gray8(img, 255.0 / 65535.0, 0.0)
+    extrema = img.getextrema()  # (min, max) of a one-channel image
+    lo, hi = float(extrema[0]), float(extrema[1])  # type: ignore[arg-type]
+    if mode == "I":
+        return _gray8(img, 255.0 / 65535.0 if hi > 255 else 1.0, 0.0)
+    if not (np.isfinite(lo) and np.isfinite(hi)) or hi <= lo:
+        return _gray8(img, 1.0 if np.isfinite(lo) else 0.0, 0.0)
+    notes.append(f"float range {lo:.6g}..{hi:.6g} scaled to 0..255")
+    return _gray8(img, 255.0 / (hi - lo), -lo * 255.0 / (hi - lo))
+
+
+_HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I", "F")
+
+
+def _to_rgb(img: Image.Image, notes: list[str], source_mode: str | None = None) -> Image.Image:
+    """8-bit RGB from any Pillow mode; transparency is composited on white. ``source_mode``:
+    the mode the file was decoded in, when ``img`` is already converted from it (named in
+    the note)."""
+    mode = source_mode or img.mode
+    if img.mode == "RGB":
+        if source_mode and source_mode != "RGB":
+            notes.append(f"mode {mode}->RGB")
         return img
-    if mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        # 16/32-bit grayscale: scale to 0..255 rather than clip (convert('L') clips).
-        arr = np.asarray(img, dtype=np.float64)
-        hi = 65535.0 if mode.startswith("I;16") or arr.max() > 255 else 255.0
-        arr = np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8)
-        img = Image.fromarray(arr, mode="L")
+    if img.mode in _HIGH_DEPTH:
+        img = _high_depth_to_l(img, notes)
     if img.mode == "P":
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -114,13 +370,24 @@ def _to_rgb(img: Image.Image, notes: list[str]) -> Image.Image:
 
 
 def open_rgb(
-    content: bytes, *, max_pixels: int, draft_short_side: int | None = None
+    content: bytes,
+    *,
+    max_pixels: int | None = None,
+    limits: ImageLimits | None = None,
+    draft_short_side: int | None = None,
 ) -> tuple[Image.Image, list[str], tuple[int, int]]:
     """Decode ``content`` into an 8-bit sRGB Pillow image, upright per its EXIF tag.
 
+    Only ``limits.formats`` are opened (Pillow's ``formats=``: no other plugin reads the
+    file), and the size in the header is checked against ``limits`` before any pixel is
+    decoded. Decoding costs the image's own pixels (a 16-bit image 2 bytes per pixel and
+    the 8-bit result, :func:`_gray8`).
+
     Args:
-        content: the file's bytes (JPEG, PNG, or anything Pillow reads).
-        max_pixels: decompression-bomb guard; larger images are rejected before decoding.
+        content: the file's bytes.
+        max_pixels: the pixel limit (decompression-bomb guard); replaces
+            ``limits.max_pixels`` when given.
+        limits: what is decoded and how large (:class:`ImageLimits`); None: the defaults.
         draft_short_side: if given, let the JPEG decoder downscale by 1/2, 1/4 or 1/8 while
             keeping both sides >= this many pixels (much faster for large photos).
 
@@ -129,33 +396,49 @@ def open_rgb(
         and the original size in pixels as displayed (after EXIF rotation, before any draft).
 
     Raises:
-        ImageRejected: ``empty_file``, ``not_an_image``, ``too_many_pixels`` or ``corrupt``.
+        ImageRejected: ``empty_file``, ``file_too_large``, ``unsupported_format`` (naming
+            the format its signature shows), ``not_an_image``, ``too_many_pixels``,
+            ``long_side_too_large``, ``extreme_aspect``, ``animated_image`` or ``corrupt``.
     """
+    limits = limits or ImageLimits()
+    if max_pixels is not None:
+        limits = replace(limits, max_pixels=max_pixels)
     if not content:
         raise ImageRejected("empty_file", "file has 0 bytes")
+    if len(content) > limits.max_file_bytes:
+        raise ImageRejected(
+            "file_too_large",
+            f"{len(content)} bytes, more than data.max_file_bytes={limits.max_file_bytes}",
+        )
     notes: list[str] = []
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img: Image.Image = Image.open(io.BytesIO(content))
+        with pillow_pixel_limit(limits.max_pixels), warnings.catch_warnings():
+            # Pillow warns past its limit in Image.open; check_size then decides, naming
+            # the setting. Past twice its limit Pillow raises (below).
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img: Image.Image = Image.open(io.BytesIO(content), formats=limits.formats)
             w, h = img.size
-            if w * h > max_pixels:
+            check_size(w, h, limits)
+            frames = int(getattr(img, "n_frames", 1))
+            if img.format != "MPO" and frames > 1:
+                # MPO: a camera's JPEG with extra pictures (a preview, a depth map); its
+                # first frame is the photo. An APNG's frames are an animation.
                 raise ImageRejected(
-                    "too_many_pixels",
-                    f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (data.max_image_pixels)",
+                    "animated_image",
+                    f"an animated {img.format} of {frames} frames: which frame is the "
+                    "photo is not known",
                 )
-            if draft_short_side and img.format == "JPEG":
+            if draft_short_side and img.format in ("JPEG", "MPO"):
                 img.draft(None, (draft_short_side, draft_short_side))
             img.load()
     except ImageRejected:
         raise
     except UnidentifiedImageError:
-        # Pillow's own message names the BytesIO object's address: not reproducible.
-        raise ImageRejected(
-            "not_an_image", "Pillow cannot identify the file as an image (JPEG, PNG, ...)"
-        ) from None
+        raise _unsupported(content, limits.formats) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageRejected("too_many_pixels", str(exc)) from None
+        raise ImageRejected(
+            "too_many_pixels", f"{exc} (data.max_image_pixels={limits.max_pixels})"
+        ) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise ImageRejected("corrupt", f"{type(exc).__name__}: {exc}") from None
     orientation = img.getexif().get(0x0112, 1)
@@ -164,13 +447,21 @@ def open_rgb(
         img = ImageOps.exif_transpose(img)
         if orientation in (5, 6, 7, 8):  # 90 or 270 degree rotations swap the sides
             w, h = h, w
+    source_mode = img.mode
+    if source_mode in _HIGH_DEPTH:  # to 8 bits first: the wide pixels are freed here
+        img = _high_depth_to_l(img, notes)
     img = _to_srgb(img, notes)
-    img = _to_rgb(img, notes)
+    img = _to_rgb(img, notes, source_mode)
     return img, notes, (w, h)
 
 
 def normalize_image(
-    content: bytes, *, short_side: int, quality: int = 90, max_pixels: int = 89_478_485
+    content: bytes,
+    *,
+    short_side: int,
+    quality: int = 90,
+    max_pixels: int | None = None,
+    limits: ImageLimits | None = None,
 ) -> NormalizedImage:
     """Decode a photo, normalise it to 8-bit sRGB, downscale, and re-encode as JPEG.
 
@@ -179,16 +470,18 @@ def normalize_image(
         short_side: the stored image's shorter side is at most this (pixels); smaller
             photos are kept at their size (the loader resizes).
         quality: JPEG quality of the re-encoded image.
-        max_pixels: decompression-bomb guard (see :func:`open_rgb`).
+        max_pixels: decompression-bomb guard; replaces ``limits.max_pixels`` when given.
+        limits: formats and sizes decoded (:class:`ImageLimits`; None: the defaults).
 
     Returns:
         A :class:`NormalizedImage`.
 
     Raises:
-        ImageRejected: the file is empty, not an image, too large, or corrupt.
+        ImageRejected: the file is empty, too large, of another format, not an image, too
+            large or too elongated in pixels, animated, or corrupt (:func:`open_rgb`).
     """
     img, notes, (width, height) = open_rgb(
-        content, max_pixels=max_pixels, draft_short_side=short_side
+        content, max_pixels=max_pixels, limits=limits, draft_short_side=short_side
     )
     if min(img.size) > short_side:
         scale = short_side / min(img.size)
@@ -309,7 +602,7 @@ class DecodeTransform:
             return torch.frombuffer(bytearray(content), dtype=torch.uint8)
         tf = self.warm_up()._tf
         assert tf is not None
-        with Image.open(io.BytesIO(content)) as img:
+        with Image.open(io.BytesIO(content), formats=STORED_FORMATS) as img:
             return tf(img.convert("RGB")).contiguous()
 
     def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:

@@ -17,6 +17,7 @@ from flowers_job.config import JobConfig, load_config
 from flowers_job.ingest.job import IngestError, IngestReport, ingest
 from tests.support import PHOTOS
 from tests.support.data import sample_photos
+from tests.unit.vision.test_hostile_images import OTHER_FORMATS, WIDE_PNG
 from tests.unit.vision.test_images import _encode, _gradient, _variants
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
@@ -43,6 +44,8 @@ EXPECTED: dict[str, str | None] = {
     "tulips/bomb.png": "too_many_pixels",
     "tulips/huge.jpg": "file_too_large",
     "dandelion/notes.txt": "unsupported_extension",
+    "tulips/photoshop.jpg": "unsupported_format",  # PSD bytes named .jpg: never decoded
+    "roses/sliver.png": "extreme_aspect",  # 4000x1
     # paths
     "daisy/.hidden.jpg": "hidden_path",  # a good photo, but hidden
     "daisy/._appledouble.jpg": "hidden_path",
@@ -91,6 +94,8 @@ def odd_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # 9 megapixels, a few KB: over data.max_image_pixels=2000000 (set below)
         "tulips/bomb.png": _encode(Image.new("L", (3000, 3000)), "PNG", optimize=True),
         "dandelion/notes.txt": b"notes\n",
+        "tulips/photoshop.jpg": OTHER_FORMATS["PSD"],
+        "roses/sliver.png": WIDE_PNG,
         "daisy/.hidden.jpg": real.read_bytes(),
         "daisy/._appledouble.jpg": b"\x00\x05\x16\x07 resource fork",
         "roses/_drafts/draft.jpg": real.read_bytes(),
@@ -202,6 +207,13 @@ def test_refused_entries_are_never_read(spark: SparkSession, ingested) -> None:
 def test_too_many_pixels_names_the_limit(spark: SparkSession, ingested) -> None:
     reason = _table(spark, ingested, "quarantine")["tulips/bomb.png"]["reason"]
     assert "3000x3000" in reason and "limit of 2000000 (data.max_image_pixels)" in reason
+
+
+def test_another_format_and_an_extreme_aspect_are_named(spark: SparkSession, ingested) -> None:
+    quarantine = _table(spark, ingested, "quarantine")
+    assert "a PSD file" in quarantine["tulips/photoshop.jpg"]["reason"]
+    assert "4000x1" in quarantine["roses/sliver.png"]["reason"]
+    assert "data.max_aspect_ratio" in quarantine["roses/sliver.png"]["reason"]
 
 
 # Set-level problems: a clear error before anything is written.
