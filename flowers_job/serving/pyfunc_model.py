@@ -17,11 +17,22 @@ of ``mlflow models serve``) calls it and refuses a batch with a bad image by rai
 ``MlflowException`` with ``INVALID_PARAMETER_VALUE``, which the scoring server answers with
 HTTP 400 and the message naming the row; ``flowers-job predict`` (:mod:`flowers_job.serving.batch_predict`)
 calls it on the executors and writes a row with the reason instead.
+
+**Limits per request** (``serving.max_rows``, ``serving.max_request_bytes``, baked into
+``model_config`` at registration): ``predict`` refuses a request with more rows or more image
+bytes, with ``INVALID_PARAMETER_VALUE`` (HTTP 400), before any image is decoded. Under
+``mlflow models serve``, :func:`guard_scoring_server` also answers a body over
+``max_request_bytes`` with 413 before MLflow parses it, and a request without a Content-Type
+with 415 (MLflow's own server raises ``AttributeError`` on it: a 500).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+import logging
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -30,9 +41,28 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
 from flowers_job.config import JobConfig
+from flowers_job.config.model import ServingConfig
 from flowers_job.serving.scorer import SCORE_BATCH_SIZE, Scorer, Scores
+from flowers_job.vision.pillow_floor import check_pillow
 
-__all__ = ["MAX_ROWS_NAMED", "SCORE_BATCH_SIZE", "FlowersClassifierModel", "Scores", "model_config"]
+__all__ = [
+    "MAX_ROWS_NAMED",
+    "SCORE_BATCH_SIZE",
+    "FlowersClassifierModel",
+    "Scores",
+    "guard_scoring_server",
+    "model_config",
+]
+
+log = logging.getLogger(__name__)
+
+SCORING_APP = "mlflow.pyfunc.scoring_server.app"
+"""The module of ``mlflow models serve``'s app (MLflow 3.0 to 3.17 at least): it loads the
+model while it is imported (``app = init(load_model(...))``), so the model's ``load_context``
+runs with it in ``sys.modules`` in exactly that server."""
+INVOCATIONS_PARAMETERS = ("data", "content_type", "model", "input_schema")
+"""The parameters of ``mlflow.pyfunc.scoring_server.invocations`` that the guard wraps (the
+same in MLflow 3.0.1, 3.8.1 and 3.17.2); another signature is left alone, logged."""
 
 MAX_ROWS_NAMED = 5
 """A refused request names at most this many bad rows (and counts the rest)."""
@@ -44,9 +74,13 @@ def model_config(cfg: JobConfig, label_names: list[str]) -> dict[str, Any]:
     from (the architecture, labels, the stored size and crop of the training images, the
     backbone's normalisation, the decompression-bomb guard)."""
     from flowers_job.vision.backbones import preprocessing_for
+    from flowers_job.vision.images import ImageLimits
 
     pre = preprocessing_for(cfg.model.architecture)
     return {
+        # the formats and size limits of every image (ImageLimits.from_model_config reads
+        # them back; a model registered before they existed gets today's defaults)
+        **ImageLimits.from_data(cfg.data).model_config(),
         "architecture": cfg.model.architecture,
         "label_names": list(label_names),
         "image_size": cfg.data.image_size,
@@ -56,7 +90,81 @@ def model_config(cfg: JobConfig, label_names: list[str]) -> dict[str, Any]:
         "dropout": cfg.model.dropout,
         "max_pixels": cfg.data.max_image_pixels,
         "batch_size": SCORE_BATCH_SIZE,
+        "max_rows": cfg.serving.max_rows,
+        "max_request_bytes": cfg.serving.max_request_bytes,
     }
+
+
+def guard_scoring_server(max_request_bytes: int) -> bool:
+    """Put the request limits that need the HTTP request in front of ``mlflow models serve``:
+    wrap ``mlflow.pyfunc.scoring_server.invocations``, which the server's ``/invocations``
+    route looks up at each request, so that it answers, before MLflow parses the body,
+
+    - 415 to a request without a Content-Type (MLflow's ``content_type.split`` raises
+      ``AttributeError`` on None: a 500), naming the types it takes;
+    - 413 to a body over ``max_request_bytes``, naming the limit and the setting.
+
+    MLflow's app reads the whole body before this runs: a reverse proxy's limit
+    (docs/using-the-model.md) stops it before that. Idempotent: a second call re-wraps
+    MLflow's own function with the new limit.
+
+    Args:
+        max_request_bytes: the largest body answered, bytes.
+
+    Returns:
+        True when the guard is in place; False outside the scoring server (in-process pyfunc,
+        Spark tasks, the registration's own check) or when MLflow's function has another
+        signature (logged as a warning).
+    """
+    if SCORING_APP not in sys.modules:
+        return False
+    from mlflow.pyfunc import scoring_server
+
+    original = inspect.unwrap(scoring_server.invocations)
+    if tuple(inspect.signature(original).parameters) != INVOCATIONS_PARAMETERS:
+        log.warning(
+            "mlflow.pyfunc.scoring_server.invocations%s is not the function this model guards: "
+            "no 413 or 415 from the model (its row and byte limits still hold in predict)",
+            inspect.signature(original),
+        )
+        return False
+    scoring_server.invocations = _guarded(original, max_request_bytes, scoring_server)
+    log.info(
+        "the scoring server answers 415 without a Content-Type and 413 over %d bytes",
+        max_request_bytes,
+    )
+    return True
+
+
+def _guarded(
+    original: Callable[..., Any], max_request_bytes: int, server: Any
+) -> Callable[..., Any]:
+    """``original`` (MLflow's ``invocations``) behind the Content-Type and body-size checks."""
+
+    @functools.wraps(original)
+    def invocations(data: Any, content_type: Any, model: Any, input_schema: Any) -> Any:
+        if not content_type or not str(content_type).strip():
+            return server.InvocationsResponse(
+                response=(
+                    "the request has no Content-Type header: send application/json "
+                    f"(or one of {', '.join(server.CONTENT_TYPES)})"
+                ),
+                status=415,
+                mimetype="text/plain",
+            )
+        if data is not None and len(data) > max_request_bytes:
+            return server.InvocationsResponse(
+                response=(
+                    f"the request body is {len(data)} bytes, over this model's limit of "
+                    f"{max_request_bytes} (serving.max_request_bytes): send fewer images "
+                    "per request"
+                ),
+                status=413,
+                mimetype="text/plain",
+            )
+        return original(data, content_type, model, input_schema)
+
+    return invocations
 
 
 class FlowersClassifierModel(PythonModel):
@@ -73,10 +181,17 @@ class FlowersClassifierModel(PythonModel):
         at 224 px 4x slower (1.2-1.35 s against 0.31-0.32 s, 2 threads, measured in-process)."""
         from flowers_job.runtime.allocator import tune_this_process
 
+        check_pillow()  # CVE-2026-25990: a ConfigError names the versions
         tune_this_process()
-        self.scorer = Scorer(context.model_config, context.artifacts["state_dict"])
+        config = context.model_config
+        self.scorer = Scorer(config, context.artifacts["state_dict"])
         self.label_names = self.scorer.label_names
         self.model = self.scorer.model
+        # a model registered before the limits existed gets today's defaults
+        defaults = ServingConfig()
+        self.max_rows = int(config.get("max_rows", defaults.max_rows))
+        self.max_request_bytes = int(config.get("max_request_bytes", defaults.max_request_bytes))
+        guard_scoring_server(self.max_request_bytes)
 
     def score(self, contents: Sequence[bytes | bytearray | memoryview | None]) -> Scores:
         """:meth:`Scorer.score <flowers_job.serving.scorer.Scorer.score>`."""
@@ -93,7 +208,9 @@ class FlowersClassifierModel(PythonModel):
                 ...``. No row of the request is scored then.
         """
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-        scores = self.score(list(frame["image"]))
+        contents = list(frame["image"])
+        self.check_request(contents)
+        scores = self.score(contents)
         bad = [(i, r) for i, r in enumerate(scores.rejections) if r is not None]
         if bad:
             named = "; ".join(f"row {i}: {r.code}: {r.message}" for i, r in bad[:MAX_ROWS_NAMED])
@@ -104,3 +221,26 @@ class FlowersClassifierModel(PythonModel):
                 error_code=INVALID_PARAMETER_VALUE,
             )
         return pd.DataFrame(scores.probabilities, columns=self.label_names)
+
+    def check_request(self, contents: Sequence[Any]) -> None:
+        """Refuse a request over ``max_rows`` images or ``max_request_bytes`` bytes of images
+        (the ``serving`` settings the model was registered with), before any is decoded.
+
+        Raises:
+            mlflow.exceptions.MlflowException: ``INVALID_PARAMETER_VALUE`` (HTTP 400), naming
+                the count, the limit and its setting.
+        """
+        if len(contents) > self.max_rows:
+            raise MlflowException(
+                f"the request has {len(contents)} images, over this model's limit of "
+                f"{self.max_rows} per request (serving.max_rows): send fewer per request",
+                error_code=INVALID_PARAMETER_VALUE,
+            )
+        size = sum(len(c) for c in contents if isinstance(c, (bytes, bytearray, memoryview, str)))
+        if size > self.max_request_bytes:
+            raise MlflowException(
+                f"the request's images are {size} bytes, over this model's limit of "
+                f"{self.max_request_bytes} per request (serving.max_request_bytes): send "
+                "fewer per request",
+                error_code=INVALID_PARAMETER_VALUE,
+            )

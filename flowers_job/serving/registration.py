@@ -7,6 +7,7 @@ calls it, in the run :class:`~flowers_job.tracking.mlflow_run.RunTracker` owns.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,12 @@ import mlflow
 import pandas as pd
 import torch
 from mlflow.models import infer_signature
+from packaging.version import Version
 
 from flowers_job.serving.pyfunc_model import FlowersClassifierModel
+from flowers_job.vision.pillow_floor import PILLOW_FLOOR
 
-__all__ = ["log_pyfunc_model"]
+__all__ = ["log_pyfunc_model", "pip_requirements"]
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 """The ``flowers_job`` package directory: the logged model's ``code_paths``."""
@@ -59,7 +62,7 @@ def log_pyfunc_model(
             code_paths=[str(_PACKAGE_DIR)],
             signature=infer_signature(example, output),
             input_example=example,
-            pip_requirements=_pip_requirements(),
+            pip_requirements=pip_requirements(),
             registered_model_name=name,
         )
     mlflow.log_dict({"label_names": model_config["label_names"]}, "label_names.json")
@@ -67,21 +70,37 @@ def log_pyfunc_model(
     return info.model_uri, int(version) if version is not None else None
 
 
-def _pip_requirements() -> list[str]:
+def pip_requirements(version: Callable[[str], str] = metadata.version) -> list[str]:
     """The served model's requirements, pinned to this environment's versions without their
     local tags (``torch==2.13.0``, not ``+cu130``): on Linux, PyPI's wheels of those versions
     are the CUDA builds, so a GPU serving endpoint gets a CUDA torch (docs/using-the-model.md,
-    "On a GPU")."""
+    "On a GPU"). Pillow is pinned only at or above
+    :data:`~flowers_job.vision.pillow_floor.PILLOW_FLOOR`: an older one here (a runtime's own,
+    where the job was started without the CLI's check) is written ``pillow>=<floor>``, so that
+    a served model never installs a Pillow with CVE-2026-25990.
+
+    Args:
+        version: a distribution's installed version by name, raising
+            ``importlib.metadata.PackageNotFoundError`` when it is not installed (default:
+            ``importlib.metadata.version``).
+
+    Returns:
+        Requirement strings, e.g. ``["torch==2.7.0", ..., "pillow==12.3.0", ...]``.
+    """
     names = ["torch", "torchvision", "pillow", "pandas", "numpy", "mlflow", "pydantic", "pyyaml"]
     names.append("efficientnet-lite-pytorch")
     reqs = []
     for name in names:
         try:
-            reqs.append(f"{name}=={metadata.version(name).split('+')[0]}")
+            installed = version(name).split("+")[0]
+            if name == "pillow" and Version(installed) < Version(PILLOW_FLOOR):
+                reqs.append(f"pillow>={PILLOW_FLOOR}")
+                continue
+            reqs.append(f"{name}=={installed}")
         except metadata.PackageNotFoundError:
             if name == "mlflow":  # Databricks runtimes ship mlflow-skinny only
                 try:
-                    reqs.append(f"mlflow-skinny=={metadata.version('mlflow-skinny')}")
+                    reqs.append(f"mlflow-skinny=={version('mlflow-skinny')}")
                     continue
                 except metadata.PackageNotFoundError:
                     pass

@@ -61,6 +61,7 @@ from flowers_job.runtime.reports import (
 from flowers_job.runtime.watchdog import start_watchdog, watchdog_done
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
+from flowers_job.vision.pillow_floor import check_pillow
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -103,6 +104,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     """
     _prepare_process(job)
     try:
+        check_pillow()  # CVE-2026-25990: a rank's Python may differ from the driver's
         cfg = JobConfig.model_validate(job["config"])
         result, register = _train(cfg, job)
         if register is not None:

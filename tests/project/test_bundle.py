@@ -92,6 +92,12 @@ numpy 2.1.3 and pandas 2.2.3 among them, are the same. Source: ``python/dbr/18.0
 public ``databricks/environments`` repository (commit 04534b5; 18.1.x's and 18.x's files
 there carry the same versions of these), and ../shared/runtimes/README.md for Spark 4.1.0,
 which constraints.txt does not list. The runtime's Delta Lake is its own: no delta-spark."""
+RUNTIME_RAISED = {"pillow": "12.3.0"}
+"""The packages that the bundle raises above what both runtimes ship (Pillow 11.1.0 on 17.3 and
+18), each to an exact version that databricks.yml installs beside the wheel and that
+requirements/dbr-*-ml.txt carry: Pillow past CVE-2026-25990 (an out-of-bounds write while
+loading a crafted PSD, Pillow 10.3.0 to 12.1.0; the wheel's floor is the first fixed release,
+:data:`flowers_job.vision.pillow_floor.PILLOW_FLOOR`). Nothing else may differ."""
 DBR_REQUIREMENTS = {
     "17.3": ROOT / "requirements" / "dbr-17.3-ml.txt",
     "18": ROOT / "requirements" / "dbr-18-ml.txt",
@@ -403,7 +409,14 @@ def test_libraries_are_the_built_wheel_and_pins_that_match_pyproject(
         dep = wanted.get(name)
         assert dep is not None, f"{pin.name} is not a requirement of the wheel or [streaming]"
         shipped = {rt: versions[name] for rt, versions in runtimes.items() if name in versions}
-        if shipped:  # the runtimes ship it: pyproject's own floor, which each one meets
+        if name in RUNTIME_RAISED:  # raised past a CVE: the exact version the DBR tests run
+            assert str(pin.specifier) == f"=={RUNTIME_RAISED[name]}", pin
+            assert dep.specifier.contains(RUNTIME_RAISED[name]), (
+                f"{pin} is not in pyproject's {dep}"
+            )
+            kept = {rt: v for rt, v in shipped.items() if dep.specifier.contains(v)}
+            assert not kept, f"{dep} allows the runtime's vulnerable {name}: {kept}"
+        elif shipped:  # the runtimes ship it: pyproject's own floor, which each one meets
             assert pin.specifier == dep.specifier, f"{pin} is not pyproject's {dep}"
             refused = {rt: v for rt, v in shipped.items() if not pin.specifier.contains(v)}
             assert not refused, f"{pin} would change the runtime's own version: {refused}"
@@ -457,6 +470,13 @@ def _runtime_versions(runtime: str = "17.3") -> dict[str, str]:
     return {**RUNTIME_MORE, **pins}
 
 
+def _bundle_versions(runtime: str = "17.3") -> dict[str, str]:
+    """``{name: version}`` on a job cluster of Databricks Runtime ``runtime`` ML once the
+    bundle's libraries are installed: the runtime's versions with :data:`RUNTIME_RAISED`'s."""
+    versions = _runtime_versions(runtime)
+    return {**versions, **{n: v for n, v in RUNTIME_RAISED.items() if n in versions}}
+
+
 def _pins(path: Path) -> dict[str, str]:
     """``{name: version}`` of a requirements file of ``name==version`` lines."""
     pins: dict[str, str] = {}
@@ -474,8 +494,8 @@ def _pins(path: Path) -> dict[str, str]:
 def test_dbr_requirements_carry_the_runtime_versions(runtime: str) -> None:
     """requirements/dbr-<runtime>-ml.txt (``make test-dbr``, ``make test-dbr18``) has the
     runtime's version of every package it ships that the job touches: the tests run against
-    what the runtime has."""
-    versions = _runtime_versions(runtime)
+    what the runtime has, but :data:`RUNTIME_RAISED`'s versions, which the bundle installs."""
+    versions = _bundle_versions(runtime)
     path = DBR_REQUIREMENTS[runtime]
     pins = _pins(path)
     wrong = {name: (pins.get(name), version) for name, version in versions.items()}
@@ -548,6 +568,7 @@ def test_wheel_requirements_admit_the_runtime_versions(version: str) -> None:
         f"{r} refuses {name}=={runtime[name]}"
         for r in reqs
         if (name := canonicalize_name(r.name)) in runtime
+        and name not in RUNTIME_RAISED
         and not r.specifier.contains(runtime[name], prereleases=True)
     ]
     assert not refused, f"the wheel would change Databricks Runtime {version} ML:\n" + "\n".join(
@@ -560,6 +581,40 @@ def test_wheel_requirements_admit_the_runtime_versions(version: str) -> None:
     assert "petastorm" in petastorm
     assert not petastorm["pyarrow"].specifier.contains(runtime["pyarrow"])
     assert not petastorm["numpy"].specifier.contains(runtime["numpy"])
+
+
+def test_pillow_is_raised_past_the_cve_everywhere_the_job_installs_it(
+    bundle: dict[str, Any],
+) -> None:
+    """CVE-2026-25990: the wheel's floor is the first fixed Pillow (the runtime check's
+    floor), which refuses what both runtimes ship and the last affected release; both of the
+    job's tasks install :data:`RUNTIME_RAISED`'s exact Pillow, and each DBR lock file carries
+    it with a comment naming the runtime's own version and the CVE. Pillow is the only
+    package raised."""
+    from flowers_job.vision.pillow_floor import PILLOW_CVE, PILLOW_FLOOR
+
+    assert set(RUNTIME_RAISED) == {"pillow"}
+    (pillow,) = [
+        r
+        for r in _requirements(_project()["dependencies"])
+        if canonicalize_name(r.name) == "pillow"
+    ]
+    assert str(pillow.specifier) == f">={PILLOW_FLOOR}"
+    assert pillow.specifier.contains(RUNTIME_RAISED["pillow"])
+    shipped = {_runtime_versions(rt)["pillow"] for rt in RUNTIMES}
+    assert shipped == {"11.1.0"}, shipped
+    assert not pillow.specifier.contains("11.1.0") and not pillow.specifier.contains("12.1.0")
+    for key in ("train", "score"):
+        pins = [
+            Requirement(lib["pypi"]["package"].split("#")[0])
+            for lib in _task(bundle, key)["libraries"]
+            if "pypi" in lib
+        ]
+        assert f"pillow=={RUNTIME_RAISED['pillow']}" in [str(p) for p in pins], (key, pins)
+    for path in DBR_REQUIREMENTS.values():
+        text = path.read_text(encoding="utf-8")
+        assert _pins(path)["pillow"] == RUNTIME_RAISED["pillow"], path.name
+        assert PILLOW_CVE in text and "not the runtime's 11.1.0" in text, path.name
 
 
 def test_flowers_job_is_the_installed_wheel_when_required() -> None:
@@ -664,7 +719,7 @@ def test_bundle_libraries_resolve_at_the_runtime_versions(
             "runs once, in `make test-dbr` against the built wheel: the resolution does not "
             "depend on the environment (it starts from scratch)"
         )
-    runtime = _runtime_versions(version)
+    runtime = _bundle_versions(version)
     constraints = tmp_path / f"dbr-{version}-ml.txt"
     constraints.write_text("".join(f"{n}=={v}\n" for n, v in runtime.items()), encoding="utf-8")
     got = _compile(
@@ -695,7 +750,7 @@ def test_installing_the_bundle_libraries_changes_nothing_installed(
     Elsewhere (the local stack) it is the wheel with [streaming] only: the bundle's pins are
     the runtimes' versions, not this environment's.
     """
-    runtimes = {version: _runtime_versions(version) for version in RUNTIMES}
+    runtimes = {version: _bundle_versions(version) for version in RUNTIMES}
     this = [v for v, pins in runtimes.items() if all(_installed(n) == pins[n] for n in pins)]
     is_runtime = bool(this)
     if os.environ.get("FLOWERS_EXPECT_WHEEL") == "1":
