@@ -5,7 +5,10 @@ with status 2 and a message naming the field, within a second or two. The checks
 no Spark follow, still before Spark starts (:func:`flowers_job.driver.pipeline.preflight`): the
 images root (``ingest``, ``run``: status 1), the loader on this stack and the packages the
 run needs (status 2), the MLflow store (status 1). The cluster is checked once, right after
-Spark starts (status 2).
+Spark starts (status 2). Between the checks without Spark and the MLflow store, ``ingest``,
+``train`` and ``run`` take the lease on ``paths.output_dir`` (:mod:`flowers_job.driver.lease`):
+a second command on the same output exits with status 2 naming the first, having written
+nothing.
 ``predict`` resolves the model in the registry and checks its input before Spark starts
 (an unknown model, version or alias, or a missing input, exits with status 1).
 ``runs`` lists the MLflow runs of an output dir with their true state; it starts no Spark
@@ -31,8 +34,10 @@ from typing import TYPE_CHECKING
 from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import ConfigError, FlowersJobError, PredictError
+from flowers_job.vision.pillow_floor import check_pillow
 
 if TYPE_CHECKING:
+    from flowers_job.driver import pipeline
     from flowers_job.tables.table_ref import TableRef
 
 __all__ = ["build_parser", "main"]
@@ -133,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="Delta table the predictions go to: a path, or catalog.schema.table",
     )
+    predict.add_argument(
+        "--tracking-uri-from-output",
+        action="store_true",
+        help="take the MLflow store from --output-dir's summary.json when neither "
+        "tracking.tracking_uri nor MLFLOW_TRACKING_URI names one (without it: the sqlite "
+        "store under --output-dir); only for a folder you trust, as the credentials go there",
+    )
     runs = sub.add_parser(
         "runs",
         parents=[common],
@@ -164,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     # predict and runs skip the pipeline's checks: they have their own paths
     commands = {"predict": _predict, "runs": _runs}
     try:
+        if args.command != "runs":  # every command that decodes images (CVE-2026-25990)
+            check_pillow()
         return commands.get(args.command, _pipeline)(args)
     except FlowersJobError as exc:  # the one place where an error becomes the exit status
         print(_message(args.command, exc), file=sys.stderr)
@@ -191,8 +205,18 @@ def _pipeline(args: argparse.Namespace) -> int:
         raise ConfigError("invalid configuration:\n  data.images: required (--images DIR)")
 
     from flowers_job.driver import pipeline
+    from flowers_job.driver.lease import output_lease
 
     job = pipeline.preflight(cfg, args.command)  # seconds, and no JVM yet
+    # one writer per output: held before anything is written there, restarts included
+    with output_lease(job.cfg.paths.output_dir, args.command):
+        return _work(args, job)
+
+
+def _work(args: argparse.Namespace, job: pipeline.CheckedJob) -> int:
+    """The part of :func:`_pipeline` that writes: under the output's lease."""
+    from flowers_job.driver import pipeline
+
     cfg = job.cfg
     if args.command != "ingest":
         pipeline.check_tracking(cfg)
@@ -263,7 +287,12 @@ def _predict(args: argparse.Namespace) -> int:
     if args.output_dir is not None and (args.model is None or cfg.paths.summary_path.exists()):
         default_uri, summary_uri = predict.default_model(args.output_dir)
         model_uri = model_uri or default_uri
-    tracking_uri = cfg.tracking.tracking_uri or summary_uri or cfg.tracking_uri
+    tracking_uri = predict.predict_tracking_uri(
+        cfg.tracking.tracking_uri,
+        cfg.tracking_uri,
+        summary_uri,
+        from_output=args.tracking_uri_from_output,
+    )
     ref = predict.resolve_model(model_uri, tracking_uri)
     predict.check_input(args.images, args.table)
     from flowers_job.cluster.session import get_spark

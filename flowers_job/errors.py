@@ -7,6 +7,8 @@ status ``flowers-job`` exits with (:func:`flowers_job.cli.main` maps them in one
 
     - :class:`ObjectStoreError` (also a ``RuntimeError``): exit 2
 
+  - :class:`OutputInUseError`: exit 2
+
 - :class:`DataError` (also a ``RuntimeError``): exit 1
 
   - :class:`IngestError`, :class:`ShardError`: exit 1
@@ -42,6 +44,7 @@ __all__ = [
     "FlowersJobError",
     "IngestError",
     "ObjectStoreError",
+    "OutputInUseError",
     "PredictError",
     "ShardError",
     "TrackingError",
@@ -82,6 +85,13 @@ class ObjectStoreError(ClusterError, RuntimeError):
     and is retried, and a photo is never quarantined for it. The message names
     ``data.images`` and the URI, never credentials. Exit status 2 (should it reach the CLI
     unwrapped)."""
+
+
+class OutputInUseError(ConfigError):
+    """Another flowers_job command holds the lease on ``paths.output_dir``
+    (:mod:`flowers_job.driver.lease`): the message names it (host, pid, start time). Raised
+    on the driver by ``run``, ``train`` and ``ingest`` before they write anything there.
+    Exit status 2."""
 
 
 class DataError(FlowersJobError, RuntimeError):

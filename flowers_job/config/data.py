@@ -23,7 +23,9 @@ from pydantic import (
 from flowers_job.location import is_remote, to_location
 
 __all__ = [
+    "SAFE_RETENTION_HOURS",
     "DataConfig",
+    "ImageFormat",
     "LoaderName",
     "LoadersConfig",
     "PetastormConfig",
@@ -32,6 +34,14 @@ __all__ = [
     "TablesConfig",
     "check_identifier",
 ]
+
+SAFE_RETENTION_HOURS = 168
+"""Delta's safe minimum for VACUUM's retention (``delta.deletedFileRetentionDuration``'s
+default, 7 days), below which Delta's own check refuses a VACUUM: a concurrent writer's
+files not yet committed may be older than a shorter retention."""
+
+ImageFormat = Literal["JPEG", "PNG"]
+"""``data.image_formats``' values: the image formats the job decodes (Pillow's names)."""
 
 LoaderName = Literal["auto", "petastorm", "streaming"]
 """``data.loader``'s values: a registered loader (:data:`flowers_job.loaders.LOADERS`, whose
@@ -87,18 +97,49 @@ class DataConfig(Section):
     extensions: tuple[str, ...] = ("jpg", "jpeg", "png")
     """File extensions (case-insensitive) treated as images; other files are quarantined."""
     max_image_pixels: int = Field(89_478_485, ge=1)
-    """Decompression-bomb guard (Pillow's default): larger images are quarantined."""
+    """Decompression-bomb guard (Pillow's default): larger images are quarantined
+    (``too_many_pixels``). Applied by the job's own decode, which raises Pillow's
+    process-wide limit to this value for the decode (:func:`flowers_job.vision.images.pillow_pixel_limit`),
+    so it may be set above Pillow's default too."""
+    image_formats: tuple[ImageFormat, ...] = ("JPEG", "PNG")
+    """Image formats decoded (Pillow's names, case-insensitive): Pillow's ``formats=`` in every
+    decode of ingest, predict and the served model, so that no other decoder ever reads a
+    file. A file of another format, whatever its name, is quarantined as
+    ``unsupported_format`` naming the format its signature shows (PSD, TIFF, WEBP, ...):
+    the workaround of CVE-2026-25990's advisory (a crafted PSD writes out of bounds in
+    Pillow 10.3.0-12.1.1). Only JPEG and PNG are supported."""
+    max_aspect_ratio: float = Field(20.0, ge=1.0)
+    """Long side / short side at most; a more elongated image is quarantined
+    (``extreme_aspect``), read from its header, never decoded: resizing the short side of a
+    4000x1 image to 256 px makes it 1,024,000x256 (about 1 GB). The 3,670 real photos reach
+    5.48 (1024x187, tulips/6905876618_12732b74de_b.jpg; measured 2026-11-28); 20 keeps
+    wide panoramas."""
+    max_long_side_pixels: int = Field(16_384, ge=1)
+    """Pixels of the longer side at most; a longer image is quarantined
+    (``long_side_too_large``), read from its header. The real photos' longest side is 1,024
+    px (measured 2026-11-28); 16,384 keeps a 200-megapixel camera's 16,320x12,240."""
+    max_file_bytes: int = Field(128 * 2**20, ge=1)
+    """Bytes of one image file at most (128 MiB); a larger file is quarantined
+    (``file_too_large``) from its listed size, without being read. The real photos' largest
+    is 281,953 bytes (measured 2026-11-28); a 100-megapixel camera JPEG is about 40 MB."""
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Ingest fails, writing nothing, when more than this fraction of files is quarantined
     (counted over the whole table after the change, for an incremental ingest too)."""
     full_ingest: bool = False
     """Decode every file and rewrite both tables, instead of decoding only the files that are
     new or changed (path, size or modification time) and MERGEing them (``--full``)."""
-    retention_hours: int = Field(168, ge=0, le=87_600)
+    retention_hours: int = Field(SAFE_RETENTION_HOURS, ge=0, le=87_600)
     """VACUUM after each ingest that writes removes the files of Delta versions older than
     this (whole hours, as Delta's VACUUM counts them; Delta's default is 168, 7 days),
     except those of versions that a kept loader cache or a registered model's lineage
-    names."""
+    names. Below :data:`SAFE_RETENTION_HOURS` only with ``allow_short_retention``."""
+    allow_short_retention: bool = False
+    """Allow a ``retention_hours`` below Delta's safe minimum (:data:`SAFE_RETENTION_HOURS`).
+    Such a VACUUM can delete files that a concurrent writer has written but not committed
+    yet, so it runs only while this command holds the output's lease
+    (:mod:`flowers_job.driver.lease`), which keeps every other flowers_job command out;
+    without the lease VACUUM keeps :data:`SAFE_RETENTION_HOURS`. Nothing protects against a
+    writer outside flowers_job (docs/failures.md)."""
     loader: LoaderName = "auto"
     """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
     'petastorm' (Parquet cache, the local pinned stack; needs pyarrow < 15 and NumPy < 2),
@@ -123,10 +164,29 @@ class DataConfig(Section):
     (``decode_device``) decodes ahead of the step, so the step never waits for the host.
     None: 2 on a GPU; CPU ranks always read in the step's thread (0)."""
 
+    @field_validator("image_formats", mode="before")
+    @classmethod
+    def _formats_upper(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple):
+            value = tuple(dict.fromkeys(v.upper() if isinstance(v, str) else v for v in value))
+            if not value:
+                raise ValueError("give at least one image format (JPEG, PNG)")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if not self.extensions:
             raise ValueError("extensions: give at least one image file extension")
+        if self.retention_hours < SAFE_RETENTION_HOURS and not self.allow_short_retention:
+            raise ValueError(
+                f"retention_hours: {self.retention_hours} h is below Delta's safe minimum of "
+                f"{SAFE_RETENTION_HOURS} h, which keeps a concurrent writer's uncommitted "
+                "files from being vacuumed; set data.allow_short_retention=true as well to "
+                "allow it (VACUUM then uses it only while this command holds the output's "
+                "lease)"
+            )
         if self.val_fraction + self.test_fraction >= 1.0:
             raise ValueError(
                 f"test_fraction: val_fraction + test_fraction = "

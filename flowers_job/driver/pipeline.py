@@ -41,7 +41,8 @@ from flowers_job.driver.failures import (
     registered_model,
     wait_for_reports,
 )
-from flowers_job.driver.prepare import PreparedData, prepare_data
+from flowers_job.driver.lease import output_lease
+from flowers_job.driver.prepare import PreparedData, check_resume, prepare_data
 from flowers_job.driver.promotion import promote
 from flowers_job.driver.restarts import (
     Restart,
@@ -196,13 +197,16 @@ def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
         ConfigError: ``data.loader`` cannot run on this stack, a package is missing
             (:func:`preflight`), the session is Spark Connect or ``distributed`` does not fit
             this cluster (:func:`check_cluster`), before any work.
+        OutputInUseError: another command holds the lease on ``paths.output_dir``
+            (:mod:`flowers_job.driver.lease`, held for the whole run), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).
         TrackingError: the MLflow store is unusable (before any worker starts), or the
             champion decision (:func:`~flowers_job.driver.promotion.promote`) failed after the
             model was registered (``summary.json`` is written first).
         TrainingError: a rank failed; the message names the rank and its exception.
     """
-    return execute(spark, _check_all(spark, cfg, "train"), "train")
+    with output_lease(cfg.paths.output_dir, "train"):  # one writer per output
+        return execute(spark, _check_all(spark, cfg, "train"), "train")
 
 
 def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
@@ -211,13 +215,15 @@ def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
     Every check runs once, before the ingest, so that a job bound to fail does no work
     (errors as for :func:`run_training`, plus ``IngestError``).
     """
-    return execute(spark, _check_all(spark, cfg, "run"), "run")
+    with output_lease(cfg.paths.output_dir, "run"):  # one writer per output
+        return execute(spark, _check_all(spark, cfg, "run"), "run")
 
 
 def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     """Images folder -> Delta tables (see :func:`flowers_job.ingest.job.ingest`)."""
     t0 = time.perf_counter()
-    report = ingest(spark, cfg)
+    with output_lease(cfg.paths.output_dir, "ingest"):  # held already under run/the CLI
+        report = ingest(spark, cfg)
     log.info(
         "ingest: %d files -> %d images (train %d, val %d, test %d), %d quarantined %s; %s: "
         "%d decoded, images +%d ~%d -%d, %d quarantined by this run, in %.1f s",
@@ -379,6 +385,7 @@ def _train(
         with prepare_data(spark, cfg, loader) as data:
             if not restarts:  # the data is ready: only now may a new run clear the last one's
                 cfg = begin_training(cfg)
+                check_resume(cfg, data)  # before the ranks start: the same data, optimizer
             result, error = _attempt(spark, cfg, data, use_gpu, restarts)
             if error is None:
                 assert result is not None

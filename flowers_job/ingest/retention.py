@@ -28,23 +28,43 @@ VACUUM lists every file of the table, seconds even for a table of a few files
 
 Delta's log itself is kept for ``delta.logRetentionDuration`` (30 days by default); a
 version whose log entries are gone cannot be read, whatever VACUUM keeps.
+
+A ``data.retention_hours`` below Delta's safe minimum (``SAFE_RETENTION_HOURS``, 168 h;
+allowed only with ``data.allow_short_retention``) turns Delta's retention check off, and
+such a VACUUM can delete the files that a concurrent writer has written but not yet
+committed. It is used only while this process holds the output's lease
+(:mod:`flowers_job.driver.lease` enters :func:`sole_writer`), so that no other flowers_job
+command writes the tables meanwhile; otherwise VACUUM keeps the safe minimum, logged. A
+writer outside flowers_job never asks for the lease: nothing here protects against it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig
+from flowers_job.config.data import SAFE_RETENTION_HOURS
+from flowers_job.location import Location
 from flowers_job.tables.delta_tables import TABLE_NAMES, session_settings
 from flowers_job.tables.table_ref import TableRef, table_ref
 from flowers_job.tracking.tags import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
 
-__all__ = ["protected_versions", "vacuum_tables"]
+__all__ = [
+    "is_sole_writer",
+    "protected_versions",
+    "retention_hours",
+    "sole_writer",
+    "vacuum_tables",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +72,49 @@ _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 """VACUUM lists the table's directories in a Spark job of this many tasks (Delta's
 ``VacuumCommand``); Spark's default, 10,000, costs 10,000 empty tasks on any table."""
+
+
+_SOLE_WRITER: dict[str, int] = {}
+"""Output locations (URLs) whose lease this process holds, and how many holders entered."""
+_SOLE_WRITER_LOCK = threading.Lock()
+
+
+@contextmanager
+def sole_writer(output_dir: Location | str | os.PathLike[str]) -> Iterator[None]:
+    """While inside, this process is the only flowers_job writer of ``output_dir``: entered
+    by the holder of its lease (:class:`flowers_job.driver.lease.OutputLease`), never by
+    anything else. Lets VACUUM use a retention below Delta's safe minimum there."""
+    url = Location.of(output_dir).url
+    with _SOLE_WRITER_LOCK:
+        _SOLE_WRITER[url] = _SOLE_WRITER.get(url, 0) + 1
+    try:
+        yield
+    finally:
+        with _SOLE_WRITER_LOCK:
+            _SOLE_WRITER[url] -= 1
+            if not _SOLE_WRITER[url]:
+                del _SOLE_WRITER[url]
+
+
+def is_sole_writer(output_dir: Location | str | os.PathLike[str]) -> bool:
+    """Whether this process holds the lease of ``output_dir`` (:func:`sole_writer`)."""
+    return Location.of(output_dir).url in _SOLE_WRITER
+
+
+def retention_hours(cfg: JobConfig) -> int:
+    """``data.retention_hours``, or Delta's safe minimum when it is below it and this process
+    does not hold the output's lease (logged: module docstring)."""
+    hours = int(cfg.data.retention_hours)
+    if hours < SAFE_RETENTION_HOURS and not is_sole_writer(cfg.paths.output_dir):
+        log.warning(
+            "data.retention_hours=%d is below Delta's safe minimum, which VACUUM uses only "
+            "under the lease of %s; this process does not hold it: keeping %d h",
+            hours,
+            cfg.paths.output_dir,
+            SAFE_RETENTION_HOURS,
+        )
+        return SAFE_RETENTION_HOURS
+    return hours
 
 
 def _registered_versions(cfg: JobConfig, table: TableRef) -> set[int]:
@@ -120,8 +183,9 @@ def _table_age_hours(spark: SparkSession, table: TableRef) -> float | None:
 
 
 def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
-    """VACUUM ``images`` and ``quarantine`` with ``data.retention_hours``, raised to keep every
-    protected version of ``images`` readable (module docstring).
+    """VACUUM ``images`` and ``quarantine`` with ``data.retention_hours`` (Delta's safe minimum
+    when it is below it and this process does not hold the output's lease), raised to keep
+    every protected version of ``images`` readable (module docstring).
 
     Returns:
         Table name -> the retention used (whole hours); None when the protected versions could
@@ -137,7 +201,8 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
             exc,
         )
         return None
-    hours = {name: int(cfg.data.retention_hours) for name in TABLE_NAMES}
+    base = retention_hours(cfg)
+    hours = {name: base for name in TABLE_NAMES}
     if protected:
         oldest = min(protected)
         age = _hours_since_commit(spark, table_ref(cfg, "images"), oldest)

@@ -833,7 +833,23 @@ class TestObjectStore:
         assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
         assert not [k for k in left if "/flowers-failures-" in k], left
 
-        rc, log = submit(cluster, [*args, "--resume"], BASE / "s3-streaming-resume.log")
+        resume_log = BASE / "s3-streaming-resume.log"
+        resume_log.unlink(missing_ok=True)
+        resumed = cluster.submit([*args, "--resume"], log=resume_log)
+        try:  # one writer per output: a second run there, meanwhile, exits 2 naming the first
+            deadline = time.monotonic() + JOB_TIMEOUT  # the lease comes before Spark starts
+            while "out-streaming/.flowers_job.lease.json" not in store.keys("out-streaming/"):
+                assert resumed.poll() is None, resume_log.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, "the resumed run took no lease"
+                time.sleep(1)
+            rc, log = submit(cluster, args, BASE / "s3-streaming-second.log")
+            assert rc == 2, log[-3000:]
+            assert "out-streaming is in use by flowers-job run, pid " in log, log[-3000:]
+            rc = resumed.wait(timeout=JOB_TIMEOUT)
+        finally:
+            if resumed.poll() is None:
+                resumed.kill()
+        log = resume_log.read_text(errors="replace")
         assert rc == 0, log[-4000:]
         assert "resumed from s3a://flowers/out-streaming/checkpoints at the start of epoch 2" in log
         summary = check_summary(

@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import ConfigError, JobConfig, load_config
+from flowers_job.driver.lease import output_lease
 from flowers_job.driver.pipeline import run_training
 from flowers_job.errors import DataError
 from flowers_job.ingest.job import ingest
@@ -182,9 +183,11 @@ def test_ingest_merge_and_training_by_name(spark: SparkSession, tmp_path: Path) 
     assert sources and all(s["delta_table_name"] == names["images"] for s in sources)
     assert {s.get("delta_table_version") for s in sources} == {v1[0]}
 
-    # retention 0: quarantine is vacuumed to nothing but its latest version; images keeps
-    # ceil(age of v1) + 1 = 2 hours: the loader cache's entries name v1 by the table's name
-    hours = vacuum_tables(spark, cfg.model_copy(update={"data": cfg.data.model_copy(
-        update={"retention_hours": 0})}))  # fmt: skip
+    # retention 0 (allowed, and used under the output's lease): quarantine is vacuumed to
+    # nothing but its latest version; images keeps ceil(age of v1) + 1 = 2 hours: the loader
+    # cache's entries name v1 by the table's name
+    short = cfg.data.model_copy(update={"retention_hours": 0, "allow_short_retention": True})
+    with output_lease(cfg.paths.output_dir, "ingest"):
+        hours = vacuum_tables(spark, cfg.model_copy(update={"data": short}))
     assert hours == {"images": 2, "quarantine": 0}
     assert images_ref.read(spark, v1[0]).count() == 60

@@ -1,6 +1,6 @@
 """Data that grows: an incremental ingest decodes only what changed and leaves the tables
-row for row as a fresh full ingest of the same folder would; VACUUM keeps the versions that
-the loader cache names."""
+row for row as a fresh full ingest of the same folder would, but for the split (stored photos
+keep theirs); VACUUM keeps the versions that the loader cache names."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
+from flowers_job.driver.pipeline import run_ingest
 from flowers_job.ingest.job import ingest
 from flowers_job.tables.delta_tables import TABLE_NAMES, checked_tables
-from tests.support import PHOTOS
+from tests.support import LABELS, PHOTOS
 from tests.support.data import sample_photos
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("full")]
@@ -28,6 +29,7 @@ SETTINGS = (
     "data.test_fraction=0.3",
     "data.max_bad_fraction=0.3",
 )
+SHORT_RETENTION = ("data.retention_hours=0", "data.allow_short_retention=true")
 
 
 def _cfg(images: Path, out: Path, *overrides: str) -> JobConfig:
@@ -36,15 +38,31 @@ def _cfg(images: Path, out: Path, *overrides: str) -> JobConfig:
     )
 
 
-def _contents(spark: SparkSession, path: str) -> list[tuple[object, ...]]:
-    """Every row and column of a Delta table, binary columns as SHA-256, in a fixed order."""
-    df = spark.read.format("delta").load(path)
+def _contents(
+    spark: SparkSession, path: str, drop: tuple[str, ...] = ()
+) -> list[tuple[object, ...]]:
+    """Every row and column of a Delta table but ``drop``, binary columns as SHA-256, in a
+    fixed order."""
+    df = spark.read.format("delta").load(path).drop(*drop)
     cols = [F.sha2(c, 256).alias(c) if t == "binary" else F.col(c) for c, t in df.dtypes]
     return sorted((tuple(r) for r in df.select(*cols).collect()), key=repr)
 
 
+def _splits(spark: SparkSession, path: str) -> dict[str, str]:
+    """``relative_path`` -> ``split`` of every row of the ``images`` table at ``path``."""
+    rows = spark.read.format("delta").load(path).select("relative_path", "split").collect()
+    return {r["relative_path"]: r["split"] for r in rows}
+
+
 def _photo(label: str, index: int) -> bytes:
     return sorted((PHOTOS / label).glob("*.jpg"))[index].read_bytes()
+
+
+def _in_every_split(split_counts: dict[str, dict[str, int]]) -> bool:
+    """Every class has at least one image in each of train, val and test."""
+    return sorted(split_counts) == sorted(LABELS) and all(
+        counts.get(s, 0) > 0 for counts in split_counts.values() for s in ("train", "val", "test")
+    )
 
 
 def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
@@ -52,27 +70,32 @@ def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
 ) -> None:
     """Add, change (same path, new bytes), delete, rename, a file that becomes broken and a
     broken file that is fixed, in one re-run: only those five files are decoded, the counts
-    say what moved, and both tables equal a fresh full ingest of the folder, every column."""
-    images = sample_photos(tmp_path / "images", per_label=2)
-    (images / "roses" / "breaks.jpg").write_bytes(_photo("roses", 10))
+    say what moved, and both tables equal a fresh full ingest of the folder, every column but
+    the split: stored photos keep theirs (new ones fill what their class lacks), where a
+    fresh ingest splits every class afresh. Every class stays in every split."""
+    images = sample_photos(tmp_path / "images", per_label=4)
     (images / "tulips" / "fixed.jpg").write_bytes(b"not an image yet\n")
     cfg = _cfg(images, tmp_path / "out")
     first = ingest(spark, cfg)
-    assert (first.mode, first.images_rows, first.quarantined_rows) == ("full: no tables yet", 11, 1)
-    split_before = {
-        r["relative_path"]: r["split"]
-        for r in spark.read.format("delta").load(first.tables["images"]).collect()
-    }
+    assert (first.mode, first.images_rows, first.quarantined_rows) == ("full: no tables yet", 20, 1)
+    assert _in_every_split(first.split_counts), first.split_counts
+    split_before = _splits(spark, first.tables["images"])
 
-    daisy, dandelion, sunflowers = (
-        sorted((images / n).glob("1*.jpg"))[0] for n in ("daisy", "dandelion", "sunflowers")
-    )
+    def a_train_photo(label: str) -> Path:
+        # 4 photos of a class split 1 val, 1 test, 2 train: losing one of train keeps the
+        # class in every split without moving a stored photo (no full rebuild)
+        return images / min(
+            p for p, s in split_before.items() if s == "train" and p.startswith(f"{label}/")
+        )
+
+    daisy, sunflowers = (sorted((images / n).glob("*.jpg"))[0] for n in ("daisy", "sunflowers"))
+    dandelion, breaks = a_train_photo("dandelion"), a_train_photo("roses")
     (images / "daisy" / "added.jpg").write_bytes(_photo("daisy", 11))
     daisy.write_bytes(_photo("daisy", 12))  # changed: same path, new bytes
     os.utime(daisy, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
     dandelion.unlink()
     sunflowers.rename(sunflowers.with_name("renamed.jpg"))
-    (images / "roses" / "breaks.jpg").write_bytes(_photo("roses", 10)[:2000])
+    breaks.write_bytes(breaks.read_bytes()[:2000])  # becomes broken: truncated
     (images / "tulips" / "fixed.jpg").write_bytes(_photo("tulips", 10))
 
     second = ingest(spark, cfg)
@@ -81,7 +104,7 @@ def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
     # images: + added, renamed, fixed; ~ changed; - dandelion, the old name, the broken one
     assert (second.rows_inserted, second.rows_updated, second.rows_deleted) == (3, 1, 3)
     assert second.rows_quarantined == 1 and second.quarantine_reasons == {"corrupt": 1}
-    assert (second.images_rows, second.quarantined_rows, second.files) == (11, 1, 12)
+    assert (second.images_rows, second.quarantined_rows, second.files) == (20, 1, 21)
     assert checked_tables(spark, cfg).meta["fingerprint"] == second.fingerprint
     # the MERGE marked the deleted and replaced rows in deletion vectors: it copied no row
     # of the files those rows shared with unchanged photos
@@ -90,18 +113,21 @@ def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
     metrics = merge["operationMetrics"]
     assert int(metrics["numTargetDeletionVectorsAdded"]) > 0, metrics
     assert int(metrics["numTargetRowsCopied"]) == 0, metrics
-    # photos that did not change stayed in their split
-    after = {
-        r["relative_path"]: r["split"]
-        for r in spark.read.format("delta").load(second.tables["images"]).collect()
-    }
-    unchanged = set(split_before) - {str(daisy.relative_to(images))}
-    assert all(after[p] == split_before[p] for p in unchanged if p in after)
+    # photos that did not change stayed in their split, and every class is in every split
+    after = _splits(spark, second.tables["images"])
+    gone = {str(p.relative_to(images)) for p in (daisy, dandelion, sunflowers, breaks)}
+    unchanged = set(split_before) - gone
+    assert len(unchanged) == 16 and unchanged <= set(after)
+    assert {p: after[p] for p in unchanged} == {p: split_before[p] for p in unchanged}
+    assert _in_every_split(second.split_counts), second.split_counts
 
     fresh = ingest(spark, _cfg(images, tmp_path / "fresh"))
     assert fresh.mode == "full: no tables yet"
+    assert _in_every_split(fresh.split_counts), fresh.split_counts
     for name in TABLE_NAMES:
-        assert _contents(spark, second.tables[name]) == _contents(spark, fresh.tables[name]), name
+        assert _contents(spark, second.tables[name], ("split",)) == _contents(
+            spark, fresh.tables[name], ("split",)
+        ), name
     # unchanged input: no new version, nothing decoded
     versions = {
         n: DeltaTable.forPath(spark, p).history(1).first()["version"]  # type: ignore[index]
@@ -120,16 +146,16 @@ def test_too_many_bad_files_counts_the_whole_table_after_the_change(
 ) -> None:
     """``max_bad_fraction`` applies to the tables as they would be after the change: one more
     broken file on top of those already quarantined fails, and nothing is written."""
-    images = sample_photos(tmp_path / "images", per_label=2)
+    images = sample_photos(tmp_path / "images", per_label=3)
     (images / "roses" / "bad1.jpg").write_bytes(b"no")
     cfg = _cfg(images, tmp_path / "out", "data.max_bad_fraction=0.1")
     first = ingest(spark, cfg)
     assert first.quarantined_rows == 1
     history = {n: DeltaTable.forPath(spark, p).history().count() for n, p in first.tables.items()}
-    (images / "tulips" / "bad2.jpg").write_bytes(b"no")  # 2 of 12 = 16.7% > 10%
+    (images / "tulips" / "bad2.jpg").write_bytes(b"no")  # 2 of 17 = 11.8% > 10%
     from flowers_job.ingest.job import IngestError
 
-    with pytest.raises(IngestError, match=r"2 of 12 files .* not_an_image 2"):
+    with pytest.raises(IngestError, match=r"2 of 17 files .* not_an_image 2"):
         ingest(spark, cfg)
     assert {n: DeltaTable.forPath(spark, p).history().count() for n, p in first.tables.items()} == (
         history
@@ -139,15 +165,16 @@ def test_too_many_bad_files_counts_the_whole_table_after_the_change(
 def test_vacuum_keeps_the_versions_the_loader_cache_names(
     spark: SparkSession, tmp_path: Path
 ) -> None:
-    """With ``data.retention_hours=0``, an ingest that writes removes the files of older
-    versions, except those of a version a loader cache entry was built from. The changes
-    are full rebuilds (``--full``): an incremental MERGE marks rows in deletion vectors and
-    leaves every data file of the older versions in use."""
+    """With ``data.retention_hours=0`` (and ``data.allow_short_retention``), an ingest that
+    writes under the output's lease (:func:`run_ingest`, as the CLI runs it) removes the files
+    of older versions, except those of a version a loader cache entry was built from. The
+    changes are full rebuilds (``--full``): an incremental MERGE marks rows in deletion
+    vectors and leaves every data file of the older versions in use."""
     from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, PLAN_FILE
 
-    images = sample_photos(tmp_path / "images", per_label=2)
-    cfg = _cfg(images, tmp_path / "out", "data.retention_hours=0")
-    first = ingest(spark, cfg)
+    images = sample_photos(tmp_path / "images", per_label=4)  # 3 per class after a deletion
+    cfg = _cfg(images, tmp_path / "out", *SHORT_RETENTION)
+    first = run_ingest(spark, cfg)
     kept = checked_tables(spark, cfg).versions["images"]
     # an entry of the loader cache built from that version (as prepare_data writes it)
     entry = tmp_path / "out" / "loader_cache" / ENTRIES / f"streaming-train-v{kept}-x"
@@ -167,12 +194,12 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
         except Exception:
             return False
 
-    rebuild = _cfg(images, tmp_path / "out", "data.retention_hours=0", "data.full_ingest=true")
+    rebuild = _cfg(images, tmp_path / "out", *SHORT_RETENTION, "data.full_ingest=true")
     (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()
-    assert ingest(spark, rebuild).mode.startswith("full")  # removes every file of `kept`
+    assert run_ingest(spark, rebuild).mode.startswith("full")  # removes every file of `kept`
     assert readable(kept)  # protected by the cache entry
     shutil.rmtree(entry)
     (images / "roses" / sorted(os.listdir(images / "roses"))[0]).unlink()
-    ingest(spark, rebuild)
+    run_ingest(spark, rebuild)
     assert not readable(kept)
     assert readable(checked_tables(spark, cfg).versions["images"])
