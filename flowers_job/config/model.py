@@ -9,8 +9,10 @@ gives its meaning and unit; docs/configuration.md lists them all.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -23,6 +25,8 @@ from flowers_job.config.data import (
     TablesConfig,
 )
 from flowers_job.config.deprecated import migrate_deprecated
+from flowers_job.config.secrets import redact_uri, split_userinfo
+from flowers_job.errors import ConfigError
 from flowers_job.location import Location, LocationValue, to_location
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "ModelConfig",
     "PathsConfig",
     "PetastormConfig",
+    "ServingConfig",
     "StreamingConfig",
     "TablesConfig",
     "TrackingConfig",
@@ -270,6 +275,11 @@ class TrainConfig(RecipeConfig):
     """With ``resume``: continue only a checkpoint written under the same key, else start a
     new run (``--resume-key``; the bundle passes the Databricks job run id, so a task's
     retry continues its own run and the next day's run starts afresh)."""
+    resume_on_new_data: bool = False
+    """With ``resume``: continue although the data changed since the checkpoint (another
+    ``images`` version, ingest fingerprint, train or val split). False: such a resume exits
+    2 naming what changed. Never past a changed test split: no test photo may be trained on
+    (:mod:`flowers_job.train.resume`)."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Also checkpoint inside an epoch after every this many training steps (repeatable:
     tests, benchmarks). None: by time only (``checkpoint_every_seconds``)."""
@@ -343,7 +353,10 @@ class TrackingConfig(Section):
     """MLflow. Only rank 0 talks to MLflow."""
 
     tracking_uri: str | None = None
-    """None = ``sqlite:///<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts``."""
+    """None = ``sqlite:///<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts``.
+    Credentials in a server's URI (``https://alice:pw@host``) are taken out of it, into
+    ``username`` and ``password`` (:meth:`_take_credentials_out_of_uri`); a password in any
+    other store's URI (``postgresql://user:pw@host/db``) is refused."""
     experiment_name: str = Field("flowers_job", min_length=1)
     registered_model_name: str | None = Field("flowers_classifier", min_length=1)
     """Name in the MLflow model registry; None = log the model without registering it."""
@@ -362,12 +375,105 @@ class TrackingConfig(Section):
     starts. Prefer setting MLFLOW_TRACKING_PASSWORD yourself (MLflow reads it)."""
     token: SecretStr | None = Field(None, exclude=True)
     """Bearer token for the tracking server, handled like ``password`` (MLFLOW_TRACKING_TOKEN)."""
+    password_env: str | None = Field(None, min_length=1)
+    """Name of an environment variable of the driver holding the password (one a secret
+    manager sets, say), read when the job starts; instead of ``password``."""
+    password_file: Path | None = None
+    """A file holding the password (its text without the trailing line break; keep it
+    readable by you alone), read on the driver when the job starts; instead of
+    ``password``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _take_credentials_out_of_uri(cls, data: Any) -> Any:
+        """``https://alice:pw@host`` -> ``tracking_uri="https://host"``, ``username="alice"``,
+        ``password="pw"``: MLflow then sends them from MLFLOW_TRACKING_USERNAME/PASSWORD
+        (``mlflow.utils.credentials.get_default_host_creds``), and the URI the job stores,
+        logs and hands to the ranks holds no secret. A password in the URI of another store
+        (a database: SQLAlchemy would need it in the URI) is refused: its driver reads it
+        from its own files or variables (libpq's ``PGPASSWORD`` and ``~/.pgpass``)."""
+        if not isinstance(data, dict) or not isinstance(data.get("tracking_uri"), str):
+            return data
+        uri = data["tracking_uri"]
+        head, sep, _ = uri.partition("://")
+        try:
+            bare, user, password = split_userinfo(uri)
+            scheme = urlsplit(uri).scheme.lower()
+            if sep and scheme != head.lower():  # "[https://a:pw@h]": no userinfo found
+                raise ValueError
+        except ValueError:
+            raise ValueError("tracking_uri: not a valid URI (scheme://host...)") from None
+        if user is None and password is None:
+            return data
+        if scheme not in ("http", "https"):
+            if password is None:
+                return data  # postgresql://user@host/db: the driver finds the password
+            raise ValueError(
+                f"tracking_uri: a password in the URI of the store {redact_uri(uri)} is "
+                "refused (it would show in the params, summary.json and logs); take it out "
+                "and give it to the database driver: PGPASSWORD or a ~/.pgpass file for "
+                "PostgreSQL, an option file (?read_default_file=...) for MySQL"
+            )
+        if user is not None and data.get("username") not in (None, user):
+            raise ValueError(
+                "username: differs from the user name in tracking.tracking_uri; give it once"
+            )
+        given = [k for k in ("password", "password_env", "password_file") if data.get(k)]
+        if password is not None and given:
+            raise ValueError(
+                f"password: given both in tracking.tracking_uri and as tracking.{given[0]}; "
+                "give it once"
+            )
+        out = {**data, "tracking_uri": bare}
+        if user is not None:
+            out["username"] = user
+        if password is not None:
+            out["password"] = password
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> TrackingConfig:
         if self.password is not None and not self.username:
             raise ValueError("username: required with tracking.password (basic auth)")
+        given = [
+            name
+            for name in ("password", "password_env", "password_file")
+            if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one of tracking.{' and tracking.'.join(given)}")
         return self
+
+    def resolved_password(self) -> SecretStr | None:
+        """The basic-auth password: ``password``, else the variable ``password_env`` names,
+        else the text of ``password_file`` without its trailing line break; None when none
+        is set. Read on the driver (:func:`flowers_job.tracking.mlflow_run.use_credentials`).
+
+        Raises:
+            ConfigError: the variable is not set or empty, or the file cannot be read or is
+                empty; the message names the setting and the variable or file, never a value.
+        """
+        if self.password is not None:
+            return self.password
+        if self.password_env:
+            value = os.environ.get(self.password_env)
+            if not value:
+                raise ConfigError(
+                    f"tracking.password_env: the environment variable {self.password_env} is "
+                    "not set or empty"
+                )
+            return SecretStr(value)
+        if self.password_file is not None:
+            path = self.password_file.expanduser()
+            try:
+                value = path.read_text(encoding="utf-8").rstrip("\r\n")
+            except (OSError, UnicodeDecodeError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise ConfigError(f"tracking.password_file: cannot read {path}: {why}") from None
+            if not value:
+                raise ConfigError(f"tracking.password_file: {path} is empty")
+            return SecretStr(value)
+        return None
 
 
 class PathsConfig(Section):
@@ -430,9 +536,24 @@ class CacheConfig(Section):
     before it fails, naming the lock."""
 
 
+class ServingConfig(Section):
+    """What one request to the served model may cost. Written into the registered model's
+    ``model_config`` when it is logged, and enforced by the model wherever it serves
+    (:mod:`flowers_job.serving.pyfunc_model`), before any image is decoded."""
+
+    max_rows: int = Field(256, ge=1)
+    """Images per request: a request with more is refused (HTTP 400) before any is decoded.
+    8 x the 32 a client batch usually holds (docs/using-the-model.md)."""
+    max_request_bytes: int = Field(64 * 2**20, ge=1024)
+    """Bytes per request (default 64 MiB): under ``mlflow models serve`` a body over this is
+    answered 413 before it is parsed; anywhere the model is called, image bytes over this in
+    one call are refused (HTTP 400). A JSON body carries each image base64-encoded, 4/3 of
+    its size."""
+
+
 class JobConfig(Section):
     """The whole job: data, loaders, model, train, distributed, tracking, paths, tables,
-    cache."""
+    cache, serving."""
 
     data: DataConfig = DataConfig()
     loaders: LoadersConfig = LoadersConfig()
@@ -443,6 +564,7 @@ class JobConfig(Section):
     paths: PathsConfig
     tables: TablesConfig = TablesConfig()
     cache: CacheConfig = CacheConfig()
+    serving: ServingConfig = ServingConfig()
 
     @model_validator(mode="before")
     @classmethod

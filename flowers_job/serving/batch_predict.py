@@ -35,7 +35,8 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pyspark import StorageLevel
@@ -44,6 +45,7 @@ from pyspark.sql import functions as F
 
 from flowers_job.cluster.session import task_progress, task_slots
 from flowers_job.config import DataConfig
+from flowers_job.config.secrets import redact_uri, split_userinfo
 from flowers_job.location import Location
 from flowers_job.photos.files import (
     DECODED_SCHEMA,
@@ -64,8 +66,13 @@ from flowers_job.serving.model_ref import (
     ship_model,
 )
 from flowers_job.serving.score_udf import OUTPUT_COLUMNS, score_images
-from flowers_job.tables.delta_tables import read_table_metadata, write_table
+from flowers_job.tables.delta_tables import (
+    is_ingest_metadata,
+    read_table_metadata,
+    write_table,
+)
 from flowers_job.tables.table_ref import TableRef
+from flowers_job.vision.images import ImageLimits
 
 __all__ = [
     "OUTPUT_COLUMNS",
@@ -76,8 +83,10 @@ __all__ = [
     "PredictReport",
     "UsageError",
     "check_input",
+    "check_output_table",
     "default_model",
     "predict",
+    "predict_tracking_uri",
     "resolve_model",
     "score_images",
     "scoring_partitions",
@@ -93,6 +102,40 @@ ROWS_PER_PARTITION = 512
 A task costs about 0.6 s beyond its rows (the Python worker's round trip, the shuffle
 block's fetch, the first batch): fewer, larger tasks scored the photos faster
 (docs/performance.md)."""
+
+
+def predict_tracking_uri(
+    configured: str | None,
+    default_store: str,
+    summary_uri: str | None,
+    *,
+    from_output: bool = False,
+    environ: Mapping[str, str] = os.environ,
+) -> str:
+    """The MLflow store ``predict`` resolves the model in.
+
+    In order: ``tracking.tracking_uri`` (``configured``), the environment's
+    ``MLFLOW_TRACKING_URI``, with ``from_output`` (``--tracking-uri-from-output``) the
+    ``mlflow_tracking_uri`` of the output folder's summary.json (``summary_uri``), else
+    ``default_store`` (the sqlite store under ``--output-dir``). Without the flag a
+    summary.json never chooses the server: whoever can write that folder could otherwise
+    send the configured credentials (MLFLOW_TRACKING_USERNAME/PASSWORD) to a host of theirs.
+    A summary's URI is taken without its user info (:func:`flowers_job.config.secrets.split_userinfo`).
+    """
+    if configured:
+        return configured
+    if environ.get("MLFLOW_TRACKING_URI"):
+        return environ["MLFLOW_TRACKING_URI"]
+    if from_output and summary_uri:
+        return split_userinfo(summary_uri)[0]
+    if summary_uri and summary_uri != default_store:
+        log.warning(
+            "summary.json names the MLflow store %s, not used without "
+            "--tracking-uri-from-output: using %s",
+            redact_uri(summary_uri),
+            default_store,
+        )
+    return default_store
 
 
 @dataclass(frozen=True)
@@ -151,6 +194,44 @@ def check_input(images: Path | None, table: Path | TableRef | None) -> None:
         raise PredictError(f"--table {path}: not a Delta table (no {path / '_delta_log'})")
 
 
+def check_output_table(
+    spark: SparkSession, output_table: TableRef, table: TableRef | None = None
+) -> None:
+    """Refuse an ``--output-table`` that is one of the job's input tables, before anything
+    is read or written: ``predict`` overwrites its output, schema included.
+
+    The job's input tables are the ones ingest wrote (``images``, ``quarantine``, an older
+    layout's ``train``/``val``/``test``): their latest commit carries ingest's metadata
+    (:func:`~flowers_job.tables.delta_tables.is_ingest_metadata`), wherever they are and
+    however they are named; and this run's input ``table``: the same path or catalog name
+    (:meth:`~flowers_job.tables.table_ref.TableRef.key`) or, both existing, the same Delta
+    table id (a catalog name and its location).
+
+    Raises:
+        UsageError: (exit 2) naming the output table and the input table it is.
+    """
+    if table is not None:
+        same = output_table.key(spark) == table.key(spark)
+        if not same and output_table.exists(spark) and table.exists(spark):
+            same = output_table.table_id(spark) == table.table_id(spark)
+        if same:
+            raise UsageError(
+                f"--output-table {output_table} is the input table --table {table}: predict "
+                "overwrites its output table, schema included; name another output table"
+            )
+    if not output_table.exists(spark):
+        return
+    meta = read_table_metadata(spark, output_table)
+    if is_ingest_metadata(meta):
+        assert meta is not None
+        raise UsageError(
+            f"--output-table {output_table} is one of the job's input tables: flowers-job "
+            f"ingest wrote it (run {meta.get('run_id')}; the {output_table.table} table of "
+            f"labels {meta.get('label_names')}), and predict overwrites its output table, "
+            "schema included; name another output table"
+        )
+
+
 def scoring_partitions(rows: int, slots: int) -> int:
     """Scoring tasks for ``rows`` rows on ``slots`` task slots: a multiple of ``slots``, so
     the last wave keeps every slot busy, of :data:`ROWS_PER_PARTITION` rows or more each
@@ -192,6 +273,7 @@ def _image_rows(
     )
     short_side = int(shipped.model_config["resize_size"])
     max_pixels = int(shipped.model_config["max_pixels"])
+    limits = replace(ImageLimits.from_data(data), max_pixels=max_pixels)
     settings = {
         "input": "images",
         "root": root,
@@ -199,11 +281,12 @@ def _image_rows(
         "jpeg_quality": data.jpeg_quality,
         "max_image_pixels": max_pixels,
         "extensions": sorted(e.lower() for e in data.extensions),
+        "limits": limits.model_config(),
     }
     groups = hash_sums(listing, listing_key(), by=("label", "reason_code"))
     entries = sum(int(g["n"]) for g in groups)
     decode = decode_partitions(
-        root, short_side, data.jpeg_quality, max_pixels, tuple(data.extensions)
+        root, short_side, data.jpeg_quality, max_pixels, tuple(data.extensions), limits=limits
     )
     columns = ["relative_path", *(["label"] if labels else []), "content_sha256"]
     rows = (
@@ -311,6 +394,8 @@ def predict(
 
     Raises:
         UsageError, PredictError: as :func:`check_input`, or a ``table`` without the columns.
+        UsageError: the output table is one of the job's input tables
+            (:func:`check_output_table`).
         ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.cluster.connect`;
             docs/using-the-model.md says why), before anything is read or written.
     """
@@ -319,6 +404,7 @@ def predict(
         output_table = TableRef(path=Location.of(output_table))
     if isinstance(table, Path):
         table = TableRef(path=Location.of(table))
+    check_output_table(spark, output_table, table)
     data = data or DataConfig()
     shipped = ship_model(spark, model)
     listing: DataFrame | None = None

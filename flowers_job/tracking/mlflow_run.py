@@ -12,19 +12,20 @@ param and no epoch twice.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import mlflow
-import pandas as pd
 from mlflow import environment_variables as mlflow_env
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import TrackingError
 from flowers_job.tracking.class_report import TestReport
-from flowers_job.tracking.credentials import fail_fast, store_client
+from flowers_job.tracking.credentials import fail_fast, redact, store_client
 from flowers_job.tracking.tags import (
     TAG_FINGERPRINT,
     TAG_IMAGES_TABLE,
@@ -67,21 +68,53 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _strict_table(columns: list[str], rows: list[list[Any]]) -> dict[str, Any]:
+    """``{"columns": columns, "data": rows}`` that strict JSON can hold (RFC 8259 has no
+    NaN or infinity, which Python's ``json`` would write as the bare words ``NaN``,
+    ``Infinity``): a float that is not finite becomes None (``null``), NumPy scalars
+    become Python numbers. Checked with ``json.dumps(allow_nan=False)``.
+
+    Raises:
+        ValueError: a value JSON cannot hold at all (not a number, string, bool or None).
+    """
+
+    def plain(value: Any) -> Any:
+        if hasattr(value, "item") and not isinstance(value, str):  # a NumPy scalar
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
+
+    table = {"columns": list(columns), "data": [[plain(v) for v in row] for row in rows]}
+    try:
+        json.dumps(table, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"test table {columns}: {exc}") from exc
+    return table
+
+
 def use_credentials(cfg: JobConfig) -> None:
     """Export the configured tracking credentials to this process's environment.
 
     ``tracking.username``/``password``/``token`` become MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN,
-    which MLflow reads, and which the training processes inherit: TorchDistributor's local
+    which MLflow reads, and which the training processes inherit (the password may come from
+    ``tracking.password_env`` or ``tracking.password_file``, or from the user info of
+    ``tracking.tracking_uri``, which the configuration takes out of the URI): TorchDistributor's local
     mode starts them with this environment, and so does a local Spark master started after
     this call (barrier mode on ``local[n]``). Executors of a real cluster do not inherit the
     driver's environment: give them the variables there (``spark.executorEnv.*``, cluster
     secrets). Values not configured are left as they are. The secrets never enter the job
     sent to the workers (they are excluded from ``JobConfig.model_dump``).
+
+    Raises:
+        ConfigError: ``tracking.password_env`` names an unset variable, or
+            ``tracking.password_file`` cannot be read (:meth:`TrackingConfig.resolved_password`).
     """
     t = cfg.tracking
+    password = t.resolved_password()
     values = {
         mlflow_env.MLFLOW_TRACKING_USERNAME: t.username,
-        mlflow_env.MLFLOW_TRACKING_PASSWORD: t.password.get_secret_value() if t.password else None,
+        mlflow_env.MLFLOW_TRACKING_PASSWORD: password.get_secret_value() if password else None,
         mlflow_env.MLFLOW_TRACKING_TOKEN: t.token.get_secret_value() if t.token else None,
     }
     for var, value in values.items():
@@ -145,9 +178,11 @@ def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) 
                     )
                 )
     except Exception as exc:
-        raise TrackingError(
-            f"tracking.tracking_uri: the MLflow store {uri} cannot be used: "
-            f"{type(exc).__name__}: {exc}"
+        raise TrackingError(  # redacted: MLflow's error may quote a request with a secret
+            redact(
+                f"tracking.tracking_uri: the MLflow store {uri} cannot be used: "
+                f"{type(exc).__name__}: {exc}"
+            )
         ) from exc
 
 
@@ -233,9 +268,11 @@ class RunTracker:
 
         - metrics ``test_accuracy``, ``test_loss``, ``test_macro_f1``,
           ``test_images_per_second``;
-        - ``test/per_class.json`` (a table: label, precision, recall, f1, support) and
+        - ``test/per_class.json`` (a table: label, precision, recall, f1, support; a label
+          absent from the test split has support 0 and ``null`` scores) and
           ``test/confusion_matrix.json`` (a table: one row per true label, one column per
-          predicted label), both ``{"columns": [...], "data": [[...], ...]}``;
+          predicted label), both ``{"columns": [...], "data": [[...], ...]}`` in strict JSON
+          (RFC 8259: never ``NaN``; :func:`_strict_table`);
         - ``figures/<name>.png`` for each of ``figures``
           (:func:`flowers_job.tracking.class_report.report_figures`: ``curves``, ``confusion_matrix``,
           ``worst_mistakes``), closed once logged.
@@ -245,14 +282,23 @@ class RunTracker:
         self.log_final(report.metrics())
         # Tables in mlflow.log_table's JSON layout ({"columns", "data"}), written with
         # log_dict: log_table appends to an existing file, and a resumed run that finishes
-        # again must replace its test scores, not add a second set.
-        confusion = pd.DataFrame(report.confusion, columns=report.label_names)
-        confusion.insert(0, "true_label", report.label_names)
-        for name, table in (
-            ("per_class", pd.DataFrame(report.per_class)),
-            ("confusion_matrix", confusion),
-        ):
-            mlflow.log_dict(table.to_dict(orient="split", index=False), f"test/{name}.json")
+        # again must replace its test scores, not add a second set. Built from the plain
+        # values, not through pandas, which turns an absent score (None) into NaN.
+        columns = ["label", "precision", "recall", "f1", "support"]
+        tables = {
+            "per_class": _strict_table(
+                columns, [[row.get(c) for c in columns] for row in report.per_class]
+            ),
+            "confusion_matrix": _strict_table(
+                ["true_label", *report.label_names],
+                [
+                    [name, *row]
+                    for name, row in zip(report.label_names, report.confusion, strict=True)
+                ],
+            ),
+        }
+        for name, table in tables.items():
+            mlflow.log_dict(table, f"test/{name}.json")
         for name, fig in figures.items():
             mlflow.log_figure(fig, f"figures/{name}.png")
             plt.close(fig)
@@ -326,7 +372,7 @@ def end_failed_run(cause: str) -> None:
             return
         with fail_fast(FAILURE_REPORT_SECONDS):
             try:
-                mlflow.set_tag(FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+                mlflow.set_tag(FAILURE_TAG, redact(cause)[:FAILURE_TAG_CHARS])
             finally:
                 mlflow.end_run(status="FAILED")
     except Exception:
@@ -353,9 +399,9 @@ def mark_run_failed(
         with fail_fast(FAILURE_REPORT_SECONDS), store_client(tracking_uri) as client:
             if client.get_run(run_id).info.status != "RUNNING":
                 if correct_cause:
-                    client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+                    client.set_tag(run_id, FAILURE_TAG, redact(cause)[:FAILURE_TAG_CHARS])
                 return False
-            client.set_tag(run_id, FAILURE_TAG, cause[:FAILURE_TAG_CHARS])
+            client.set_tag(run_id, FAILURE_TAG, redact(cause)[:FAILURE_TAG_CHARS])
             client.set_terminated(run_id, status="FAILED")
         log.warning("MLflow run %s was still RUNNING: marked FAILED", run_id)
         return True
