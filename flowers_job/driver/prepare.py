@@ -33,6 +33,7 @@ __all__ = [
     "LOADER_COLUMNS",
     "DataError",
     "PreparedData",
+    "check_resume",
     "example_images",
     "lineage",
     "prepare_data",
@@ -103,6 +104,40 @@ def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict
         "ingest_fingerprint": str(checked.meta.get("fingerprint", "")),
         "test_split_digest": split_digest(test, checked.label_names),
     }
+
+
+def check_resume(cfg: JobConfig, data: PreparedData) -> None:
+    """With ``train.resume``, before the ranks start: refuse a checkpoint that the ranks
+    would refuse (another model, image size, trained layers, labels or optimizer:
+    :func:`~flowers_job.train.resume.check_resumable`), or one of other data than
+    ``data`` (:func:`~flowers_job.train.resume.check_same_data`). Each of ``last.pt`` (or
+    the generation before it) and ``step.pt`` that can be read here is checked; one that
+    cannot is left to rank 0, which reads it again and fails with its error.
+
+    Raises:
+        ConfigError: naming the setting, or what changed in the data (old -> new).
+    """
+    if not cfg.train.resume:
+        return
+    from flowers_job.train.checkpoint import (
+        CHECKPOINT_NAME,
+        STEP_CHECKPOINT_NAME,
+        data_identity,
+        load_checkpoint,
+    )
+    from flowers_job.train.resume import check_resumable, check_same_data
+
+    splits = {"train": data.train, "val": data.val, "test": data.test}
+    now = data_identity(data.lineage, {k: (p.dataset_size, p.checksum) for k, p in splits.items()})
+    for name in (CHECKPOINT_NAME, STEP_CHECKPOINT_NAME):
+        try:
+            saved = load_checkpoint(cfg.paths.checkpoint_dir, name=name)
+        except (RuntimeError, OSError) as exc:
+            log.warning("--resume: not checked on the driver (%s); rank 0 reads it again", exc)
+            continue
+        if saved is not None:
+            check_resumable(saved, cfg, data.label_names)
+            check_same_data(saved, now, cfg)
 
 
 def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2) -> list[bytes]:

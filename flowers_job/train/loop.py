@@ -257,6 +257,7 @@ def _checkpoint(
             "stop_reason": state.stop_reason,
             "label_names": state.label_names,
             "config": state.cfg.model_dump(mode="json"),
+            **state.resume_record(),  # the data and the optimizer, checked on resume
             **(extra or {}),
         },
         state.cfg.paths.checkpoint_dir,
@@ -352,7 +353,7 @@ def fit(
     """
     t_start = time.perf_counter()
     state = build_state(cfg, ctx, plans, label_names)
-    state.attempt, state.report_dir = attempt, report_dir
+    state.attempt, state.report_dir, state.lineage = attempt, report_dir, lineage
     ranks = ranks if ranks is not None else gather_ranks(ctx)
     place_ranks(state, ranks)
     resume(state)

@@ -17,6 +17,7 @@ from flowers_job.loaders.base import Loader, ShardPlan
 from flowers_job.location import Location
 from flowers_job.runtime.layout import HostLayout
 from flowers_job.runtime.process_group import DistContext, describe_hosts
+from flowers_job.train.checkpoint import data_identity
 from flowers_job.train.device_prefetch import DeviceReader, decodes_on_device
 from flowers_job.train.early_stopping import EarlyStopping
 from flowers_job.train.fine_tuning import WarmupCosine, attach_ema, make_ema, param_groups
@@ -118,6 +119,22 @@ class TrainState:
     first_step_seen: bool = False
     ema: AveragedModel | None = None
     """The weights' moving average (``train.ema_decay``), updated after every step."""
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """What the run reads (:func:`flowers_job.driver.prepare.lineage`): the tables' versions,
+    the ingest fingerprint, the test split's digest."""
+
+    def data_identity(self) -> dict[str, Any]:
+        """The data this run trains on, as a checkpoint records it and a resume compares it
+        (:func:`~flowers_job.train.checkpoint.data_identity`)."""
+        plans = {"train": self.plans.train, "val": self.plans.val, "test": self.plans.test}
+        return data_identity(
+            self.lineage, {k: (p.dataset_size, p.checksum) for k, p in plans.items()}
+        )
+
+    def resume_record(self) -> dict[str, Any]:
+        """What every checkpoint carries for a resume's checks besides the configuration:
+        ``data`` (:meth:`data_identity`) and ``optimizer_class`` (e.g. ``"AdamW"``)."""
+        return {"data": self.data_identity(), "optimizer_class": type(self.optimizer).__name__}
 
     @property
     def eval_model(self) -> Classifier:

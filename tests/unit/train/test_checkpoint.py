@@ -12,14 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowers_job.config import load_config
 from flowers_job.train.checkpoint import (
     CHECKPOINT_NAME,
+    PREVIOUS_CHECKPOINT_NAME,
     RUN_FILE_NAME,
+    STEP_CHECKPOINT_NAME,
     load_checkpoint,
     read_run_id,
     save_checkpoint,
     write_run_id,
 )
+from flowers_job.train.resume import choose_checkpoint
 from tests.support.faults import fault_env
 
 pytestmark = pytest.mark.tier("gate")
@@ -30,7 +34,9 @@ def test_round_trip_and_no_temporary_files_left(tmp_path: Path) -> None:
     state = {"model": model.state_dict(), "epoch": 4, "history": [{"epoch": 4, "val_loss": 0.5}]}
     save_checkpoint(state, tmp_path)
     save_checkpoint({**state, "epoch": 5}, tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME]
+    )
     loaded = load_checkpoint(tmp_path)
     assert loaded is not None and loaded["epoch"] == 5
     assert torch.equal(loaded["model"]["weight"], model.weight)
@@ -109,3 +115,78 @@ def test_run_id_survives_next_to_the_checkpoint(tmp_path: Path) -> None:
     assert read_run_id(tmp_path) == "abc123"
     (tmp_path / RUN_FILE_NAME).write_text("{torn")
     assert read_run_id(tmp_path) is None
+
+
+def _epoch(path: Path) -> int:
+    return int(torch.load(path, weights_only=True)["epoch"])
+
+
+def test_the_last_two_epoch_checkpoints_are_kept(tmp_path: Path) -> None:
+    for epoch in (1, 2, 3):
+        save_checkpoint({"epoch": epoch, "w": torch.full((10,), float(epoch))}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME]
+    )
+    assert _epoch(tmp_path / CHECKPOINT_NAME) == 3
+    assert _epoch(tmp_path / PREVIOUS_CHECKPOINT_NAME) == 2
+    # a step checkpoint leaves the generations alone
+    save_checkpoint({"epoch": 4, "step": 2}, tmp_path, STEP_CHECKPOINT_NAME)
+    assert _epoch(tmp_path / PREVIOUS_CHECKPOINT_NAME) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not a dict"])
+def test_a_damaged_last_pt_falls_back_to_the_one_before(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_checkpoint({"epoch": 1, "w": torch.ones(1000)}, tmp_path)
+    save_checkpoint({"epoch": 2, "w": torch.zeros(1000)}, tmp_path)
+    last = tmp_path / CHECKPOINT_NAME
+    if damage == "truncated":
+        last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    elif damage == "garbage":
+        last.write_bytes(b"not a pickle at all")
+    else:
+        torch.save([1, 2, 3], last)
+    with caplog.at_level("WARNING", logger="flowers_job.train.checkpoint"):
+        loaded = load_checkpoint(tmp_path)
+    assert loaded is not None and loaded["epoch"] == 1
+    assert torch.equal(loaded["w"], torch.ones(1000))
+    assert str(last) in caplog.text and str(tmp_path / PREVIOUS_CHECKPOINT_NAME) in caplog.text
+    assert "falling back" in caplog.text
+
+
+def test_both_generations_damaged_is_the_clean_error(tmp_path: Path) -> None:
+    save_checkpoint({"epoch": 1}, tmp_path)
+    save_checkpoint({"epoch": 2}, tmp_path)
+    for name in (CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME):
+        path = tmp_path / name
+        path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(
+        RuntimeError, match=r"cannot load checkpoint .*last\.pt.*damaged too.*last\.prev\.pt"
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_a_new_run_never_falls_back_to_the_last_runs_checkpoint(tmp_path: Path) -> None:
+    save_checkpoint({"epoch": 1, "run": "old"}, tmp_path)
+    save_checkpoint({"epoch": 2, "run": "old"}, tmp_path)
+    (tmp_path / CHECKPOINT_NAME).unlink()  # a new run removes last.pt (begin_training)
+    assert load_checkpoint(tmp_path) is None  # no last.pt: no checkpoint, whatever is left
+    save_checkpoint({"epoch": 1, "run": "new"}, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"torn")
+    with pytest.raises(RuntimeError, match="no generation before it"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_damaged_step_pt_resumes_from_the_epoch_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = load_config(None, [], **{"paths.output_dir": tmp_path, "train.resume": True})
+    directory = Path(cfg.paths.checkpoint_dir)
+    save_checkpoint({"epoch": 1}, directory)
+    (directory / STEP_CHECKPOINT_NAME).write_bytes(b"torn")
+    with caplog.at_level("WARNING", logger="flowers_job.train"):
+        chosen = choose_checkpoint(cfg, None, None)  # type: ignore[arg-type]
+    assert chosen is not None and chosen["epoch"] == 1
+    assert "step.pt" in caplog.text and "epoch checkpoint instead" in caplog.text
