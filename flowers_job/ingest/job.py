@@ -35,10 +35,29 @@ tables overwritten, every file decoded) happens on the first run, after a change
 ingest settings or of the label folders (every ``label_index`` would change), after an
 interrupted ingest, and with ``data.full_ingest`` (``--full``).
 
-The split is a pure function of the photo's bytes and ``split_seed`` (a SHA-256 hash), so
-a photo lands in the same split on every run whatever the partitioning, an unchanged photo
-never moves between splits, and byte-identical duplicates always share a split (no leakage
-between train, val and test).
+**The split is stratified per class.** Each photo has a split hash (SHA-256 of
+``split_seed`` and its bytes). A full rebuild ranks each class's distinct photos by that
+hash: the first ``round(n * val_fraction)`` go to val, the next ``round(n * test_fraction)``
+to test (each at least 1, and at least 1 left), the rest to train, so every class is in
+every split in proportion (:func:`~flowers_job.ingest.write.split_quotas`); a class with
+fewer than 3 distinct photos stops ingest with an error naming it. An incremental ingest
+never moves a stored photo: new photos of a class fill what the class lacks of its quotas
+for its new size (val, then test, by the same ranking), the rest go to train; only if a
+class would miss a split (its last photo of it is gone and no new one came) is it a full
+rebuild instead. So the split is the same whatever the partitioning and an unchanged photo
+keeps its split across incremental ingests, but it depends on the order photos arrived in:
+a full rebuild (``--full``, changed settings) splits every class afresh and may move
+photos. Byte-identical duplicates are one photo, in the class of the first of their labels,
+and share a split (no leakage between train, val and test).
+
+**Hidden files** (``.DS_Store``, ``._x.jpg``) are skipped and counted apart: recorded in
+quarantine as ``hidden_path``, not counted towards ``data.max_bad_fraction``, and reported
+as ``hidden_skipped`` ("N hidden files skipped" in the log).
+
+**Deletion.** A full ingest removes the split tables of an older layout
+(``<output_dir>/tables/{train,val,test}``) only when their commits carry ingest's metadata;
+another Delta table there stops it before anything is written
+(:func:`~flowers_job.ingest.write.own_old_split_tables`).
 
 Consistency: each table's Delta commit carries, in its ``userMetadata``, a fingerprint of
 the listing (relative path, kind, size and modification time of every entry) and of the
@@ -61,7 +80,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pyspark import StorageLevel
@@ -72,6 +91,7 @@ from flowers_job.config import JobConfig
 from flowers_job.ingest.write import (
     Changes,
     IngestError,
+    Resplit,
     sweep_staging,
     write_full,
     write_incremental,
@@ -83,6 +103,7 @@ from flowers_job.photos.files import (
     listing_key,
 )
 from flowers_job.photos.listing import images_root, label_folders, listing_units
+from flowers_job.photos.verdicts import SKIPPED_REASONS
 from flowers_job.tables.delta_tables import (
     TABLE_NAMES,
     latest_commit,
@@ -94,11 +115,12 @@ __all__ = ["INGEST_FORMAT_VERSION", "IngestError", "IngestReport", "check_images
 
 log = logging.getLogger(__name__)
 
-INGEST_FORMAT_VERSION = 5
+INGEST_FORMAT_VERSION = 6
 """Bump when the table layout or the image normalisation changes: forces a full rebuild.
 4: ``images`` partitioned by ``split``, no split tables, ``mtime_ns`` stored.
 5: deletion vectors on both tables; the source file's URI in ``source_path`` (was ``path``;
-:data:`~flowers_job.tables.delta_tables.TABLE_PROPERTIES` says why)."""
+:data:`~flowers_job.tables.delta_tables.TABLE_PROPERTIES` says why).
+6: the split stratified per class (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,9 @@ class IngestReport:
             rebuild: every row inserted, the previous table's rows deleted).
         rows_quarantined: entries this run put into quarantine or whose verdict changed.
         seconds: wall time of the ingest (s).
+        hidden_skipped: hidden entries (``hidden_path``), in quarantine but skipped: not
+            counted towards ``data.max_bad_fraction``.
+        split_counts: images per label and split (``{"daisy": {"train": 445, ...}}``).
     """
 
     files: int
@@ -144,6 +169,8 @@ class IngestReport:
     rows_deleted: int = 0
     rows_quarantined: int = 0
     seconds: float = 0.0
+    hidden_skipped: int = 0
+    split_counts: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -270,7 +297,12 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
                 log.info("full ingest: %s", full)
                 changes = write_full(spark, cfg, listing, labels, tables, meta, n_files, full)
             else:
-                changes = write_incremental(spark, cfg, listing, labels, tables, meta, n_files)
+                try:
+                    changes = write_incremental(spark, cfg, listing, labels, tables, meta, n_files)
+                except Resplit as exc:
+                    why = f"the split per class needs it: {exc}"
+                    log.info("full ingest: %s", why)
+                    changes = write_full(spark, cfg, listing, labels, tables, meta, n_files, why)
     finally:
         listing.unpersist()
     if changes.mode != "unchanged":
@@ -316,11 +348,22 @@ def _report(
     """The row counts of the tables as they are now (Delta's file statistics and the split
     partitions: no image is read)."""
     images = tables["images"].read(spark)
-    per_split = {r["split"]: int(r["count"]) for r in images.groupBy("split").count().collect()}
+    split_counts: dict[str, dict[str, int]] = {}
+    per_split: dict[str, int] = {}
+    for r in images.groupBy("label", "split").count().collect():
+        split_counts.setdefault(r["label"], {})[r["split"]] = int(r["count"])
+        per_split[r["split"]] = per_split.get(r["split"], 0) + int(r["count"])
     q = tables["quarantine"].read(spark)
     reasons = {
         r["reason_code"]: int(r["count"]) for r in q.groupBy("reason_code").count().collect()
     }
+    hidden = sum(reasons.get(code, 0) for code in SKIPPED_REASONS)
+    if hidden:
+        log.info(
+            "%d hidden files skipped (in quarantine as hidden_path, not counted towards "
+            "data.max_bad_fraction)",
+            hidden,
+        )
     return IngestReport(
         files=n_files,
         images_rows=sum(per_split.values()),
@@ -341,4 +384,6 @@ def _report(
         rows_deleted=changes.deleted,
         rows_quarantined=changes.quarantined,
         seconds=round(time.perf_counter() - start, 3),
+        hidden_skipped=hidden,
+        split_counts=dict(sorted(split_counts.items())),
     )

@@ -6,32 +6,40 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.window import Window
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import IngestError
+from flowers_job.location import Location
 from flowers_job.photos.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.photos.listing import LISTING_REASONS, images_root
+from flowers_job.photos.verdicts import SKIPPED_REASONS
 from flowers_job.runtime.hooks import hook
 from flowers_job.tables.delta_tables import (
     PARTITION_COLUMNS,
     TABLE_PROPERTIES,
     TABLE_SCHEMAS,
+    is_ingest_metadata,
+    latest_commit,
     merge_table,
     write_table,
 )
 from flowers_job.tables.table_ref import TableRef
+from flowers_job.vision.images import ImageLimits
 
 __all__ = [
     "FILES_PER_PARTITION",
     "Changes",
     "IngestError",
+    "Resplit",
+    "split_quotas",
     "sweep_staging",
     "write_full",
     "write_incremental",
@@ -47,7 +55,17 @@ run that was stopped: no ingest of this job's scale decodes its changes for 6 ho
 ``<output_dir>/tables`` with catalog tables too: plain Parquet files, no table.)"""
 OLD_SPLIT_TABLES = ("train", "val", "test")
 """The split tables of layout 3 and earlier (full copies of ``images``), removed after the
-first rebuild in layout 4."""
+first rebuild in layout 4, and only when their commits carry ingest's metadata
+(:func:`own_old_split_tables`)."""
+SPLIT_ORDER = ("val", "test", "train")
+"""The order in which a class's photos, ranked by their split hash, fill the splits."""
+
+
+class Resplit(Exception):
+    """An incremental ingest cannot keep every class in every split without moving photos
+    that are already split (a class lost its last photo of a split and no new photo of it
+    arrived): :mod:`flowers_job.ingest.job` runs a full rebuild instead, which splits every
+    class afresh. The message says which classes and why."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,11 @@ class Changes:
 def _check_after(cfg: JobConfig, after: DataFrame, labels: list[str], n_files: int) -> None:
     """The set-level checks on the tables as they would be after this ingest: one row per
     listed entry (``label``, ``reason_code``, ``relative_path``, ``reason``).
+
+    Entries with a :data:`~flowers_job.photos.verdicts.SKIPPED_REASONS` code (hidden names:
+    ``.DS_Store``, macOS's ``._x.jpg``) are skipped, not bad: they stay in quarantine with
+    their reason but count neither in the bad files nor in the total that
+    ``data.max_bad_fraction`` is a fraction of.
 
     Raises:
         IngestError: a label without a decodable image, or too many bad files.
@@ -88,18 +111,24 @@ def _check_after(cfg: JobConfig, after: DataFrame, labels: list[str], n_files: i
             f"data.images: label folder(s) {no_image} under {cfg.data.images} contain no "
             "decodable image; nothing was written"
         )
+    skipped = sum(bad_by_reason.pop(code, 0) for code in SKIPPED_REASONS)
+    considered = total - skipped
     bad = sum(bad_by_reason.values())
     limit = cfg.data.max_bad_fraction
-    if bad / total > limit:
+    if bad / considered > limit:  # considered > 0: every label has an image
         examples = (
-            after.where(F.col("reason_code").isNotNull())
+            after.where(
+                F.col("reason_code").isNotNull() & ~F.col("reason_code").isin(*SKIPPED_REASONS)
+            )
             .select("relative_path", "reason")
             .orderBy("relative_path")
             .limit(3)
             .collect()
         )
+        hidden = f" ({skipped} hidden files skipped, not counted)" if skipped else ""
         raise IngestError(
-            f"{bad} of {total} files under {cfg.data.images} ({bad / total:.1%}) would be "
+            f"{bad} of {considered} files under {cfg.data.images}{hidden} "
+            f"({bad / considered:.1%}) would be "
             f"quarantined, more than data.max_bad_fraction={limit}: "
             + ", ".join(f"{code} {n}" for code, n in sorted(bad_by_reason.items()))
             + "; e.g. "
@@ -121,40 +150,190 @@ def _decode(spark: SparkSession, cfg: JobConfig, entries: DataFrame, n: int) -> 
         .repartition(partitions, "relative_path")
         .mapInPandas(
             decode_partitions(
-                root, d.stored_short_side, d.jpeg_quality, d.max_image_pixels, d.extensions
+                root,
+                d.stored_short_side,
+                d.jpeg_quality,
+                d.max_image_pixels,
+                d.extensions,
+                limits=ImageLimits.from_data(d),
             ),
             schema=DECODED_SCHEMA,
         )
     )
 
 
-def _with_image_columns(cfg: JobConfig, decoded: DataFrame, labels: list[str]) -> DataFrame:
-    """``decoded`` plus ``label_index``, ``split`` and ``row_id``.
+def _with_image_columns(decoded: DataFrame, labels: list[str]) -> DataFrame:
+    """``decoded`` plus ``label_index`` (the label's position in ``labels``) and ``row_id``
+    (xxhash64 of the relative path); the split comes after (:func:`_full_splits`,
+    :func:`_incremental_splits`)."""
+    return decoded.withColumn(
+        "label_index", F.array_position(F.array(*map(F.lit, labels)), F.col("label")) - 1
+    ).withColumn("row_id", F.xxhash64("relative_path"))
 
-    The split: a hash of (``split_seed``, content) -> uniform ``u`` in [0, 1): ``val`` below
-    ``val_fraction``, ``test`` below ``val_fraction + test_fraction``, else ``train``: the same
-    photo, the same split, on every run. ``row_id``: xxhash64 of the relative path.
+
+def _split_hash(cfg: JobConfig) -> Column:
+    """A photo's split hash: SHA-256 of (``split_seed``, content) -> uniform in [0, 1)."""
+    digest = F.sha2(F.concat_ws(":", F.lit(str(cfg.data.split_seed)), "content_sha256"), 256)
+    return F.conv(F.substring(digest, 1, 13), 16, 10).cast("double") / float(16**13)
+
+
+def split_quotas(
+    units: Mapping[str, int], val_fraction: float, test_fraction: float, images: object = ""
+) -> dict[str, tuple[int, int]]:
+    """How many of each class's ``units`` (distinct photos) go to val and to test:
+    ``round(n * fraction)``, at least 1 each, and at least 1 left for train.
+
+    Args:
+        units: class (label) -> its number of distinct photos.
+        val_fraction, test_fraction: ``data.val_fraction`` and ``data.test_fraction``, both
+            in (0, 1) with a sum below 1 (:class:`~flowers_job.config.data.DataConfig`).
+        images: the images root, for the message.
+
+    Returns:
+        class -> ``(val, test)`` photo counts; train gets the rest (``n - val - test >= 1``).
+
+    Raises:
+        IngestError: a class with fewer photos than the three splits (train, val, test),
+            naming each such class and its count.
     """
-    d = cfg.data
-    u = F.conv(
-        F.substring(
-            F.sha2(F.concat_ws(":", F.lit(str(d.split_seed)), "content_sha256"), 256), 1, 13
-        ),
-        16,
-        10,
-    ).cast("double") / float(16**13)
-    return (
-        decoded.withColumn(
-            "label_index", F.array_position(F.array(*map(F.lit, labels)), F.col("label")) - 1
+    small = {label: n for label, n in sorted(units.items()) if n < len(SPLIT_ORDER)}
+    if small:
+        raise IngestError(
+            "data.images: each class is split into train, val and test in proportion, so "
+            f"needs {len(SPLIT_ORDER)} distinct photos or more; "
+            + ", ".join(f"class {label!r} has {n}" for label, n in small.items())
+            + f" (under {images}): add photos, or remove the folder; nothing was written"
         )
-        .withColumn(
-            "split",
-            F.when(u < d.val_fraction, "val")
-            .when(u < d.val_fraction + d.test_fraction, "test")
-            .otherwise("train"),
-        )
-        .withColumn("row_id", F.xxhash64("relative_path"))
+    quotas = {}
+    for label, n in units.items():
+        val, test = max(1, round(n * val_fraction)), max(1, round(n * test_fraction))
+        while val + test > n - 1:  # keep one for train: take from the larger of the two
+            if val >= test:
+                val -= 1
+            else:
+                test -= 1
+        quotas[label] = (val, test)
+    return quotas
+
+
+def _quota(quotas: Mapping[str, tuple[int, int]], which: int) -> Column:
+    """``quotas[stratum][which]`` as a column (0 for a stratum it does not name)."""
+    if not quotas:
+        return F.lit(0)
+    pairs = [x for label, q in sorted(quotas.items()) for x in (F.lit(label), F.lit(q[which]))]
+    return F.coalesce(F.create_map(*pairs)[F.col("stratum")], F.lit(0))
+
+
+def _rank_splits(
+    cfg: JobConfig, units: DataFrame, quotas: Mapping[str, tuple[int, int]]
+) -> DataFrame:
+    """``(content_sha256, split)`` for ``units`` (``content_sha256``, ``stratum``): in each
+    stratum, the units ranked by their split hash (then content, for ties): the first
+    ``quotas[stratum][0]`` go to val, the next ``[1]`` to test, the rest to train."""
+    rank = F.row_number().over(
+        Window.partitionBy("stratum").orderBy(_split_hash(cfg), "content_sha256")
     )
+    val, test = _quota(quotas, 0), _quota(quotas, 1)
+    split = F.when(rank <= val, "val").when(rank <= val + test, "test").otherwise("train")
+    return units.select("content_sha256", split.alias("split"))
+
+
+def _units(good: DataFrame) -> DataFrame:
+    """One row per distinct photo (``content_sha256``) of ``good`` with its ``stratum``: the
+    first of its labels (byte-identical photos under two labels are one unit, so they share
+    a split: no leakage between splits)."""
+    return good.groupBy("content_sha256").agg(F.min("label").alias("stratum"))
+
+
+def _full_splits(cfg: JobConfig, good: DataFrame) -> DataFrame:
+    """``(content_sha256, split)`` for every image of a full rebuild: each class split in
+    proportion, by rank of the split hash (:func:`split_quotas`, :func:`_rank_splits`).
+
+    Raises:
+        IngestError: a class too small for every split (:func:`split_quotas`).
+    """
+    units = _units(good)
+    counts = {r["stratum"]: int(r["count"]) for r in units.groupBy("stratum").count().collect()}
+    d = cfg.data
+    return _rank_splits(cfg, units, split_quotas(counts, d.val_fraction, d.test_fraction, d.images))
+
+
+def _incremental_splits(cfg: JobConfig, kept: DataFrame, good: DataFrame) -> DataFrame:
+    """``(content_sha256, split)`` for the images of an incremental ingest: a photo already
+    in ``kept`` (``label``, ``content_sha256``, ``split``: the stored images that stay)
+    keeps its split; the new ones (in ``good``) of each class fill what the class lacks of
+    its quotas for its size after this ingest (val first, then test), the rest go to train,
+    ranked by split hash as in a full rebuild.
+
+    Raises:
+        IngestError: a class too small for every split (:func:`split_quotas`).
+        Resplit: a class would have no photo in a split (its last one is gone, and no new
+            photo of it arrived): only moving stored photos could mend it.
+    """
+    kept_units = kept.groupBy("content_sha256").agg(
+        F.min("label").alias("stratum"), F.min("split").alias("split")
+    )
+    new_units = _units(good).join(
+        kept_units.select("content_sha256"), "content_sha256", "left_anti"
+    )
+    have: dict[str, dict[str, int]] = {}
+    for r in kept_units.groupBy("stratum", "split").count().collect():
+        have.setdefault(r["stratum"], {})[r["split"]] = int(r["count"])
+    new = {r["stratum"]: int(r["count"]) for r in new_units.groupBy("stratum").count().collect()}
+    totals = {s: sum(have.get(s, {}).values()) + new.get(s, 0) for s in set(have) | set(new)}
+    d = cfg.data
+    targets = split_quotas(totals, d.val_fraction, d.test_fraction, d.images)
+    quotas, short = {}, []
+    for stratum, (val, test) in targets.items():
+        held, n_new = have.get(stratum, {}), new.get(stratum, 0)
+        add_val = min(max(0, val - held.get("val", 0)), n_new)
+        add_test = min(max(0, test - held.get("test", 0)), n_new - add_val)
+        quotas[stratum] = (add_val, add_test)
+        after = (
+            held.get("val", 0) + add_val,
+            held.get("test", 0) + add_test,
+            held.get("train", 0) + n_new - add_val - add_test,
+        )
+        if not all(after):
+            short.append(f"{stratum!r} (val, test, train: {after})")
+    if short:
+        raise Resplit(
+            f"class(es) {', '.join(short)} would miss a split, and only moving photos already "
+            "split can mend it"
+        )
+    return kept_units.select("content_sha256", "split").unionByName(
+        _rank_splits(cfg, new_units, quotas)
+    )
+
+
+def own_old_split_tables(spark: SparkSession, cfg: JobConfig) -> list[Location]:
+    """The split tables of an older layout (:data:`OLD_SPLIT_TABLES`) under
+    ``<output_dir>/tables`` that a full ingest removes: those whose latest commit carries
+    ingest's metadata (:func:`~flowers_job.tables.delta_tables.is_ingest_metadata`). Path
+    tables only (catalog tables came after layout 4). Checked before anything is written.
+
+    Raises:
+        IngestError: a Delta table there that ingest did not write, naming its path and
+            what to do; nothing is removed or written.
+    """
+    if cfg.tables.in_catalog:
+        return []
+    own = []
+    for name in OLD_SPLIT_TABLES:
+        path = cfg.paths.table(name)
+        if not (path / "_delta_log").is_dir():
+            continue
+        commit = latest_commit(spark, TableRef(path=path))
+        if not is_ingest_metadata(None if commit is None else commit[1]):
+            raise IngestError(
+                f"{path} is a Delta table that flowers_job's ingest did not write (its latest "
+                "commit carries no ingest metadata), where an older layout kept its "
+                f"{name} split: a full ingest removes only the split tables it wrote. Move "
+                f"that table out of {cfg.paths.tables_dir}, or use another paths.output_dir; "
+                "nothing was removed or written"
+            )
+        own.append(path)
+    return own
 
 
 def write_full(
@@ -167,16 +346,25 @@ def write_full(
     n_files: int,
     why: str,
 ) -> Changes:
-    """Decode every entry and overwrite both tables."""
+    """Decode every entry, split each class in proportion (:func:`_full_splits`) and
+    overwrite both tables; then remove the split tables of an older layout that ingest
+    wrote (:func:`own_old_split_tables`, checked first).
+
+    Raises:
+        IngestError: as :func:`_check_after`, :func:`split_quotas` and
+            :func:`own_old_split_tables`, before any table is written.
+    """
+    old_tables = own_old_split_tables(spark, cfg)
     before = _rows_or_zero(spark, tables["images"])
-    decoded = _with_image_columns(cfg, _decode(spark, cfg, listing, n_files), labels).persist(
+    decoded = _with_image_columns(_decode(spark, cfg, listing, n_files), labels).persist(
         StorageLevel.DISK_ONLY
     )
     try:
         t0 = time.perf_counter()
         _check_after(cfg, decoded, labels, n_files)
         log.info("decoded %d files in %.1f s", n_files, time.perf_counter() - t0)
-        images = decoded.where(F.col("reason_code").isNull())
+        good = decoded.where(F.col("reason_code").isNull())
+        images = good.join(_full_splits(cfg, good), "content_sha256")
         quarantine = decoded.where(F.col("reason_code").isNotNull())
         t0 = time.perf_counter()
         write_table(
@@ -208,7 +396,7 @@ def write_full(
         )
     finally:
         decoded.unpersist()
-    _remove_old_split_tables(cfg)
+    _remove_old_split_tables(old_tables)
     return Changes(
         mode=f"full: {why}",
         files_decoded=n_files,
@@ -228,7 +416,13 @@ def write_incremental(
     n_files: int,
 ) -> Changes:
     """Decode the new and changed files and MERGE them, with the deletions, into both
-    tables (module docstring)."""
+    tables (module docstring). Stored photos keep their split; new ones fill their class's
+    quotas (:func:`_incremental_splits`).
+
+    Raises:
+        IngestError: as :func:`_check_after` and :func:`split_quotas`, before any write.
+        Resplit: a class would miss a split unless stored photos moved; nothing written.
+    """
     t0 = time.perf_counter()
     # Written out, not cached: the first MERGE changes a table these plans read, and Delta's
     # commit refreshes cached plans that read it (a cached ``decoded`` would be recomputed
@@ -236,13 +430,14 @@ def write_incremental(
     # the checks and both MERGEs read it instead of the tables.
     staging = cfg.paths.tables_dir / f"_staging-{meta['run_id']}"
     diff_path, decoded_path = staging / "diff", staging / "decoded"
+    splits_path = staging / "splits"
     try:
         # One pass over both tables' key columns; everything below reads this small file.
         _diff(spark, listing, tables).write.parquet(str(diff_path))
         diff = spark.read.parquet(str(diff_path))
         todo = diff.where(F.col("_status") == "todo").drop("_status")
         n_todo = todo.count()
-        _with_image_columns(cfg, _decode(spark, cfg, todo, n_todo), labels).write.parquet(
+        _with_image_columns(_decode(spark, cfg, todo, n_todo), labels).write.parquet(
             str(decoded_path)
         )
         decoded = spark.read.parquet(str(decoded_path))
@@ -254,6 +449,16 @@ def write_incremental(
             .unionByName(decoded.select(*columns))
         )
         _check_after(cfg, after, labels, n_files)
+        kept = (
+            tables["images"]
+            .read(spark)
+            .select("relative_path", "label", "content_sha256", "split")
+            .join(diff.where(F.col("_status") == "keep").select("relative_path"), "relative_path")
+        )
+        good = decoded.where(F.col("reason_code").isNull())
+        # written out: the images MERGE must not read the table it changes
+        _incremental_splits(cfg, kept, good).write.parquet(str(splits_path))
+        decoded = decoded.join(spark.read.parquet(str(splits_path)), "content_sha256", "left")
         n_decoded = decoded.where(
             F.col("reason_code").isNull() | ~F.col("reason_code").isin(*LISTING_REASONS)
         ).count()
@@ -389,19 +594,14 @@ def _rows_or_zero(spark: SparkSession, table: TableRef) -> int:
     return int(table.read(spark).count())
 
 
-def _remove_old_split_tables(cfg: JobConfig) -> None:
-    """Remove the split tables of layout 3 (full copies of ``images``) once layout 4's
-    tables are written: nothing reads them any more. (Path tables only: catalog tables
-    came after layout 4.)"""
-    if cfg.tables.in_catalog:
-        return
-    for name in OLD_SPLIT_TABLES:
-        path = cfg.paths.table(name)
-        if (path / "_delta_log").is_dir():
-            log.info(
-                "removing %s: a split table of an older layout (now a partition of images)", path
-            )
-            shutil.rmtree(path, ignore_errors=True)
+def _remove_old_split_tables(paths: list[Location]) -> None:
+    """Remove the split tables of layout 3 (full copies of ``images``) that ingest wrote
+    (:func:`own_old_split_tables`), once layout 4's tables are written: nothing reads them
+    any more."""
+    for path in paths:
+        log.info("removing %s: a split table of an older layout (now a partition of images)", path)
+        with contextlib.suppress(OSError):
+            path.rmtree()
 
 
 def _conform(df: DataFrame, table: str) -> DataFrame:

@@ -39,6 +39,7 @@ __all__ = [
     "TABLE_SCHEMAS",
     "CheckedTables",
     "checked_tables",
+    "is_ingest_metadata",
     "latest_commit",
     "merge_table",
     "read_table_metadata",
@@ -142,6 +143,21 @@ def latest_commit(
         value = meta.get(META_KEY) if isinstance(meta, dict) else None
         return latest, value if isinstance(value, dict) else None
     return latest, None
+
+
+def is_ingest_metadata(meta: Mapping[str, object] | None) -> bool:
+    """Whether ``meta`` (a commit's flowers_job metadata, :func:`latest_commit`) is ingest's:
+    it names the labels and the listing's fingerprint (``label_names``, ``fingerprint``),
+    which every ingest commit has carried since layout 3 (its split tables included), and is
+    not another command's (``kind``, e.g. predict's ``predictions``). What makes a table the
+    job's own input: ingest removes only such split tables of an older layout, and predict
+    refuses to overwrite such a table."""
+    return (
+        meta is not None
+        and "label_names" in meta
+        and "fingerprint" in meta
+        and meta.get("kind", "ingest") == "ingest"
+    )
 
 
 def read_table_metadata(spark: SparkSession, table: TableRef) -> dict[str, object] | None:

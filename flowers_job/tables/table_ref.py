@@ -100,6 +100,30 @@ class TableRef:
     def __str__(self) -> str:
         return self.describe()
 
+    def key(self, spark: SparkSession | None = None) -> str:
+        """What makes two references the same table: ``path:<url>`` for a path table (a
+        local path made absolute with its links resolved, :meth:`Location.of`; ``s3://`` for
+        Hadoop's ``s3a://``), ``name:<catalog>.<schema>.<table>`` for a catalog table, lower
+        case (Spark's identifiers are case-insensitive), a two-part name completed with the
+        session's current catalog when ``spark`` is given."""
+        if not self.parts:
+            assert self.path is not None
+            location = Location.of(str(self.path))
+            url = location.url if location.is_local else location.sdk_url
+            return f"path:{url.rstrip('/')}"
+        parts = self.parts
+        if len(parts) == 2 and spark is not None:
+            parts = (spark.catalog.currentCatalog(), *parts)
+        return "name:" + ".".join(parts).lower()
+
+    def table_id(self, spark: SparkSession) -> str | None:
+        """The Delta table's id (``DESCRIBE DETAIL``), the same whatever names the table (a
+        catalog name or its location); None when there is no table."""
+        if not self.exists(spark):
+            return None
+        row = self.delta(spark).detail().select("id").first()
+        return None if row is None else str(row["id"])
+
     def exists(self, spark: SparkSession) -> bool:
         """Whether the table exists: a Delta table at the path, or any table of that name
         in the catalog (:meth:`delta` says when it is not a Delta table). False too when its

@@ -214,7 +214,7 @@ def test_missing_root_and_empty_root(spark: SparkSession, tmp_path: Path) -> Non
 
 
 SMALL_SPLITS = ("data.val_fraction=0.3", "data.test_fraction=0.3")
-"""Splits that leave val and test non-empty in a sample of 10-15 photos."""
+"""Splits of a sample of 3-4 photos per class (each class needs 3: one per split)."""
 
 
 def test_changed_clean_input_is_reingested_consistently(
@@ -225,13 +225,13 @@ def test_changed_clean_input_is_reingested_consistently(
     tables that training refuses however often ingest is re-run."""
     from flowers_job.tables.delta_tables import checked_tables
 
-    images = sample_photos(tmp_path / "images", per_label=1)
+    images = sample_photos(tmp_path / "images", per_label=3)
     cfg = _cfg(images, tmp_path / "out", *SMALL_SPLITS)
     first = ingest(spark, cfg)
-    sample_photos(images, per_label=1, offset=1)  # one more photo per label
+    sample_photos(images, per_label=1, offset=3)  # one more photo per label
     second = ingest(spark, cfg)
     assert second.written and second.fingerprint != first.fingerprint
-    assert (second.images_rows, second.quarantined_rows) == (10, 0)
+    assert (second.images_rows, second.quarantined_rows) == (20, 0)
     assert (second.mode, second.files_decoded, second.rows_inserted) == ("incremental", 5, 5)
     checked = checked_tables(spark, cfg)  # the quarantine's commit carries the second run's id
     assert checked.label_names == sorted(LABELS)
@@ -250,7 +250,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     from flowers_job.errors import DataError
     from flowers_job.tables.delta_tables import checked_tables
 
-    images = sample_photos(tmp_path / "images", per_label=2)
+    images = sample_photos(tmp_path / "images", per_label=3)
     (images / "roses" / "notes.jpg").write_text("not an image\n")  # a non-empty quarantine
     overrides = ("data.max_bad_fraction=0.2", *SMALL_SPLITS)
     cfg = _cfg(images, tmp_path / "out", *overrides)
@@ -259,7 +259,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         _version(spark, first.tables["images"]),
         _contents(spark, first.tables["images"]),
     )
-    sample_photos(images, per_label=1, offset=2)  # the input changes: one more photo per label
+    sample_photos(images, per_label=1, offset=3)  # the input changes: one more photo per label
 
     repo = ROOT_DIR
     env = {
@@ -298,7 +298,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         checked_tables(spark, cfg)
 
     again = ingest(spark, cfg)
-    assert again.written and (again.images_rows, again.quarantined_rows) == (15, 1)
+    assert again.written and (again.images_rows, again.quarantined_rows) == (20, 1)
     assert again.mode.startswith("full: the tables are not one complete ingest")
     assert checked_tables(spark, cfg).label_names == sorted(LABELS)
     fresh = ingest(spark, _cfg(images, tmp_path / "fresh", *overrides))
