@@ -26,6 +26,7 @@ from flowers_job.runtime.reports import (
     KILLED_SUFFIX,
     MODEL_FILE,
     RANKS_FILE,
+    summarize_message,
 )
 
 __all__ = [
@@ -77,7 +78,10 @@ def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -
     exception, then a consequence (a lost peer: :data:`CONSEQUENCE_MESSAGES`, a
     ``CollectiveTimeoutError``), last torchrun's SIGTERM (``Terminated``). The watchdog and the
     others' lost connections race by milliseconds, so time alone cannot tell which came
-    first. The others are listed after it. Ranks that wrote nothing were stopped from
+    first. The others are listed after it. Each message is shown on one line, its first
+    non-empty lines (:func:`~flowers_job.runtime.reports.summarize_message`: a message that
+    starts with a line break still says something there); the whole message ends the
+    traceback that closes the error. Ranks that wrote nothing were stopped from
     outside: hung (the others' collectives then time out), killed by torchrun after another
     rank failed, or killed without a watchdog.
     """
@@ -109,7 +113,7 @@ def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -
         where[int(first["rank"])] = f" on host {first['host']}"
     silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in reports})
     then = "".join(
-        f"\nthen rank {r['rank']}: {r['type']}: {r['message']}"
+        f"\nthen rank {r['rank']}: {r['type']}: {summarize_message(str(r['message']))}"
         for r in reports[1:]
         if r["rank"] != first["rank"]
     )
@@ -121,7 +125,7 @@ def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -
         else ""
     )
     what = "died of a fatal signal" if first["type"] == "FatalSignal" else "failed"
-    lead = f"{first['type']}: {first['message']}"
+    lead = f"{first['type']}: {summarize_message(str(first['message']))}"
     if first["type"] == "Killed":
         what, lead = first["how"], first["message"]
     oom = bool((first.get("oom") or {}).get("killer"))
@@ -132,7 +136,7 @@ def failure(failure_dir: Location | Path, exc: BaseException, world_size: int) -
         cause=(
             f"Killed: rank {first['rank']} {first['how']}" + (" (the OOM killer)" if oom else "")
             if first["type"] == "Killed"
-            else f"{first['type']}: {first['message']}"
+            else lead
         ),
         reported_at=first.get("time"),
         kind=_kind(first),

@@ -74,6 +74,7 @@ __all__ = [
     "cache_bytes_needed",
     "cached_versions",
     "check_cache_space",
+    "check_entry",
     "entry_key",
     "evict",
     "loader_cache",
@@ -279,6 +280,59 @@ def _entry_info(entry: Path) -> dict[str, Any] | None:
     return info if isinstance(info, dict) and (entry / PLAN_FILE).is_file() else None
 
 
+def check_entry(entry: Path, stored: Any, loader: Loader, fields: dict[str, Any]) -> None:
+    """Refuse a published entry that this job did not write for ``fields``, before any of
+    its files is read.
+
+    The job writes ``entry.json`` with the ``fields`` the entry's name is the key of, and a
+    plan whose every path is inside the entry (written as :data:`_HERE`). An entry whose
+    ``entry.json`` is missing or names other fields, or whose ``plan.json`` names another
+    loader or any path outside the entry, was put there by someone else (a cache root on a
+    shared path such as ``/dbfs/tmp``) and is not read. Someone who can write the cache root
+    can forge both files: what the loaders open is checked again where they open it (the
+    Petastorm ranks open only the plan's own files, never a folder whose metadata Petastorm
+    would unpickle: :func:`~flowers_job.loaders.petastorm.petastorm_loader.check_cache_files`).
+
+    Raises:
+        DataError: naming the entry and what is wrong; the entry is left as it is.
+    """
+    info = _entry_info(entry)
+    expected = json.loads(json.dumps(fields, default=str))
+    problem = None
+    if info is None or info.get("fields") != expected:
+        problem = f"its {ENTRY_FILE} does not describe the key {entry_key(fields)}"
+    elif not isinstance(stored, dict) or stored.get("loader") != loader.name:
+        problem = f"its {PLAN_FILE} is not a {loader.name} plan"
+    else:
+        outside = [
+            p for k, v in stored.items() if k != "loader" for p in _strings(v) if not _inside(p)
+        ]
+        if outside:
+            problem = f"its {PLAN_FILE} names {outside[0]!r}, outside the entry"
+    if problem:
+        raise DataError(
+            f"the loader cache entry {entry} was not written by this job: {problem}; "
+            "remove it (it is written again), and keep the cache root (paths.cache_url) "
+            "where only this job writes"
+        )
+
+
+def _strings(obj: Any) -> list[str]:
+    """Every string in ``obj`` (plain data)."""
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, list):
+        return [s for x in obj for s in _strings(x)]
+    if isinstance(obj, dict):
+        return [s for x in obj.values() for s in _strings(x)]
+    return []
+
+
+def _inside(text: str) -> bool:
+    """Whether a stored plan's string is :data:`_HERE` or a path below it (no ``..``)."""
+    return text == _HERE or (text.startswith(_HERE + "/") and ".." not in text.split("/"))
+
+
 def evict(root: Path, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
     """Evict entries under ``root`` least-recently-used first until they hold at most
     ``max_bytes``; never those named in ``keep`` nor those a live driver reads.
@@ -374,7 +428,7 @@ class LoaderCache:
             plan = loader.write(spark, frame(), staging, split)
             return plan, CacheUse(name, False, 0, round(time.perf_counter() - t0, 3))
         entry = self.root / ENTRIES / name
-        reused = self._use(entry, loader)
+        reused = self._use(entry, loader, fields)
         waited = 0.0
         written = 0
         if reused is None:
@@ -395,10 +449,10 @@ class LoaderCache:
                 ) from None
             waited = time.perf_counter() - t_wait
             try:
-                reused = self._use(entry, loader)  # published while this run waited
+                reused = self._use(entry, loader, fields)  # published while this run waited
                 if reused is None:
                     written = self._write(spark, loader, split, fields, frame, entry, needed_bytes)
-                    reused = self._use(entry, loader)
+                    reused = self._use(entry, loader, fields)
             finally:
                 lock.release()
             assert reused is not None
@@ -419,12 +473,18 @@ class LoaderCache:
         )
         return reused, use
 
-    def _use(self, entry: Path, loader: Loader) -> ShardPlan | None:
-        """The entry's plan, with this run registered as a reader; None if not published."""
+    def _use(self, entry: Path, loader: Loader, fields: dict[str, Any]) -> ShardPlan | None:
+        """The entry's plan, with this run registered as a reader; None if not published.
+
+        Raises:
+            DataError: the entry was not written by this job for ``fields``
+                (:func:`check_entry`).
+        """
         try:
             stored = json.loads((entry / PLAN_FILE).read_text())
         except (OSError, ValueError):
             return None
+        check_entry(entry, stored, loader, fields)
         (entry / USERS).mkdir(exist_ok=True)
         (entry / USERS / f"{self.run_id}.json").write_text(json.dumps(driver_identity()))
         (entry / LAST_USED).touch()

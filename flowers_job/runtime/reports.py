@@ -32,7 +32,11 @@ __all__ = [
     "FIRST_STEP_FILE",
     "KILLED_SUFFIX",
     "MODEL_FILE",
+    "NO_MESSAGE",
     "RANKS_FILE",
+    "SUMMARY_CHARS",
+    "SUMMARY_LINES",
+    "summarize_message",
     "write_json",
 ]
 
@@ -63,3 +67,27 @@ the time (``first_step_at``, seconds since the epoch) and the checkpoint it cont
 def write_json(path: Location | Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path``, whole or not at all (:meth:`Location.write_bytes`)."""
     Location.of(path).write_text(json.dumps(data, default=str))
+
+
+SUMMARY_LINES = 4
+"""Non-empty lines of an exception's message that :func:`summarize_message` keeps."""
+SUMMARY_CHARS = 500
+"""Most characters of :func:`summarize_message`'s result (the traceback keeps the rest)."""
+NO_MESSAGE = "(no message: see the traceback)"
+"""What :func:`summarize_message` says of an empty message."""
+
+
+def summarize_message(message: str) -> str:
+    """An exception's message on one line, for a report's lead, a tag or a restart's cause:
+    its first :data:`SUMMARY_LINES` non-empty lines, stripped and joined by ``" | "``, cut to
+    :data:`SUMMARY_CHARS` characters (ending in ``...`` when cut); never empty.
+
+    A message may start with a line break: matplotlib's mathtext error for a label
+    ``$\\notacommand$`` is an empty line, the expression, a caret line and the parser's
+    error; a report that kept only the first line said ``ValueError:`` and nothing more.
+    """
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    text = " | ".join(lines[:SUMMARY_LINES]) + (" | ..." if len(lines) > SUMMARY_LINES else "")
+    if len(text) > SUMMARY_CHARS:
+        text = text[: SUMMARY_CHARS - 3].rstrip() + "..."
+    return text or NO_MESSAGE

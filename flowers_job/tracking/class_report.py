@@ -57,9 +57,13 @@ class TestReport:
         rows: test images scored.
         loss: mean cross-entropy (nats; with ``train.label_smoothing`` as in training).
         accuracy: fraction of images whose most probable label is the true one.
-        macro_f1: unweighted mean of the per-class F1 scores.
+        macro_f1: unweighted mean of the F1 scores of the labels present in the test
+            split (those with ``support > 0``), as scikit-learn's ``f1_score(y_true,
+            y_pred, average="macro", labels=<labels in y_true>)``; a label absent from the
+            test split (a class too small to reach it) has no F1 and is not averaged in.
         per_class: one dict per label (``label``, ``precision``, ``recall``, ``f1``,
-            ``support``), in label-index order.
+            ``support``), in label-index order; a label absent from the test split has
+            ``support`` 0 and ``None`` scores (absent, not 0).
         confusion: ``[num_labels, num_labels]`` counts; row = true label, column = predicted.
         label_names: the labels, by index.
         images_per_second: test images / seconds of the test pass (all ranks together).
@@ -125,12 +129,13 @@ def build_test_report(
     precision, recall, f1, support = precision_recall_fscore_support(
         labels, predicted, labels=index, zero_division=0
     )
+    present = [i for i in index if support[i] > 0]
     per_class = [
         {
             "label": name,
-            "precision": float(precision[i]),
-            "recall": float(recall[i]),
-            "f1": float(f1[i]),
+            "precision": float(precision[i]) if support[i] else None,
+            "recall": float(recall[i]) if support[i] else None,
+            "f1": float(f1[i]) if support[i] else None,
             "support": int(support[i]),
         }
         for i, name in enumerate(label_names)
@@ -140,7 +145,7 @@ def build_test_report(
         rows=n,
         loss=loss_sum / n,
         accuracy=float(np.mean(labels == predicted)),
-        macro_f1=float(np.mean(f1)),
+        macro_f1=float(np.mean(f1[present])),
         per_class=per_class,
         confusion=cm.astype(int).tolist(),
         label_names=list(label_names),
@@ -156,6 +161,25 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _plain_text(fig: Any) -> Any:
+    """``fig`` with every text drawn as written: no mathtext, no TeX. Labels are the photo
+    folders' names, and matplotlib parses a text with an even number of unescaped ``$`` as
+    mathtext (``text.parse_math``): a folder ``$\\notacommand$`` made ``savefig`` raise
+    after training, before the model was registered, and ``a_$b$`` would be drawn as a
+    formula. ``Text.set_parse_math(False)`` (matplotlib >= 3.5) turns that off per text; the
+    tick labels are made first (:meth:`~matplotlib.axes.Axes.get_xticklabels`) so that
+    drawing reuses them. Returns ``fig``."""
+    from matplotlib.text import Text
+
+    for ax in fig.axes:
+        ax.get_xticklabels(which="both")
+        ax.get_yticklabels(which="both")
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
+        text.set_usetex(False)
+    return fig
 
 
 def curves_figure(history: list[dict[str, float]], best_epoch: int | None) -> Any:
@@ -183,11 +207,12 @@ def curves_figure(history: list[dict[str, float]], best_epoch: int | None) -> An
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    return fig
+    return _plain_text(fig)
 
 
 def confusion_figure(report: TestReport) -> Any:
-    """The test confusion matrix (rows: true label, columns: predicted), counts annotated."""
+    """The test confusion matrix (rows: true label, columns: predicted), counts annotated;
+    labels drawn as plain text (:func:`_plain_text`)."""
     plt = _pyplot()
     from sklearn.metrics import ConfusionMatrixDisplay
 
@@ -197,12 +222,12 @@ def confusion_figure(report: TestReport) -> Any:
         ax=ax, cmap="Blues", colorbar=False, xticks_rotation=45
     )
     ax.set_title(f"Test confusion matrix ({report.rows} images, accuracy {report.accuracy:.3f})")
-    return fig
+    return _plain_text(fig)
 
 
 def mistakes_figure(report: TestReport) -> Any:
     """A grid of the worst test mistakes, each titled with its true and predicted label and
-    the predicted probability."""
+    the predicted probability (labels drawn as plain text: :func:`_plain_text`)."""
     plt = _pyplot()
     worst = report.worst
     cols = 4
@@ -218,6 +243,7 @@ def mistakes_figure(report: TestReport) -> Any:
             fontsize=9,
         )
     fig.suptitle(f"Worst test mistakes ({len(worst)} of {report.rows} images)")
+    _plain_text(fig)  # before tight_layout, which measures the texts
     fig.tight_layout(rect=(0, 0, 1, 0.97))  # leave the top strip to the title
     return fig
 

@@ -20,6 +20,18 @@ assembles batches from whole row groups as arrays (its row-by-row ``DataLoader``
 used), and :func:`rebatch` re-cuts them to :meth:`ShardPlan.batch_sizes`. No padding: every
 ``valid`` is True.
 
+**Nothing of the cache is unpickled.** Petastorm's readers unpickle a ``Unischema`` from the
+``dataset-toolkit.unischema.v1`` key of a dataset's ``_common_metadata`` (or ``_metadata``)
+file (``petastorm.etl.dataset_metadata.get_schema``, whose "restricted" unpickler still
+allows ``builtins.exec``); ``make_batch_reader`` tries that first, then infers the schema from
+Arrow. pyarrow's legacy ``ParquetDataset`` reads those files only when it is given a
+directory; given a list of files, it reads only their footers, and Petastorm infers the
+schema from Arrow (``Unischema.from_arrow_schema``). So the ranks open only a plan's own list
+of Parquet files, and :func:`check_cache_files` refuses a plan that names a directory, a
+file outside its cache folder or a file that is not a Spark ``part-*.parquet`` before
+Petastorm sees it: a cache folder on a shared path (``/dbfs/tmp``, which Petastorm's docs
+suggest) cannot run code in the job, whatever was planted in it.
+
 The stack: Petastorm 0.13.1, its latest release, reads with pyarrow's legacy
 ``ParquetDataset`` (removed in pyarrow 15), imports ``pyarrow.hdfs``/``pyarrow.filesystem``
 (removed in 16) and uses ``np.unicode_`` (removed in NumPy 2). It runs on the local pinned
@@ -33,6 +45,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -50,6 +63,7 @@ from flowers_job.loaders.base import (
     Loader,
     ShardPlan,
     check_batch_fits,
+    local_dir,
     rebatch,
     wrap_int64,
 )
@@ -73,12 +87,14 @@ if TYPE_CHECKING:
     from flowers_job.vision.images import DecodeTransform
 
 __all__ = [
+    "CACHE_FILE_PATTERN",
     "ParquetCache",
     "PetastormLoader",
     "PetastormPlan",
     "PetastormReader",
     "balance",
     "cache_partitions",
+    "check_cache_files",
     "footer_rows",
     "partition_counts",
     "partition_keys",
@@ -373,6 +389,53 @@ def plan_shards(
     return rows, checksum, steps
 
 
+CACHE_FILE_PATTERN = re.compile(r"part-[0-9]+[^/]*\.parquet")
+"""The name of a file of a Petastorm cache: Spark's ``part-<partition>-<uuid>-c000.parquet``."""
+
+
+def check_cache_files(plan: PetastormPlan) -> None:
+    """Refuse a plan whose files Petastorm could read a pickle from, before it opens them.
+
+    Every entry of ``plan.file_urls`` must be a ``part-*.parquet`` file
+    (:data:`CACHE_FILE_PATTERN`) directly inside ``plan.cache_dir_url``, named once; a local
+    one must be a regular file (a directory, or a link to one, would make pyarrow read its
+    ``_common_metadata`` and Petastorm unpickle its schema from it). Object-store URLs are
+    checked by name only (their caches are written for one run and never reused).
+
+    Raises:
+        DataError: no files, or a file that breaks these rules, naming it and the folder.
+    """
+    folder = url_path(plan.cache_dir_url).rstrip("/")
+    if not plan.file_urls:
+        raise DataError(f"the Petastorm plan of {plan.cache_dir_url} names no Parquet files")
+    seen: set[str] = set()
+    for url in plan.file_urls:
+        problem = _cache_file_problem(url, folder, seen)
+        if problem:
+            raise DataError(
+                f"the Petastorm cache's plan names {url}, which {problem}: the ranks open only "
+                "the plan's own Parquet files (Petastorm would unpickle a schema from the "
+                "metadata file of a folder); remove the cache entry so that it is written again"
+            )
+        seen.add(url_path(url))
+
+
+def _cache_file_problem(url: str, folder: str, seen: set[str]) -> str | None:
+    """What is wrong with ``url`` as a file of the cache folder ``folder`` (a path), or None."""
+    path = url_path(url)
+    parent, _, name = path.rpartition("/")
+    if not CACHE_FILE_PATTERN.fullmatch(name):
+        return "is not a Parquet file of the cache (part-*.parquet)"
+    if parent.rstrip("/") != folder:
+        return f"lies outside the cache folder {folder}"
+    if path in seen:
+        return "is named twice"
+    local = local_dir(url)  # None for an object store
+    if local is not None and not local.is_file():
+        return "is not a regular file"
+    return None
+
+
 def transform_spec(transform: DecodeTransform) -> Any:
     """The Petastorm ``TransformSpec`` that decodes a pandas batch's ``image`` column with
     ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (STACK.md trap 10); undecoded,
@@ -410,12 +473,14 @@ def shard_batches(
     ``reader_pool_type='process'`` (the 'dummy' pool decodes in this thread).
 
     Raises:
+        DataError: the plan names a file that is not its own (:func:`check_cache_files`).
         ShardError: the shard yielded a different number of rows than planned (for
             example Petastorm's thread pool ending a shard early, STACK.md trap 1).
     """
     from petastorm.pytorch import BatchedDataLoader
     from petastorm.spark.spark_dataset_converter import SparkDatasetConverter
 
+    check_cache_files(plan)  # a list of files: Petastorm then unpickles nothing
     converter = SparkDatasetConverter(plan.cache_dir_url, plan.file_urls, plan.dataset_size)
     with converter.make_torch_dataloader(
         batch_size=plan.per_device_batch_size,

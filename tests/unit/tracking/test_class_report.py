@@ -45,15 +45,39 @@ def test_scores_match_a_hand_count() -> None:
     assert report.metrics()["test_accuracy"] == report.accuracy
 
 
-def test_a_label_absent_from_the_test_split_scores_zero_without_warnings() -> None:
+def test_a_label_absent_from_the_test_split_is_reported_absent_without_warnings() -> None:
     report = build_test_report(np.array([0, 1]), np.array([0, 0]), 1.0, NAMES, 1.0, [])
     assert report.per_class[2] == {
         "label": "c",
-        "precision": 0.0,
-        "recall": 0.0,
-        "f1": 0.0,
+        "precision": None,
+        "recall": None,
+        "f1": None,
         "support": 0,
     }
+    assert report.per_class[1]["f1"] == 0.0  # present and never found: a real 0
+
+
+def test_perfect_predictions_score_a_macro_f1_of_one_when_a_label_is_absent() -> None:
+    """Three labels, the test split holds two: the absent one is not averaged in (it made
+    perfect predictions score 2/3)."""
+    labels = np.array([0, 0, 1, 1, 1])
+    report = build_test_report(labels, labels.copy(), 1.0, NAMES, 1.0, [])
+    assert report.macro_f1 == 1.0
+
+
+def test_macro_f1_is_scikit_learns_over_the_labels_in_the_test_split() -> None:
+    """As ``f1_score(average="macro", labels=<labels present in y_true>)``: a prediction of
+    the absent label still costs the precision of none and the recall of the true one."""
+    from sklearn.metrics import f1_score
+
+    labels = np.array([0, 0, 0, 1, 1, 1])
+    predicted = np.array([0, 2, 0, 1, 1, 0])
+    report = build_test_report(labels, predicted, 1.0, NAMES, 1.0, [])
+    expected = f1_score(labels, predicted, average="macro", labels=[0, 1])
+    assert report.macro_f1 == pytest.approx(expected)
+    # by hand: a: precision 2/3, recall 2/3, F1 2/3; b: precision 1, recall 2/3, F1 0.8
+    assert report.macro_f1 == pytest.approx((2 / 3 + 0.8) / 2)
+    assert report.confusion[0] == [2, 0, 1]  # the wrong "c" shows in the confusion matrix
 
 
 def test_the_worst_mistakes_are_kept_highest_loss_first() -> None:
@@ -88,3 +112,30 @@ def test_figures_render() -> None:
     for fig in (curves_figure(history, 2), confusion_figure(report), mistakes_figure(report)):
         width, height = _png_size(fig)
         assert width > 300 and height > 200
+
+
+def test_labels_are_drawn_as_plain_text() -> None:
+    """Folder names that matplotlib would parse as mathtext: ``$\\notacommand$`` made
+    ``savefig`` raise, ``a_b^c`` and ``$x$`` would be drawn as formulas."""
+    names = ["$\\notacommand$", "a_b^c", "50%", "$x$"]
+    mistake = Mistake(
+        2.0,
+        row_id=1,
+        label=0,
+        predicted=3,
+        probability=0.5,
+        image=np.zeros((3, 8, 8), dtype=np.uint8),
+    )
+    report = build_test_report(
+        np.array([0, 1, 2, 3]), np.array([3, 1, 2, 3]), 2.0, names, 1.0, [mistake]
+    )
+    confusion, mistakes = confusion_figure(report), mistakes_figure(report)
+    for fig in (confusion, mistakes):
+        fig.savefig(io.BytesIO(), format="png")
+    ax = confusion.axes[0]
+    for ticks in (ax.get_xticklabels(), ax.get_yticklabels()):
+        assert [t.get_text() for t in ticks] == names
+        assert not any(t.get_parse_math() or t.get_usetex() for t in ticks)
+    title = mistakes.axes[0].title
+    assert title.get_text().startswith("true $\\notacommand$\npredicted $x$")
+    assert not title.get_parse_math()
