@@ -179,6 +179,7 @@ class _DiskLease:
         self.lock = FileLock(str(self.lock_path), timeout=0)
 
     def acquire(self) -> None:
+        self.created = not self.output.exists()  # then release removes it if still empty
         self.output.mkdir()
         self._lock()
         stale = read_holder(self.output)
@@ -219,12 +220,16 @@ class _DiskLease:
 
     def release(self) -> None:
         """Remove the record and the lock file while the lock is held, then unlock: the
-        output is left as it was found."""
+        output is left as it was found (a folder the lease created and nothing else wrote
+        is removed too)."""
         try:
             self.record.unlink(missing_ok=True)
             self.lock_path.unlink(missing_ok=True)
         finally:
             self.lock.release()
+        if getattr(self, "created", False):
+            with contextlib.suppress(OSError):  # not empty: the command wrote there
+                os.rmdir(self.lock_path.parent)
 
 
 class _S3Lease:

@@ -205,8 +205,9 @@ def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
             model was registered (``summary.json`` is written first).
         TrainingError: a rank failed; the message names the rank and its exception.
     """
+    job = _check_all(spark, cfg, "train")  # a check that fails leaves the output as it was
     with output_lease(cfg.paths.output_dir, "train"):  # one writer per output
-        return execute(spark, _check_all(spark, cfg, "train"), "train")
+        return execute(spark, job, "train")
 
 
 def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
@@ -215,8 +216,9 @@ def run_job(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
     Every check runs once, before the ingest, so that a job bound to fail does no work
     (errors as for :func:`run_training`, plus ``IngestError``).
     """
+    job = _check_all(spark, cfg, "run")  # a check that fails leaves the output as it was
     with output_lease(cfg.paths.output_dir, "run"):  # one writer per output
-        return execute(spark, _check_all(spark, cfg, "run"), "run")
+        return execute(spark, job, "run")
 
 
 def run_ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:

@@ -9,7 +9,7 @@ Scoring itself is :func:`flowers_job.serving.score_udf.score_images` (a pandas U
 why not ``mlflow.pyfunc.spark_udf``).
 
 **How executors get the model**: resolved once on the driver and its files shipped with
-``SparkContext.addFile`` (:mod:`flowers_job.serving.model_ref`); ``spark_udf`` ships models the same
+``SparkContext.addArchive`` (:mod:`flowers_job.serving.model_ref`); ``spark_udf`` ships models the same
 way; what it cannot do is the per-row rejection above.
 
 **Idempotence.** The output table's Delta commit carries, in its ``userMetadata`` (as ingest
@@ -43,6 +43,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.cluster.session import task_progress, task_slots
 from flowers_job.config import DataConfig
 from flowers_job.config.secrets import redact_uri, split_userinfo
@@ -399,6 +400,7 @@ def predict(
         ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.cluster.connect`;
             docs/using-the-model.md says why), before anything is read or written.
     """
+    refuse_spark_connect(spark)  # before any table is looked at (ship_model checks it too)
     check_input(images, table)
     if isinstance(output_table, Path):
         output_table = TableRef(path=Location.of(output_table))

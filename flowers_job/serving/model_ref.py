@@ -3,8 +3,8 @@ its files shipped to the executors.
 
 The driver resolves the URI against the registry once (``models:/name/version`` or
 ``models:/name@alias`` -> a version), downloads that version's artifacts and ships the
-folder with ``SparkContext.addFile``; each executor reads it from its ``SparkFiles``
-directory. Executors on other hosts therefore need neither the registry nor its
+folder as one zip with ``SparkContext.addArchive``; each executor unpacks it into its
+``SparkFiles`` directory. Executors on other hosts therefore need neither the registry nor its
 credentials (the default registry is a sqlite file on the driver's disk), a moved alias
 cannot change the model mid-job, and the registry is read once, not once per worker.
 A lookup that fails creates nothing: a ``sqlite:`` store that does not exist is refused
@@ -206,7 +206,7 @@ def _what_exists(client: Any, name: str) -> str:
 class Shipped:
     """A model version downloaded on the driver and added to the SparkContext's files."""
 
-    name: str  # the folder's name in SparkFiles
+    name: str  # the archive's name in SparkFiles (the folder it unpacks to)
     label_names: list[str]
     model_config: dict[str, Any]
 
@@ -216,7 +216,9 @@ _SHIPPED: dict[tuple[str, str, str], Shipped] = {}
 
 
 def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
-    """Download ``ref``'s artifacts once per driver process and ``addFile`` the folder.
+    """Download ``ref``'s artifacts once per driver process and ship them to the executors
+    as one zip archive (``addArchive``; ``Shipped.name`` is its name in ``SparkFiles``, the
+    folder it unpacks to).
 
     Raises:
         ConfigError: ``spark`` is a Spark Connect session (no ``addFile``; nor the RDDs and
@@ -247,11 +249,14 @@ def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
             dst_path=os.path.join(parent, "download"),
             tracking_uri=ref.tracking_uri,
         )
-    folder = os.path.join(parent, name)
-    os.rename(local, folder)
-    flavor = Model.load(folder).flavors["python_function"]
+    flavor = Model.load(local).flavors["python_function"]
     conf = flavor.get("config") or flavor.get("model_config") or {}
-    spark.sparkContext.addFile(folder, recursive=True)
-    shipped = Shipped(name, [str(x) for x in conf["label_names"]], dict(conf))
+    # an archive, not the folder: Spark 4 refuses addFile of a local directory unless the
+    # master is local (UNSUPPORTED_ADD_FILE.LOCAL_DIRECTORY); addArchive ships one file,
+    # which each executor unpacks into the folder SparkFiles.get(<archive's name>) names
+    archive = shutil.make_archive(os.path.join(parent, name), "zip", root_dir=local)
+    shutil.rmtree(local, ignore_errors=True)
+    spark.sparkContext.addArchive(archive)
+    shipped = Shipped(os.path.basename(archive), [str(x) for x in conf["label_names"]], dict(conf))
     _SHIPPED[key] = shipped
     return shipped
