@@ -279,6 +279,9 @@ def test_predict_with_an_unknown_model_and_no_store_creates_nothing(
     from flowers_job.cli import main
 
     monkeypatch.chdir(tmp_path)
+    # predict takes MLFLOW_TRACKING_URI first; mlflow.set_tracking_uri in this process (an
+    # earlier test's job) sets it
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     args = ["predict", "--model", "models:/nope/1", "--images", str(tmp_path)]
     assert main([*args, "--output-table", str(tmp_path / "scored")]) == 1
     assert f"no MLflow store at {tmp_path / 'mlflow.db'}" in capsys.readouterr().err
