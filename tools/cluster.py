@@ -513,6 +513,11 @@ class Cluster:
             ClusterError: a step failed or the workers did not register in time.
         """
         self.down()
+        if mlflow:
+            # an empty registry each time: the S3 server (moto) keeps its objects in memory,
+            # so a registry kept from an earlier cluster would name artifacts that no longer
+            # exist (a champion of another split, rescored, then fails to download)
+            shutil.rmtree(self.base / "mlflow", ignore_errors=True)
         if self.s3:
             resolve_packages(self.python, S3_PACKAGES, ivy_dir())
         for sub in ("shared", "logs", "work"):
