@@ -187,7 +187,7 @@ def prepare_data(
     version = checked.versions["images"]
     images = table_ref(cfg, "images")
     writer = loader(cfg, images.describe())
-    detail = images.delta(spark).detail().select("id", "sizeInBytes").first()
+    detail = images.detail(spark)
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())
     with loader_cache(cfg, writer) as cache:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
+from flowers_job.cluster.connect import default_parallelism
 from flowers_job.config import JobConfig
 from flowers_job.config.data import SAFE_RETENTION_HOURS
 from flowers_job.location import Location
@@ -160,13 +161,7 @@ def protected_versions(cfg: JobConfig) -> set[int]:
 def _hours_since_commit(spark: SparkSession, table: TableRef, version: int) -> float | None:
     """Hours since the commit of ``version`` of ``table``; None if there is no such commit
     (yet)."""
-    rows = (
-        table.delta(spark)
-        .history()
-        .where(f"version = {int(version)}")
-        .select("timestamp")
-        .collect()
-    )
+    rows = table.history(spark).where(f"version = {int(version)}").select("timestamp").collect()
     if not rows:
         return None
     return max(0.0, (time.time() - rows[0]["timestamp"].timestamp()) / 3600.0)
@@ -176,8 +171,8 @@ def _table_age_hours(spark: SparkSession, table: TableRef) -> float | None:
     """Hours since ``table`` was created (``DESCRIBE DETAIL``'s ``createdAt``); None if
     unknown. (A catalog table overwritten by name is replaced, ``CREATE OR REPLACE``: its
     ``createdAt`` is kept, as a path table's is.)"""
-    row = table.delta(spark).detail().select("createdAt").first()
-    if row is None or row["createdAt"] is None:
+    row = table.detail(spark)
+    if row["createdAt"] is None:
         return None
     return max(0.0, (time.time() - row["createdAt"].timestamp()) / 3600.0)
 
@@ -212,7 +207,7 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
         _RETENTION_CHECK: "false",  # retention_hours below Delta's 168 is allowed
         # two listing tasks per slot, not 10,000: a third of the time on a small table
         # (docs/performance.md)
-        _LISTING_PARALLELISM: str(2 * spark.sparkContext.defaultParallelism),
+        _LISTING_PARALLELISM: str(2 * default_parallelism(spark)),
     }
     with session_settings(spark, settings):
         for name, retain in hours.items():
@@ -224,7 +219,7 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
                 log.info("not vacuuming %s: created %.1f h ago, retention %d h", name, age, retain)
                 continue
             t0 = time.perf_counter()
-            table.delta(spark).vacuum(retain)
+            table.vacuum(spark, retain)
             log.info(
                 "vacuumed %s, keeping %d h of history%s, in %.1f s",
                 name,

@@ -20,12 +20,12 @@ carry the same fingerprint and run id (:func:`tables_mismatch`).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pyspark.sql import Column, DataFrame, SparkSession
-from pyspark.sql import functions as F
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 from pyspark.sql.types import StructType
 
@@ -42,6 +42,7 @@ __all__ = [
     "is_ingest_metadata",
     "latest_commit",
     "merge_table",
+    "null_safe_differs",
     "read_table_metadata",
     "session_settings",
     "split_frame",
@@ -128,8 +129,7 @@ def latest_commit(
     if not table.exists(spark):
         return None
     rows = (
-        table.delta(spark)
-        .history(_HISTORY_DEPTH)
+        table.history(spark, _HISTORY_DEPTH)
         .select("version", "operation", "userMetadata")
         .collect()
     )
@@ -251,27 +251,37 @@ def write_table(
     _check_commit(spark, table, meta)
 
 
+def null_safe_differs(*columns: str) -> str:
+    """A SQL condition for :func:`merge_table`: true where the target row ``t`` and the
+    source row ``s`` differ in any of ``columns`` (NULL-safe, ``<=>``); ``false`` for none."""
+    return " OR ".join(f"NOT (t.`{c}` <=> s.`{c}`)" for c in columns) or "false"
+
+
 def merge_table(
     spark: SparkSession,
     source: DataFrame,
     table: TableRef,
     meta: dict[str, object],
     *,
-    keep: Column,
-    changed: Column,
+    keep: str,
+    changed: str,
 ) -> dict[str, int]:
     """MERGE the changes in ``source`` into the Delta ``table`` (path or name), keyed by
     ``relative_path``, in one commit that carries ``meta``.
 
     ``source`` has the table's columns plus ``_gone`` (boolean: the path must leave the
-    table). For each source row, as target alias ``t`` and source alias ``s``:
+    table). ``keep`` and ``changed`` are SQL conditions over the target alias ``t`` and the
+    source alias ``s`` (e.g. ``NOT s._gone``, :func:`null_safe_differs`). For each source row:
 
     - matched, and ``keep`` is false or ``_gone``: the row is deleted;
     - matched, ``keep`` and ``changed``: the row is replaced;
     - not matched, ``keep`` and not ``_gone``: the row is inserted.
 
-    Rows of the table without a source row are not read beyond the join key. On a table
-    with deletion vectors (:data:`TABLE_PROPERTIES`) no file is rewritten: deleted and
+    One SQL ``MERGE INTO <table> t USING <source view> s ...`` (Delta's documentation,
+    "Upsert into a Delta Lake table using merge"), the same statement on classic Spark and
+    Spark Connect: ``source`` is registered as a temp view of a unique name for it and dropped
+    after. Rows of the table without a source row are not read beyond the join key. On a
+    table with deletion vectors (:data:`TABLE_PROPERTIES`) no file is rewritten: deleted and
     replaced rows are marked in a deletion vector of their file, and the new rows written
     to new files; without them, each file that holds a matched row is rewritten whole.
 
@@ -279,24 +289,35 @@ def merge_table(
         Delta's ``operationMetrics`` of the commit: ``inserted``, ``updated``, ``deleted``.
 
     Raises:
+        TypeError: ``keep`` or ``changed`` is not SQL text (a ``Column``).
         DataError: as :func:`write_table`.
     """
-    gone = F.col("s._gone")
-    columns: dict[str, str | Column] = {
-        f.name: f"s.`{f.name}`" for f in TABLE_SCHEMAS[table.table].fields
-    }
-    with _commit_metadata(spark, meta):
-        (
-            table.delta(spark)
-            .alias("t")
-            .merge(source.alias("s"), "t.relative_path = s.relative_path")
-            .whenMatchedDelete(condition=gone | ~keep)
-            .whenMatchedUpdate(condition=changed, set=columns)
-            .whenNotMatchedInsert(condition=keep & ~gone, values=columns)
-            .execute()
+    if not isinstance(keep, str) or not isinstance(changed, str):
+        raise TypeError(
+            "merge_table: keep and changed are SQL conditions over the aliases t and s "
+            f"(text), got {type(keep).__name__} and {type(changed).__name__}"
         )
+    names = [f.name for f in TABLE_SCHEMAS[table.table].fields]
+    assignments = ", ".join(f"`{c}` = s.`{c}`" for c in names)
+    inserted = ", ".join(f"`{c}`" for c in names)
+    values = ", ".join(f"s.`{c}`" for c in names)
+    view = f"flowers_job_merge_{uuid.uuid4().hex}"
+    statement = (
+        f"MERGE INTO {table.sql_name} t USING {view} s "
+        "ON t.relative_path = s.relative_path "
+        f"WHEN MATCHED AND (s._gone OR NOT ({keep})) THEN DELETE "
+        f"WHEN MATCHED AND ({changed}) THEN UPDATE SET {assignments} "
+        f"WHEN NOT MATCHED AND (({keep}) AND NOT s._gone) THEN INSERT ({inserted}) "
+        f"VALUES ({values})"
+    )
+    source.createOrReplaceTempView(view)
+    try:
+        with _commit_metadata(spark, meta):
+            spark.sql(statement)
+    finally:
+        spark.catalog.dropTempView(view)
     _check_commit(spark, table, meta)
-    commit = table.delta(spark).history(1).select("operationMetrics").first()
+    commit = table.history(spark, 1).select("operationMetrics").first()
     metrics = (commit["operationMetrics"] if commit is not None else None) or {}
     return {
         key: int(metrics.get(name, 0))
@@ -310,8 +331,12 @@ def merge_table(
 
 def split_frame(spark: SparkSession, images: TableRef, version: int, split: str) -> DataFrame:
     """The rows of ``split`` in the ``images`` Delta table at Delta ``version``: a
-    partition filter, so only that split's files are read."""
-    return images.read(spark, version).where(F.col("split") == split)
+    partition filter, so only that split's files are read. (The column comes from the
+    DataFrame, ``df["split"]``, not ``pyspark.sql.functions``, whose columns are classic ones
+    on a Connect session made by Connect's own builder: pyspark's ``is_remote()`` is false
+    there.)"""
+    df = images.read(spark, version)
+    return df.where(df["split"] == split)
 
 
 @dataclass(frozen=True)

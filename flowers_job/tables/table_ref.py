@@ -1,34 +1,46 @@
 """Where one Delta table lives: a path (``<output_dir>/tables/<name>``, the default) or a
 name in a catalog (``catalog.schema.table``, with ``tables.schema``).
 
-Every read, write, ``DeltaTable`` and existence check of the job's tables goes through a
+Every read, write, existence check and Delta command of the job's tables goes through a
 :class:`TableRef`, so that the two kinds share one code path: a path table is read with
 ``spark.read.format("delta").load(path)`` and written with ``.save(path)``; a catalog table
 with ``spark.read.table(name)`` and ``.saveAsTable(name)`` (a managed table: the catalog
-decides where its files go), ``DeltaTable.forName`` instead of ``forPath``. Time travel is
-the same ``versionAsOf`` reader option for both (Delta's documentation, "Query an older
-snapshot of a table"). Spark's own catalog (``spark_catalog``, tables under
-``spark.sql.warehouse.dir``) and Unity Catalog are reached the same way, through the
-session's catalogs (``spark.sql.catalog.spark_catalog`` is Delta's ``DeltaCatalog``:
-:func:`flowers_job.cluster.session.get_spark`).
+decides where its files go). Time travel is the same ``versionAsOf`` reader option for both
+(Delta's documentation, "Query an older snapshot of a table"). Spark's own catalog
+(``spark_catalog``, tables under ``spark.sql.warehouse.dir``) and Unity Catalog are reached
+the same way, through the session's catalogs (``spark.sql.catalog.spark_catalog`` is Delta's
+``DeltaCatalog``: :func:`flowers_job.cluster.session.get_spark`).
+
+Delta's commands (``DESCRIBE DETAIL``, ``DESCRIBE HISTORY``, ``VACUUM``, ``MERGE INTO``) run
+as Spark SQL on :attr:`TableRef.sql_name` (``delta.`<path>``` or the quoted catalog name;
+Delta's documentation, "Table utility commands"), one implementation for classic Spark and
+Spark Connect alike: any Spark with Delta's jar and ``io.delta.sql.DeltaSparkSessionExtension``
+runs them. delta-spark's Python ``DeltaTable`` is not used: given a Connect session it
+either reads ``spark._sc`` (``AttributeError: 'SparkSession' object has no attribute '_sc'``,
+seen with delta-spark 4.0.1) or, where pyspark's ``is_remote()`` holds, goes through
+``delta.connect.tables``, which needs Delta Connect's server plugin
+(``io.delta:delta-connect-server_2.13`` with ``DeltaRelationPlugin``), a jar not published on
+Maven Central for Delta 4.0.1.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.location import Location, is_remote
 
-if TYPE_CHECKING:
-    from delta.tables import DeltaTable
-
 __all__ = ["TableRef", "ensure_schema", "table_ref"]
+
+_NOT_DELTA = frozenset(
+    {"DELTA_ONLY_OPERATION", "DELTA_TABLE_ONLY_OPERATION", "DELTA_MISSING_DELTA_TABLE"}
+)
+"""Delta's error conditions for a Delta command on a table that is not a Delta table."""
 
 
 @dataclass(frozen=True)
@@ -116,51 +128,119 @@ class TableRef:
             parts = (spark.catalog.currentCatalog(), *parts)
         return "name:" + ".".join(parts).lower()
 
+    @property
+    def sql_name(self) -> str:
+        """The table in Spark SQL: ``delta.`<path>``` for a path table (Delta's path
+        identifier; a backtick in the path doubled), the quoted name (:attr:`quoted`) for a
+        catalog table."""
+        if self.parts:
+            return self.quoted
+        return "delta.`" + str(self.path).replace("`", "``") + "`"
+
     def table_id(self, spark: SparkSession) -> str | None:
         """The Delta table's id (``DESCRIBE DETAIL``), the same whatever names the table (a
-        catalog name or its location); None when there is no table."""
+        catalog name or its location); None when there is no table.
+
+        Raises:
+            DataError: a catalog table of that name that is not a Delta table.
+        """
         if not self.exists(spark):
             return None
-        row = self.delta(spark).detail().select("id").first()
-        return None if row is None else str(row["id"])
+        row = self.detail(spark)
+        return None if row["id"] is None else str(row["id"])
 
     def exists(self, spark: SparkSession) -> bool:
         """Whether the table exists: a Delta table at the path, or any table of that name
-        in the catalog (:meth:`delta` says when it is not a Delta table). False too when its
+        in the catalog (:meth:`detail` says when it is not a Delta table). False too when its
         catalog or schema does not exist: ingest creates the schema, and training's message
-        asks for an ingest."""
-        if self.parts:
-            from pyspark.errors import AnalysisException
+        asks for an ingest.
 
+        A path is a Delta table when ``DESCRIBE DETAIL delta.`<path>``` succeeds with format
+        ``delta`` (what ``DeltaTable.isDeltaTable`` answers, through SQL: one read of the
+        table's log, on classic Spark and Spark Connect alike). A missing path, a folder of
+        Parquet files, an empty folder or a folder inside a Delta table fail with
+        ``[DELTA_MISSING_DELTA_TABLE] ... is not a Delta table`` (an ``AnalysisException``):
+        False. Any other error (e.g. an object store refusing access) is raised.
+        """
+        from pyspark.errors import AnalysisException
+
+        if self.parts:
             try:
                 return bool(spark.catalog.tableExists(self.quoted))
             except AnalysisException:  # e.g. CATALOG_NOT_FOUND
                 return False
-        from delta.tables import DeltaTable
+        try:
+            row = spark.sql(f"DESCRIBE DETAIL {self.sql_name}").first()
+        except AnalysisException:
+            return False
+        return row is not None and str(row["format"]).lower() == "delta"
 
-        return bool(DeltaTable.isDeltaTable(spark, str(self.path)))
+    def detail(self, spark: SparkSession) -> Row:
+        """``DESCRIBE DETAIL``: one row of ``format``, ``id`` (str), ``location``,
+        ``createdAt``/``lastModified`` (datetime, the session's time zone, naive),
+        ``numFiles``, ``sizeInBytes`` (bytes), ``properties``... (Delta's documentation,
+        "Retrieve Delta table details").
 
-    def delta(self, spark: SparkSession) -> DeltaTable:
-        """The ``DeltaTable`` (``forName`` or ``forPath``).
+        Raises:
+            DataError: a catalog table of that name that is not a Delta table.
+            pyspark.errors.AnalysisException: no such table (``DELTA_MISSING_DELTA_TABLE``
+                for a path, ``TABLE_OR_VIEW_NOT_FOUND`` for a name).
+        """
+        row = self._sql(spark, f"DESCRIBE DETAIL {self.sql_name}").first()
+        assert row is not None  # DESCRIBE DETAIL gives one row or fails
+        if str(row["format"]).lower() != "delta":  # a catalog table in another format
+            raise self._not_delta()
+        return row
+
+    def history(self, spark: SparkSession, limit: int | None = None) -> DataFrame:
+        """``DESCRIBE HISTORY``: the table's commits, newest first (``version``,
+        ``timestamp``, ``operation``, ``operationParameters``, ``userMetadata``,
+        ``operationMetrics`` as a string map...), the latest ``limit`` when given (Delta's
+        documentation, "Retrieve Delta table history"). Run when called.
 
         Raises:
             DataError: a catalog table of that name that is not a Delta table.
             pyspark.errors.AnalysisException: no such table.
         """
-        from delta.tables import DeltaTable
+        limit_sql = "" if limit is None else f" LIMIT {int(limit)}"
+        return self._sql(spark, f"DESCRIBE HISTORY {self.sql_name}{limit_sql}")
 
-        if not self.parts:
-            return DeltaTable.forPath(spark, str(self.path))
+    def vacuum(self, spark: SparkSession, retain_hours: float) -> None:
+        """``VACUUM ... RETAIN <retain_hours> HOURS``: remove the files the table no longer
+        uses that were removed from it more than ``retain_hours`` ago, as
+        ``DeltaTable.vacuum(retain_hours)`` does (both are Delta's ``VacuumCommand``, which
+        rounds the hours to whole ones). Below Delta's safe minimum (168 h) Delta refuses
+        unless ``spark.databricks.delta.retentionDurationCheck.enabled`` is false (an
+        ``IllegalArgumentException``: "Are you sure you would like to vacuum files with such
+        a low retention period?"), exactly as the Python API does.
+
+        Raises:
+            ValueError: ``retain_hours`` negative or not finite.
+            DataError: a catalog table of that name that is not a Delta table.
+            pyspark.errors.AnalysisException: no such table.
+        """
+        hours = float(retain_hours)
+        if not math.isfinite(hours) or hours < 0:
+            raise ValueError(f"vacuum {self}: retain_hours must be >= 0, got {retain_hours!r}")
+        self._sql(spark, f"VACUUM {self.sql_name} RETAIN {hours:.6f} HOURS")
+
+    def _not_delta(self) -> DataError:
+        return DataError(
+            f"the table {self.describe()} is not a Delta table: choose another "
+            f"tables.schema, or drop it (`DROP TABLE {self.quoted}`)"
+        )
+
+    def _sql(self, spark: SparkSession, statement: str) -> DataFrame:
+        """``spark.sql(statement)``, a Delta command on this table; a catalog table that is
+        not a Delta table (``DELTA_ONLY_OPERATION`` and kin) raised as ``DataError``."""
         from pyspark.errors import AnalysisException
 
         try:
-            return DeltaTable.forName(spark, self.quoted)
+            return spark.sql(statement)
         except AnalysisException as exc:
-            if "not a Delta table" in str(exc) or "DELTA_MISSING_DELTA_TABLE" in str(exc):
-                raise DataError(
-                    f"the table {self.describe()} is not a Delta table: choose another "
-                    f"tables.schema, or drop it (`DROP TABLE {self.quoted}`)"
-                ) from exc
+            condition = exc.getCondition() or ""
+            if self.parts and (condition in _NOT_DELTA or "not a Delta table" in str(exc)):
+                raise self._not_delta() from exc
             raise
 
     def read(self, spark: SparkSession, version: int | None = None) -> DataFrame:

@@ -4,7 +4,7 @@ tables.
 
 Spark's own session catalog stands in for Unity Catalog: ``spark_catalog.<schema>.<table>``
 is a three-level name like Unity Catalog's, resolved through the same catalog API
-(``saveAsTable``, ``spark.read.table``, ``DeltaTable.forName``), with the managed tables'
+(``saveAsTable``, ``spark.read.table``, Delta SQL on the quoted name), with the managed tables'
 files under the test session's temp ``spark.sql.warehouse.dir`` (tests/conftest.py).
 """
 
@@ -161,7 +161,7 @@ def test_ingest_merge_and_training_by_name(spark: SparkSession, tmp_path: Path) 
     v1 = latest_commit(spark, images_ref)
     assert v1 is not None and v1[0] == v0[0] + 1
     assert v1[1] is not None and v0[1] is not None and v1[1]["run_id"] != v0[1]["run_id"]
-    last = images_ref.delta(spark).history(1).select("operation").first()
+    last = images_ref.history(spark, 1).select("operation").first()
     assert last is not None and last["operation"] == "MERGE"
     relative = f"roses/{changed.name}"
     sha = {
