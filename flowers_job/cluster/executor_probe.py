@@ -16,9 +16,10 @@ call (each executor's environment is the same for all its tasks).
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -34,6 +35,7 @@ from flowers_job.cluster.storage import (
 )
 from flowers_job.config import JobConfig
 from flowers_job.errors import ClusterError
+from flowers_job.location import Location
 from flowers_job.tracking.credentials import (
     ExecutorTracking,
     credential_problems,
@@ -42,7 +44,7 @@ from flowers_job.tracking.credentials import (
     redact,
 )
 
-__all__ = ["PROBE_TIMEOUT_SECONDS", "check_executors"]
+__all__ = ["PROBE_TIMEOUT_SECONDS", "check_executors", "probe_executors"]
 
 PROBE_TIMEOUT_SECONDS = 120.0
 """Bound on a probe's Spark job before any work (seconds; this one's, and the placement's of
@@ -55,9 +57,16 @@ log = logging.getLogger(__name__)
 
 def _probe_task(
     token: str, paths: list[str], tracking: ExecutorTracking | None
-) -> Callable[[Any], Iterator[dict[str, Any]]]:
-    def task(_: Any) -> Iterator[dict[str, Any]]:
+) -> Callable[[Iterable[Any]], Iterator[Any]]:
+    """The barrier ``mapInPandas`` function of the probe: one row per task, its report as
+    JSON (a ``report`` string column: the reports differ in keys)."""
+
+    def task(batches: Iterable[Any]) -> Iterator[Any]:
+        import pandas as pd
         from pyspark import BarrierTaskContext
+
+        for _ in batches:
+            pass
 
         ctx = BarrierTaskContext.get()
         infos, me = ctx.getTaskInfos(), ctx.partitionId()
@@ -71,9 +80,36 @@ def _probe_task(
         first = min(i for i, info in enumerate(infos) if info.address == executor)
         if tracking is not None and me == first:
             row["tracking"] = executor_report(**tracking)
-        yield row
+        yield pd.DataFrame({"report": [json.dumps(row)]})
 
     return task
+
+
+def probe_executors(
+    spark: SparkSession,
+    dirs: dict[str, Location],
+    tracking: ExecutorTracking | None,
+    timeout_seconds: float = PROBE_TIMEOUT_SECONDS,
+) -> list[dict[str, Any]]:
+    """The executor probe's stage: a barrier ``mapInPandas`` over ``spark.range(n,
+    numPartitions=n)``, ``n`` = :func:`~flowers_job.cluster.session.task_slots` (one task per
+    slot, every executor probed), each task reading back the tokens written into ``dirs``
+    (:func:`~flowers_job.cluster.storage.tokens`) and, on one task per executor, calling the
+    tracking server. The same stage on classic Spark and Connect.
+
+    Returns:
+        One ``{"host", "address", "missing", "store_variables"}`` dict per task, plus
+        ``"tracking"`` on one task per executor when ``tracking`` is given.
+
+    Raises:
+        RuntimeError: the stage did not end within ``timeout_seconds``.
+    """
+    with tokens(dirs) as token:
+        task = _probe_task(token, [str(p) for p in dirs.values()], tracking)
+        n = max(1, task_slots(spark))
+        frame = spark.range(n, numPartitions=n).mapInPandas(task, "report string", barrier=True)
+        rows = run_probe(spark, frame, "executor probe", timeout_seconds)
+    return [json.loads(row["report"]) for row in rows]
 
 
 def check_executors(
@@ -112,11 +148,7 @@ def check_executors(
     )
     if not dirs and tracking is None:
         return []
-    with tokens(dirs) as token:
-        task = _probe_task(token, [str(p) for p in dirs.values()], tracking)
-        n = max(1, task_slots(spark))
-        rdd = spark.sparkContext.parallelize(range(n), n).barrier().mapPartitions(task)
-        results = run_probe(spark, rdd, "executor probe", timeout_seconds)
+    results = probe_executors(spark, dirs, tracking, timeout_seconds)
     problems = storage_problems(dirs, results)
     if tracking is not None:
         problems += credential_problems(tracking, [r for r in results if "tracking" in r])

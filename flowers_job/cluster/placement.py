@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Iterable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
-from flowers_job.cluster.connect import refuse_spark_connect
+from flowers_job.cluster.connect import is_connect_session, spark_master
 from flowers_job.cluster.executor_probe import PROBE_TIMEOUT_SECONDS
 from flowers_job.cluster.session import driver_gpus, run_probe, task_slots, wait_for_slots
 from flowers_job.cluster.storage import is_local_master
@@ -42,24 +43,33 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _task_host(_: Iterable[int]) -> Iterator[tuple[int, str]]:
+def _task_host(batches: Iterable[Any]) -> Iterator[Any]:
+    """A barrier task's partition id and host name, as one pandas row."""
+    import pandas as pd
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
     ctx.barrier()  # every task placed before any answers, as in TorchDistributor's stage
-    yield ctx.partitionId(), socket.gethostname()
+    for _ in batches:
+        pass
+    yield pd.DataFrame({"partition": [ctx.partitionId()], "host": [socket.gethostname()]})
 
 
 def placement_hosts(spark: SparkSession, num_processes: int, timeout_seconds: float) -> list[str]:
     """The host name of each rank (index = partition id = ``RANK``) of a barrier stage of
-    ``num_processes`` tasks, as TorchDistributor's would be placed now.
+    ``num_processes`` tasks, as TorchDistributor's would be placed now: a barrier
+    ``mapInPandas`` over ``spark.range(num_processes, numPartitions=num_processes)``, as
+    TorchDistributor's own stage on Connect is a barrier ``mapInArrow`` (classic Spark and
+    Connect alike).
 
     Raises:
         RuntimeError: the stage did not end within ``timeout_seconds``.
     """
-    sc = spark.sparkContext
-    rdd = sc.parallelize(range(num_processes), num_processes).barrier().mapPartitions(_task_host)
-    found = dict(run_probe(spark, rdd, "placement probe", timeout_seconds))
+    frame = spark.range(num_processes, numPartitions=num_processes).mapInPandas(
+        _task_host, "partition int, host string", barrier=True
+    )
+    rows = run_probe(spark, frame, "placement probe", timeout_seconds)
+    found = {int(r["partition"]): str(r["host"]) for r in rows}
     return [found[i] for i in range(num_processes)]
 
 
@@ -112,8 +122,10 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
     placement of the ranks (the resolved loader), before any data is touched (seconds: on a cluster it waits for executors to register, at most
     ``distributed.executor_wait_seconds``).
 
+    Every check works on a Spark Connect session too (:mod:`flowers_job.cluster.connect`).
+
     Raises:
-        ClusterError: a Spark Connect session (:mod:`flowers_job.cluster.connect`), or when
+        ClusterError: when
             - barrier mode (``local_mode=false``) asks for more processes than the cluster's
               task slots (:func:`~flowers_job.cluster.session.task_slots`: GPU slots when tasks ask
               for GPUs);
@@ -124,9 +136,13 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
               processes, or a session whose driver has fewer ``gpu`` resources than
               processes (TorchDistributor would refuse only after the data is prepared);
             - barrier mode on a cluster with a loader that needs equal ranks per host
-              (Streaming) where Spark places them unequally (:func:`check_placement`).
+              (Streaming) where Spark places them unequally (:func:`check_placement`);
+            - GPUs in local mode on a Spark Connect session: local mode runs the ranks on
+              the client, and pyspark's TorchDistributor looks for the ``gpu`` resource of
+              the server's driver (:func:`~flowers_job.cluster.session.driver_gpus`), so it
+              refuses them ("GPUs were unable to be found on the driver") or hands the
+              client the server's GPUs; barrier mode is the GPU path there.
     """
-    refuse_spark_connect(spark)
     d = cfg.distributed
     problems = []
     local_master = is_local_master(spark)
@@ -145,7 +161,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
             )
             problems.append(
                 f"distributed.num_processes: {d.num_processes} processes, but this Spark cluster "
-                f"({spark.sparkContext.master}) has {slots} {kind}"
+                f"({spark_master(spark)}) has {slots} {kind}"
                 + (
                     ""
                     if local_master
@@ -163,6 +179,15 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
                 "or set tracking.store_is_shared=true if the path is on storage every host "
                 "shares (checked; sqlite over NFS or FUSE is unreliable)"
             )
+    elif use_gpu(spark, cfg) and is_connect_session(spark):
+        problems.append(
+            "distributed.use_gpu: GPUs requested with distributed.local_mode=true on a Spark "
+            "Connect session: local mode runs the processes on this client, and pyspark's "
+            "TorchDistributor on Connect looks for GPUs on the server's driver (it refuses "
+            "with 'GPUs were unable to be found on the driver'); set "
+            "distributed.local_mode=false (barrier tasks on the executors' GPUs, "
+            "spark.task.resource.gpu.amount) or distributed.use_gpu=false"
+        )
     elif use_gpu(spark, cfg):
         import torch
 

@@ -7,6 +7,7 @@ resolved from Maven Central by ``configure_spark_with_delta_pip``.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -14,14 +15,20 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 
-from flowers_job.cluster.connect import is_connect_session
+from flowers_job.cluster.connect import (
+    SparkJobTimeout,
+    default_parallelism,
+    is_connect_session,
+    run_tagged,
+    spark_master,
+)
 from flowers_job.runtime.allocator import apply_to_environ
 from flowers_job.runtime.allocator import spark_conf as allocator_spark_conf
 
@@ -188,20 +195,65 @@ def local_gpu_conf(count: int, directory: Path | None = None) -> dict[str, str]:
 
 def driver_gpus(spark: SparkSession) -> list[str]:
     """The addresses of the driver's ``gpu`` resource (what local mode's ranks can use);
-    [] when the session was started without one."""
+    [] when the session was started without one.
+
+    On Spark Connect: always [], as there is no ``SparkContext.resources`` on the client
+    (``[JVM_ATTRIBUTE_NOT_SUPPORTED]``). pyspark's TorchDistributor there asks the server's
+    driver for its ``gpu`` resource (``pyspark.ml.torch.distributor._get_resources``) and
+    refuses ``use_gpu`` with ``local_mode=True`` without one ("GPUs were unable to be found
+    on the driver"); with one, it would hand the server's GPU addresses to ranks that run on
+    the client, another machine. Barrier mode is the GPU path on Connect
+    (:func:`flowers_job.cluster.placement.check_cluster` refuses the other before any work)."""
+    if is_connect_session(spark):
+        return []
     resources = spark.sparkContext.resources
     return list(resources["gpu"].addresses) if "gpu" in resources else []
 
 
-def task_slots(spark: SparkSession) -> int:
+def _conf_float(spark: SparkSession, key: str) -> float:
+    """A numeric Spark setting of the session (the server's on Connect), 0 when unset."""
+    try:
+        return float(spark.conf.get(key, "0") or 0)
+    except ValueError:
+        return 0.0
+
+
+def task_slots(
+    spark: SparkSession, fresh: bool = False, timeout_seconds: float | None = None
+) -> int:
     """Concurrent task slots of the cluster's registered executors, as the scheduler counts
     them for a barrier stage: per executor, the fewest of cores / ``spark.task.cpus`` and,
     for every resource a task asks for (``spark.task.resource.gpu.amount``), the executor's
     amount / the task's (Spark's ``SparkContext.maxNumConcurrentTasks``). On a local master
     that is ``local[n]``'s n / ``spark.task.cpus``.
 
-    Barrier mode (``local_mode=False``) needs one slot per training process.
+    Spark Connect has no ``maxNumConcurrentTasks`` (no SparkContext, no JVM): there the CPU
+    slots are :func:`~flowers_job.cluster.connect.default_parallelism` (the executors' total
+    cores) // ``spark.task.cpus``; when tasks ask for GPUs, the GPU slots are counted from the
+    server's settings, ``(total cores // spark.executor.cores) * (spark.executor.resource.
+    gpu.amount // spark.task.resource.gpu.amount)``, and the fewer is taken. Without
+    ``spark.executor.cores`` or ``spark.executor.resource.gpu.amount`` set there (a task
+    sees only its own GPUs in ``TaskContext.resources()``, not its executor's), Connect cannot
+    tell GPU slots from CPU slots, and a barrier stage that asks for more fails at its start.
+
+    Barrier mode (``local_mode=false``) needs one slot per training process.
+
+    Args:
+        fresh: on Connect, count the executors' cores again (polling, :func:`wait_for_slots`).
+        timeout_seconds: bound on that count on Connect (None: unbounded).
+
+    Raises:
+        SparkJobTimeout: Connect's count did not end within ``timeout_seconds`` (no executor).
     """
+    if is_connect_session(spark):
+        cores = default_parallelism(spark, fresh=fresh, timeout_seconds=timeout_seconds)
+        slots = cores // max(1, int(_conf_float(spark, "spark.task.cpus") or 1))
+        task_gpus = _conf_float(spark, "spark.task.resource.gpu.amount")
+        executor_gpus = _conf_float(spark, "spark.executor.resource.gpu.amount")
+        cores_each = int(_conf_float(spark, "spark.executor.cores"))
+        if task_gpus > 0 and executor_gpus > 0 and cores_each > 0:
+            slots = min(slots, (cores // cores_each) * int(executor_gpus // task_gpus))
+        return max(1, slots)
     jsc = spark.sparkContext._jsc.sc()
     try:
         profile = jsc.resourceProfileManager().defaultResourceProfile()
@@ -226,19 +278,31 @@ def wait_for_slots(
     ``timeout_seconds`` pass.
 
     Executors register with the driver seconds after the session starts (spark-submit on a
-    standalone or YARN cluster), so a count taken at once can be short.
+    standalone or YARN cluster), so a count taken at once can be short. On Spark Connect each
+    poll is a fresh count (a small Spark job), bounded by the time left: with no executor
+    the job waits for resources, is interrupted, and counts as 0 slots.
 
     Returns:
         The last count (below ``needed`` only when it settled lower, or after the timeout).
     """
     start = time.monotonic()
-    slots = task_slots(spark)
+
+    def count(first: bool) -> int:
+        if not is_connect_session(spark):
+            return task_slots(spark)
+        left = max(1.0, timeout_seconds - (time.monotonic() - start))
+        try:
+            return task_slots(spark, fresh=not first, timeout_seconds=left)
+        except SparkJobTimeout:
+            return 0
+
+    slots = count(True)
     changed = start
     while slots < needed and time.monotonic() - start < timeout_seconds:
         if slots > 0 and time.monotonic() - changed >= settle_seconds:
             break
         time.sleep(0.5)
-        now = task_slots(spark)
+        now = count(False)
         if now != slots:
             slots, changed = now, time.monotonic()
     return slots
@@ -260,10 +324,16 @@ def live_task_slots(
     one TCP connection (``probe_seconds``); one that does not accept it is counted out
     (``cores // spark.task.cpus`` slots). :func:`remove_executors` keeps tasks off them. On
     a local master: ``(task_slots, [])``.
+
+    On Spark Connect: ``(task_slots, [])`` (a fresh count), as the client has no status
+    store to list the executors (no SparkContext); a silent executor then stays counted
+    until Spark's own heartbeat timeout removes it.
     """
     import socket
 
-    if str(spark.sparkContext.master).startswith("local"):
+    if is_connect_session(spark):
+        return task_slots(spark, fresh=True), []
+    if spark_master(spark).startswith("local"):
         return task_slots(spark), []
     jsc = spark.sparkContext._jsc.sc()
     task_cpus = int(spark.conf.get("spark.task.cpus", "1") or 1)
@@ -284,12 +354,22 @@ def live_task_slots(
 def remove_executors(spark: SparkSession, ids: list[str]) -> None:
     """Ask Spark to remove executors ``ids`` (``SparkContext.killExecutors``): no task is
     placed on them from now on. Spark's own shutdown then waits for them (about a minute
-    for an unreachable host, measured on the test cluster) before the driver exits."""
-    import logging
+    for an unreachable host, measured on the test cluster) before the driver exits.
 
+    On Spark Connect there is no ``killExecutors`` (no SparkContext): nothing is removed, a
+    warning is logged, and Spark's heartbeat timeout (``spark.network.timeout``) removes a
+    silent executor."""
     if not ids:
         return
-    logging.getLogger(__name__).warning("executors %s do not answer: removed", ", ".join(ids))
+    logger = logging.getLogger(__name__)
+    if is_connect_session(spark):
+        logger.warning(
+            "executors %s do not answer; a Spark Connect client cannot remove them (no "
+            "SparkContext.killExecutors): Spark's heartbeat timeout will",
+            ", ".join(ids),
+        )
+        return
+    logger.warning("executors %s do not answer: removed", ", ".join(ids))
     jvm = spark.sparkContext._jvm
     assert jvm is not None
     try:
@@ -297,16 +377,77 @@ def remove_executors(spark: SparkSession, ids: list[str]) -> None:
             jvm.PythonUtils.toSeq(jvm.java.util.ArrayList(ids))
         )
     except Exception as exc:  # a cluster manager that cannot kill executors
-        logging.getLogger(__name__).warning("could not remove executors %s: %s", ids, exc)
+        logger.warning("could not remove executors %s: %s", ids, exc)
 
 
-def executor_cores(spark: SparkSession) -> dict[str, int]:
+EXECUTOR_CORES_TIMEOUT_SECONDS = 120.0
+"""Bound on :func:`executor_cores`'s probe stage on Connect, seconds (as the executor probe's,
+:data:`flowers_job.cluster.executor_probe.PROBE_TIMEOUT_SECONDS`; about a second on a live
+cluster)."""
+EXECUTOR_CORES_SCHEMA = "executor string, host string, cpus int"
+"""What each task of :func:`executor_cores`'s probe stage reports on Connect."""
+
+
+def _executor_of_task(batches: Iterable[Any]) -> Iterator[Any]:
+    """A barrier task's executor (``host:port`` from ``BarrierTaskContext.getTaskInfos``,
+    the address Spark knows it by), its host name, and ``spark.task.cpus``
+    (``TaskContext.cpus()``)."""
+    import socket
+
+    import pandas as pd
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    ctx.barrier()  # every slot taken at once: each executor runs exactly its slots' tasks
+    for _ in batches:
+        pass
+    executor = ctx.getTaskInfos()[ctx.partitionId()].address
+    yield pd.DataFrame(
+        {"executor": [executor], "host": [socket.gethostname()], "cpus": [ctx.cpus()]}
+    )
+
+
+def executor_cores(
+    spark: SparkSession, timeout_seconds: float = EXECUTOR_CORES_TIMEOUT_SECONDS
+) -> dict[str, int]:
     """Cores of each registered executor, by its host (an address or a host name), from
     Spark's status store (the UI's data; present with the UI disabled). Empty on a local
     master, whose tasks run in the driver.
+
+    On Spark Connect (no status store): a barrier stage of one task per task slot
+    (:func:`task_slots`), which puts exactly ``cores // spark.task.cpus`` tasks on each
+    executor; an executor's cores are its tasks times ``TaskContext.cpus()``, keyed by the
+    address Spark knows it by (``BarrierTaskContext.getTaskInfos()``, as the status store's
+    ``hostPort``) and by its host name (:func:`flowers_job.train.rank.threads_for_rank` looks
+    a rank up by either); the fewest where a host has several executors, as on classic
+    Spark. A Python worker sees no executor-wide core count (its ``OMP_NUM_THREADS`` is
+    ``spark.task.cpus``), so cores left over by ``spark.task.cpus``, or idle where GPU slots
+    are fewer than CPU slots, are not counted. Empty when the stage fails or times out
+    (``timeout_seconds``): the ranks then assume ``spark.task.cpus``.
     """
+    if spark_master(spark).startswith("local"):
+        return {}
+    if is_connect_session(spark):
+        n = task_slots(spark)
+        frame = spark.range(n, numPartitions=n).mapInPandas(
+            _executor_of_task, EXECUTOR_CORES_SCHEMA, barrier=True
+        )
+        try:
+            rows = run_probe(spark, frame, "executor cores probe", timeout_seconds)
+        except Exception as exc:  # the ranks fall back to spark.task.cpus
+            logging.getLogger(__name__).warning("no executor cores from a probe stage: %s", exc)
+            return {}
+        per_executor: dict[str, list[Any]] = {}
+        for row in rows:
+            per_executor.setdefault(row["executor"], []).append(row)
+        cores: dict[str, int] = {}
+        for executor, tasks in per_executor.items():
+            count = sum(int(t["cpus"] or 1) for t in tasks)
+            for host in {executor.rsplit(":", 1)[0], tasks[0]["host"]}:
+                cores[host] = min(cores.get(host, 1 << 30), count)
+        return cores
     jsc = spark.sparkContext._jsc.sc()
-    cores: dict[str, int] = {}
+    cores = {}
     try:
         executors = jsc.statusStore().executorList(True)
         for i in range(executors.size()):
@@ -320,40 +461,24 @@ def executor_cores(spark: SparkSession) -> dict[str, int]:
     return cores
 
 
-def run_probe(spark: SparkSession, rdd: Any, what: str, timeout_seconds: float) -> list[Any]:
-    """``rdd.collect()`` of a short check run on the executors before any work (a barrier
-    stage), bounded: cancelled after ``timeout_seconds``.
+def run_probe(
+    spark: SparkSession, frame: DataFrame, what: str, timeout_seconds: float
+) -> list[Row]:
+    """``frame.collect()`` of a short check run on the executors before any work (a barrier
+    ``mapInPandas`` over ``spark.range(n, numPartitions=n)``), bounded: interrupted after
+    ``timeout_seconds`` (:func:`~flowers_job.cluster.connect.run_tagged`: a job tag and
+    ``interruptTag`` on Connect, a job group on classic Spark). The same stage on both.
 
     Returns:
         The collected rows.
 
     Raises:
-        RuntimeError: not done within ``timeout_seconds`` (naming ``what``); or the stage's
-            own error.
+        SparkJobTimeout: (a ``RuntimeError``) not done within ``timeout_seconds`` (naming
+            ``what``).
+        pyspark.errors.PySparkException: the stage's own error (a task's Python error is
+            in its message).
     """
-    sc = spark.sparkContext
-    group = f"flowers-{what.replace(' ', '-')}-{uuid.uuid4().hex}"
-    results: list[Any] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            sc.setJobGroup(group, f"flowers_job: {what}", True)
-            results.extend(rdd.collect())
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=what.replace(" ", "-"), daemon=True)
-    thread.start()
-    thread.join(timeout_seconds)
-    if thread.is_alive():
-        sc.cancelJobGroup(group)
-        raise RuntimeError(
-            f"the {what} (a barrier stage) did not end within {timeout_seconds:.0f} s"
-        )
-    if failure:
-        raise failure[0]
-    return results
+    return run_tagged(spark, frame.collect, what, timeout_seconds)
 
 
 PROGRESS_POLL_SECONDS = 0.5
@@ -364,11 +489,61 @@ PROGRESS_JOIN_SECONDS = 5.0
 
 @contextmanager
 def task_progress(spark: SparkSession, description: str) -> Iterator[None]:
-    """A tqdm bar of the Spark tasks of the jobs run in the block (StatusTracker, polled
-    every :data:`PROGRESS_POLL_SECONDS`); the thread is stopped within
-    :data:`PROGRESS_JOIN_SECONDS` when the block ends."""
+    """A tqdm bar of the Spark tasks of the jobs run in the block by this thread.
+
+    Classic Spark: StatusTracker, polled every :data:`PROGRESS_POLL_SECONDS` for the jobs of
+    a job group; the thread is stopped within :data:`PROGRESS_JOIN_SECONDS` when the block
+    ends. Spark Connect has no StatusTracker (no SparkContext): a progress handler
+    (``SparkSession.registerProgressHandler``, removed after) gets each operation's stages
+    with their task counts as the server reports them (every
+    ``spark.connect.progress.reportInterval``, 2 s by default, and at the end), and counts
+    only the operations this thread runs, as a job group would."""
     from tqdm import tqdm
 
+    with tqdm(desc=description, unit="task", total=1, dynamic_ncols=True) as bar:
+        if is_connect_session(spark):
+            with _connect_progress(spark, bar):
+                yield
+            return
+        with _classic_progress(spark, bar, description):
+            yield
+
+
+def _show(bar: Any, total: int, completed: int) -> None:
+    bar.total = max(total, 1)
+    bar.update(completed - bar.n)
+
+
+@contextmanager
+def _connect_progress(spark: SparkSession, bar: Any) -> Iterator[None]:
+    """:func:`task_progress` on Connect: a progress handler drives ``bar``."""
+    owner = threading.get_ident()
+    lock = threading.Lock()
+    seen: dict[tuple[str | None, int], tuple[int, int]] = {}
+
+    def handler(
+        stages: Iterable[Any] | None, inflight_tasks: int, operation_id: str | None, done: bool
+    ) -> None:  # pyspark calls it with these keywords (pyspark.sql.connect.shell.progress)
+        if threading.get_ident() != owner:  # another thread's operation
+            return
+        with lock:
+            for stage in stages or []:
+                # a stage skipped (its shuffle output reused) never completes a task
+                finished = done or stage.done
+                completed = stage.num_tasks if finished else stage.num_completed_tasks
+                seen[(operation_id, stage.stage_id)] = (stage.num_tasks, completed)
+            _show(bar, sum(t for t, _ in seen.values()), sum(c for _, c in seen.values()))
+
+    spark.registerProgressHandler(handler)
+    try:
+        yield
+    finally:
+        spark.removeProgressHandler(handler)
+
+
+@contextmanager
+def _classic_progress(spark: SparkSession, bar: Any, description: str) -> Iterator[None]:
+    """:func:`task_progress` on classic Spark: the StatusTracker of a job group, polled."""
     sc = spark.sparkContext
     group = f"flowers-predict-{uuid.uuid4().hex[:8]}"
     properties = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
@@ -390,22 +565,17 @@ def task_progress(spark: SparkSession, description: str) -> Iterator[None]:
                     completed += stage.numTasks if done_job else stage.numCompletedTasks
         return total, completed
 
-    def poll(bar: Any) -> None:
+    def poll() -> None:
         while not done.wait(PROGRESS_POLL_SECONDS):
-            total, completed = counts()
-            bar.total = max(total, 1)
-            bar.update(completed - bar.n)
+            _show(bar, *counts())
 
-    with tqdm(desc=description, unit="task", total=1, dynamic_ncols=True) as bar:
-        thread = threading.Thread(target=poll, args=(bar,), name=group, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join(PROGRESS_JOIN_SECONDS)
-            for key, value in before.items():  # None removes the property
-                sc.setLocalProperty(key, value)  # type: ignore[arg-type]
-            total, completed = counts()
-            bar.total = max(total, 1)
-            bar.update(completed - bar.n)
+    thread = threading.Thread(target=poll, name=group, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(PROGRESS_JOIN_SECONDS)
+        for key, value in before.items():  # None removes the property
+            sc.setLocalProperty(key, value)  # type: ignore[arg-type]
+        _show(bar, *counts())

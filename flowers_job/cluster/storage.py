@@ -21,6 +21,7 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
+from flowers_job.cluster.connect import spark_master
 from flowers_job.config import JobConfig
 from flowers_job.location import Location
 
@@ -38,8 +39,9 @@ _TOKEN_PREFIX = ".flowers-shared-probe-"
 
 
 def is_local_master(spark: SparkSession) -> bool:
-    """A ``local[...]`` master: every task runs in the driver's JVM, on the driver's host."""
-    return str(spark.sparkContext.master).startswith("local")
+    """A ``local[...]`` master: every task runs in the driver's JVM, on the driver's host
+    (on Spark Connect, the server's driver: :func:`~flowers_job.cluster.connect.spark_master`)."""
+    return spark_master(spark).startswith("local")
 
 
 def shared_dirs(cfg: JobConfig) -> dict[str, Location]:

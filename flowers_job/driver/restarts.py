@@ -165,6 +165,10 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
     ``distributed.num_processes``), or in barrier mode as many as the task slots left allow,
     down to ``distributed.min_processes``.
 
+    On Spark Connect the slots are a fresh count of the executors' cores
+    (:func:`~flowers_job.cluster.session.live_task_slots`); the client can neither list nor
+    remove a silent executor, which Spark's heartbeat timeout removes instead.
+
     Raises:
         ClusterError: fewer slots than that remain, naming the slots needed and left.
     """

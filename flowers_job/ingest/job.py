@@ -86,7 +86,6 @@ from pathlib import Path
 from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 
-from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.config import JobConfig
 from flowers_job.ingest.write import (
     Changes,
@@ -251,10 +250,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
             decodable image, or more than ``data.max_bad_fraction`` of the entries
             quarantined after the change (the message counts them per reason and names
             examples). Raised before any table is written.
-        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.cluster.connect`),
-            before anything is read or written.
     """
-    refuse_spark_connect(spark)
     start = time.perf_counter()
     root = cfg.data.images
     real_root, labels, others = check_images_root(cfg)

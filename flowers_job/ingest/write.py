@@ -15,6 +15,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.window import Window
 
+from flowers_job.cluster.connect import default_parallelism
 from flowers_job.config import JobConfig
 from flowers_job.errors import IngestError
 from flowers_job.location import Location
@@ -29,6 +30,7 @@ from flowers_job.tables.delta_tables import (
     is_ingest_metadata,
     latest_commit,
     merge_table,
+    null_safe_differs,
     write_table,
 )
 from flowers_job.tables.table_ref import TableRef
@@ -144,7 +146,7 @@ def _decode(spark: SparkSession, cfg: JobConfig, entries: DataFrame, n: int) -> 
     images. Lazy: the caller persists it."""
     d = cfg.data
     root = images_root(d.images)
-    partitions = max(2 * spark.sparkContext.defaultParallelism, math.ceil(n / FILES_PER_PARTITION))
+    partitions = max(2 * default_parallelism(spark), math.ceil(n / FILES_PER_PARTITION))
     return (
         entries.select("relative_path", "label", "num_bytes", "mtime_ns", "reason_code", "reason")
         .repartition(partitions, "relative_path")
@@ -464,15 +466,16 @@ def write_incremental(
         ).count()
         log.info("decoded %d new or changed files in %.1f s", n_decoded, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        keep = ~F.col("s._gone")
+        keep = "NOT s._gone"  # SQL text: the same MERGE on classic Spark and Connect
         q = merge_table(
             spark,
             _source(decoded, gone, "quarantine"),
             tables["quarantine"],
             meta,
             keep=keep,
-            changed=keep
-            & _differs("reason_code", "reason", "num_bytes", "mtime_ns", "content_sha256"),
+            changed=f"{keep} AND ("
+            + null_safe_differs("reason_code", "reason", "num_bytes", "mtime_ns", "content_sha256")
+            + ")",
         )
         hook("ingest_table_written", table="quarantine")
         i = merge_table(
@@ -481,7 +484,7 @@ def write_incremental(
             tables["images"],
             meta,
             keep=keep,
-            changed=keep & _differs("content_sha256", "num_bytes", "mtime_ns"),
+            changed=f"{keep} AND ({null_safe_differs('content_sha256', 'num_bytes', 'mtime_ns')})",
         )
         hook("ingest_table_written", table="images")
         log.info(
@@ -564,15 +567,6 @@ def _source(decoded: DataFrame, gone: DataFrame, table: str) -> DataFrame:
         .withColumn("_gone", F.lit(False))
         .unionByName(markers.withColumn("_gone", F.lit(True)), allowMissingColumns=True)
     )
-
-
-def _differs(*columns: str) -> Column:
-    """True where the target row ``t`` and the source row ``s`` differ in any of
-    ``columns`` (NULL-safe)."""
-    cond = F.lit(False)
-    for c in columns:
-        cond = cond | ~F.col(f"t.{c}").eqNullSafe(F.col(f"s.{c}"))
-    return cond
 
 
 def sweep_staging(cfg: JobConfig) -> None:

@@ -27,6 +27,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from flowers_job.cluster.connect import default_parallelism
 from flowers_job.cluster.python_workers import prepare_worker
 from flowers_job.location import is_remote
 from flowers_job.photos.listing import list_entry, read_listed_file
@@ -120,9 +121,10 @@ def _list_partitions(
 
 def listing_shards(spark: SparkSession) -> int:
     """Units each top-level entry is listed in: twice the cluster's task slots
-    (``defaultParallelism``), so that one large folder keeps every slot busy and a slow
+    (``defaultParallelism``: :func:`~flowers_job.cluster.connect.default_parallelism`, on
+    classic Spark and Connect), so that one large folder keeps every slot busy and a slow
     unit does not hold up the others."""
-    return max(1, 2 * spark.sparkContext.defaultParallelism)
+    return max(1, 2 * default_parallelism(spark))
 
 
 def list_files(
@@ -148,6 +150,11 @@ def list_files(
     An object-store root is listed one unit per top-level prefix, each unit one recursive
     LIST (:mod:`flowers_job.photos.object_listing` says why it is not sharded).
 
+    The units reach the tasks as ``spark.range(len(units), numPartitions=tasks)``, each id
+    the index of its unit in a list the function carries (``spark.range`` splits the ids
+    into consecutive runs as ``SparkContext.parallelize`` does its list), so the same
+    DataFrame API serves classic Spark and Connect (which has no ``parallelize``).
+
     Args:
         root: the real path of the images root, or its object-store URI
             (:func:`~flowers_job.photos.listing.images_root`).
@@ -160,9 +167,17 @@ def list_files(
     k = 1 if is_remote(root) else shards or listing_shards(spark)
     units = [(os.fsencode(n), i, k) for n in names for i in range(k)]
     tasks = min(len(units), listing_shards(spark), MAX_LISTING_TASKS)
-    rdd = spark.sparkContext.parallelize(units, max(1, tasks))
-    frame = spark.createDataFrame(rdd, "name binary, shard int, shards int")
-    return frame.mapInPandas(_list_partitions(root, labels), schema=LISTING_SCHEMA)
+    walk = _list_partitions(root, labels)
+
+    def list_units(batches: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        frames = (
+            pd.DataFrame([units[int(i)] for i in pdf["id"]], columns=["name", "shard", "shards"])
+            for pdf in batches
+        )
+        yield from walk(frames)
+
+    frame = spark.range(len(units), numPartitions=max(1, tasks))
+    return frame.mapInPandas(list_units, schema=LISTING_SCHEMA)
 
 
 def decode_partitions(
