@@ -31,7 +31,6 @@ from typing import Any, Literal
 import mlflow
 from mlflow.exceptions import MlflowException
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
 from flowers_job.tables.table_ref import TableRef
@@ -88,7 +87,8 @@ def champion_accuracy_on(
     Delta table ``test_table`` at Delta ``version`` (its rows of ``split`` when given, the
     ``images`` table's test split): scored on the executors
     (:func:`flowers_job.serving.batch_predict.score_images`), compared with the table's ``label`` column;
-    an image the model cannot decode counts as wrong.
+    an image the model cannot decode counts as wrong. ``spark`` may be a classic or a Spark
+    Connect session (the model ships as a session artifact, the count is SQL).
 
     Raises:
         MlflowException: the model cannot be loaded.
@@ -97,13 +97,14 @@ def champion_accuracy_on(
 
     df = test_table.read(spark, version)
     if split is not None:
-        df = df.where(F.col("split") == split)
+        df = df.where(df["split"] == split)
     scored = score_images(
         spark, model_uri, df.select("row_id", "label", "image"), tracking_uri=tracking_uri
     )
-    row = scored.agg(
-        F.count(F.lit(1)).alias("n"),
-        F.sum((F.col("predicted_label") == F.col("label")).cast("int")).alias("correct"),
+    # SQL, not pyspark.sql.functions: classic and Connect alike (score_udf._UDF_OUT says why);
+    # a row without a prediction compares as null, which SUM skips: wrong
+    row = scored.selectExpr(
+        "count(1) AS n", "sum(CAST(predicted_label = label AS INT)) AS correct"
     ).first()
     assert row is not None
     return float(row["correct"] or 0) / max(1, int(row["n"]))

@@ -8,9 +8,10 @@ prediction: nothing is dropped. Only counts reach the driver.
 Scoring itself is :func:`flowers_job.serving.score_udf.score_images` (a pandas UDF; that module says
 why not ``mlflow.pyfunc.spark_udf``).
 
-**How executors get the model**: resolved once on the driver and its files shipped with
-``SparkContext.addArchive`` (:mod:`flowers_job.serving.model_ref`); ``spark_udf`` ships models the same
-way; what it cannot do is the per-row rejection above.
+**How executors get the model**: resolved once on the driver and its files shipped as one
+zip with ``SparkSession.addArtifacts(..., archive=True)``, classic Spark and Spark Connect
+alike (:mod:`flowers_job.serving.model_ref`); ``spark_udf`` ships models as an archive too; what
+it cannot do is the per-row rejection above.
 
 **Idempotence.** The output table's Delta commit carries, in its ``userMetadata`` (as ingest
 does), a fingerprint of the input (for ``--images``: the listing's paths, sizes and
@@ -23,8 +24,9 @@ column per class: the schema stays the same for every model whatever its labels 
 version with another label set does not change the table's columns, and label names need no
 escaping into column names); ``probabilities['roses']`` reads as easily in SQL.
 
-Progress: a tqdm bar on the driver counts the Spark tasks of the scoring job, read from
-Spark's ``StatusTracker``; the report ends with the count per predicted label and per reason.
+Progress: a tqdm bar on the driver counts the Spark tasks of the scoring job
+(:func:`flowers_job.cluster.session.task_progress`); the report ends with the count per
+predicted label and per reason.
 """
 
 from __future__ import annotations
@@ -41,9 +43,7 @@ from pathlib import Path
 
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
-from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.cluster.session import task_progress, task_slots
 from flowers_job.config import DataConfig
 from flowers_job.config.secrets import redact_uri, split_userinfo
@@ -257,21 +257,16 @@ def _image_rows(
     """
     root = os.path.realpath(images)
     labels, others = label_folders(root)
-    listing = (
-        list_files(spark, root, labels, labels + others)
-        # a file directly in the root is a photo without a label here, not a misplaced one
-        .withColumn(
-            "reason",
-            F.when(F.col("reason_code") == "not_in_label_folder", None).otherwise(F.col("reason")),
+    found = list_files(spark, root, labels, labels + others)
+    # a file directly in the root is a photo without a label here, not a misplaced one (SQL
+    # expressions, not pyspark.sql.functions: :data:`flowers_job.serving.score_udf._UDF_OUT`)
+    in_root = "reason_code = 'not_in_label_folder'"
+    listing = found.selectExpr(
+        *(
+            f"IF({in_root}, NULL, {c}) AS {c}" if c in ("reason", "reason_code") else f"`{c}`"
+            for c in found.columns
         )
-        .withColumn(
-            "reason_code",
-            F.when(F.col("reason_code") == "not_in_label_folder", None).otherwise(
-                F.col("reason_code")
-            ),
-        )
-        .persist(StorageLevel.DISK_ONLY)
-    )
+    ).persist(StorageLevel.DISK_ONLY)
     short_side = int(shipped.model_config["resize_size"])
     max_pixels = int(shipped.model_config["max_pixels"])
     limits = replace(ImageLimits.from_data(data), max_pixels=max_pixels)
@@ -294,7 +289,8 @@ def _image_rows(
         listing.select("relative_path", "label", "num_bytes", "reason_code", "reason")
         .repartition(_partitions(spark, entries), "relative_path")
         .mapInPandas(decode, schema=DECODED_SCHEMA)
-        .select(F.col("source_path").alias("path"), *columns, "reason_code", "reason", "image")
+        .withColumnRenamed("source_path", "path")
+        .select("path", *columns, "reason_code", "reason", "image")
     )
     return rows, listing, entries, {"listing": digest(groups, settings=settings)}
 
@@ -312,10 +308,9 @@ def _table_rows(
     """
     if not table.exists(spark):
         raise PredictError(f"--table {table}: no such table")
-    delta = table.delta(spark)
-    last = delta.history(1).select("version").first()
-    detail = delta.detail().select("id").first()
-    df = delta.toDF()
+    last = table.history(spark, 1).select("version").first()
+    detail = table.detail(spark)
+    df = table.read(spark)
     types = dict(df.dtypes)
     if types.get("image") != "binary" or "row_id" not in types:
         raise PredictError(
@@ -325,13 +320,13 @@ def _table_rows(
     if split is not None:
         if "split" not in types:
             raise PredictError(f"--split {split}: the table {table} has no split column")
-        df = df.where(F.col("split") == split)
+        df = df.where(df["split"] == split)
     source = next((c for c in ("source_path", "path") if c in types), None)
     columns = [
-        F.col("row_id"),
-        *([F.col(source).alias("path")] if source else []),
-        *([F.col("label")] if "label" in types else []),
-        F.col("image"),
+        df["row_id"],
+        *([df[source].alias("path")] if source else []),
+        *([df["label"]] if "label" in types else []),
+        df["image"],
     ]
     rows = int(df.count())
     meta = {
@@ -397,10 +392,9 @@ def predict(
         UsageError, PredictError: as :func:`check_input`, or a ``table`` without the columns.
         UsageError: the output table is one of the job's input tables
             (:func:`check_output_table`).
-        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.cluster.connect`;
-            docs/using-the-model.md says why), before anything is read or written.
+
+    ``spark`` may be a classic or a Spark Connect session: the same code runs on both.
     """
-    refuse_spark_connect(spark)  # before any table is looked at (ship_model checks it too)
     check_input(images, table)
     if isinstance(output_table, Path):
         output_table = TableRef(path=Location.of(output_table))
@@ -445,7 +439,7 @@ def predict(
     finally:
         if listing is not None:
             listing.unpersist()
-    last = output_table.delta(spark).history(1).select("version").first()
+    last = output_table.history(spark, 1).select("version").first()
     output_rows, label_counts, reason_counts = _counts(spark, output_table)
     return PredictReport(
         output_table=output_table.describe(),

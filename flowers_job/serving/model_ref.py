@@ -3,10 +3,17 @@ its files shipped to the executors.
 
 The driver resolves the URI against the registry once (``models:/name/version`` or
 ``models:/name@alias`` -> a version), downloads that version's artifacts and ships the
-folder as one zip with ``SparkContext.addArchive``; each executor unpacks it into its
-``SparkFiles`` directory. Executors on other hosts therefore need neither the registry nor its
-credentials (the default registry is a sqlite file on the driver's disk), a moved alias
-cannot change the model mid-job, and the registry is read once, not once per worker.
+folder as one zip archive with ``SparkSession.addArtifacts(zip, archive=True)``, which classic
+Spark and Spark Connect both have (pyspark 4.0); each executor unpacks it, and a task finds the
+folder at ``SparkFiles.get(<archive's name>)``. On classic Spark ``addArtifacts`` is
+``SparkContext.addArchive`` (pyspark's ``sql/session.py``); on Connect the client uploads the zip
+to the server as a session artifact (``archives/<name>``) and the server's Python workers run
+in that session's own folder, where ``SparkFiles.get`` finds it unpacked (tried on a
+``local[2]`` Connect server: every task found the folder; a second session on the same server
+did not see it, so what was shipped is remembered per Connect session). Executors on other
+hosts therefore need neither the registry nor its credentials (the default registry is a sqlite
+file on the driver's disk), a moved alias cannot change the model mid-job, and the registry is
+read once, not once per worker.
 A lookup that fails creates nothing: a ``sqlite:`` store that does not exist is refused
 before MLflow is asked (it would create an empty database).
 """
@@ -37,6 +44,7 @@ __all__ = [
     "PredictError",
     "Shipped",
     "UsageError",
+    "artifact_scope",
     "default_model",
     "resolve_model",
     "ship_model",
@@ -204,7 +212,7 @@ def _what_exists(client: Any, name: str) -> str:
 
 @dataclass(frozen=True)
 class Shipped:
-    """A model version downloaded on the driver and added to the SparkContext's files."""
+    """A model version downloaded on the driver and added to the session's artifacts."""
 
     name: str  # the archive's name in SparkFiles (the folder it unpacks to)
     label_names: list[str]
@@ -212,26 +220,38 @@ class Shipped:
 
 
 _SHIPPED: dict[tuple[str, str, str], Shipped] = {}
-"""(Spark application id, tracking URI, models:/name/version) -> the folder already shipped."""
+"""(:func:`artifact_scope`, tracking URI, models:/name/version) -> the archive already shipped."""
+
+
+def artifact_scope(spark: SparkSession) -> str:
+    """What an archive added with ``addArtifacts`` is visible to: the Spark application on
+    classic Spark (``SparkContext.addArchive``: every session of the application), the one
+    session on Spark Connect (``connect:<session id>``: the server keeps each session's
+    artifacts apart; the server's ``spark.app.id`` is shared by all its sessions, so it cannot
+    be the key there)."""
+    from flowers_job.cluster.connect import is_connect_session
+
+    if is_connect_session(spark):
+        return f"connect:{spark.session_id}"  # type: ignore[attr-defined]
+    return str(spark.sparkContext.applicationId)
 
 
 def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
-    """Download ``ref``'s artifacts once per driver process and ship them to the executors
-    as one zip archive (``addArchive``; ``Shipped.name`` is its name in ``SparkFiles``, the
-    folder it unpacks to).
+    """Download ``ref``'s artifacts once per driver process and Spark application (classic) or
+    Connect session, and ship them to the executors as one zip archive
+    (``spark.addArtifacts(zip, archive=True)``, classic and Connect alike; ``Shipped.name`` is
+    its name in ``SparkFiles``, the folder it unpacks to).
 
     Raises:
-        ConfigError: ``spark`` is a Spark Connect session (no ``addFile``; nor the RDDs and
-            the JVM's slot count and status tracker that scoring uses): before the download.
+        MlflowException, OSError: the registry or the artifact store cannot be read (as
+            MLflow raises them).
     """
     import mlflow
     from mlflow.models import Model
 
-    from flowers_job.cluster.connect import refuse_spark_connect
     from flowers_job.tracking.credentials import fail_fast, store_client
 
-    refuse_spark_connect(spark)
-    key = (spark.sparkContext.applicationId, ref.tracking_uri, ref.version_uri)
+    key = (artifact_scope(spark), ref.tracking_uri, ref.version_uri)
     shipped = _SHIPPED.get(key)
     if shipped is not None:
         return shipped
@@ -252,11 +272,11 @@ def ship_model(spark: SparkSession, ref: ModelRef) -> Shipped:
     flavor = Model.load(local).flavors["python_function"]
     conf = flavor.get("config") or flavor.get("model_config") or {}
     # an archive, not the folder: Spark 4 refuses addFile of a local directory unless the
-    # master is local (UNSUPPORTED_ADD_FILE.LOCAL_DIRECTORY); addArchive ships one file,
-    # which each executor unpacks into the folder SparkFiles.get(<archive's name>) names
+    # master is local (UNSUPPORTED_ADD_FILE.LOCAL_DIRECTORY); an archive is one file, which
+    # each executor unpacks into the folder SparkFiles.get(<archive's name>) names
     archive = shutil.make_archive(os.path.join(parent, name), "zip", root_dir=local)
     shutil.rmtree(local, ignore_errors=True)
-    spark.sparkContext.addArchive(archive)
+    spark.addArtifacts(archive, archive=True)
     shipped = Shipped(os.path.basename(archive), [str(x) for x in conf["label_names"]], dict(conf))
     _SHIPPED[key] = shipped
     return shipped

@@ -26,7 +26,6 @@ from typing import Any
 
 import pandas as pd
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from flowers_job.cluster.python_workers import prepare_worker
@@ -47,17 +46,24 @@ OUTPUT_COLUMNS = (
 """Columns :func:`score_images` adds (see there for types)."""
 
 _UDF_OUT = [
-    T.StructField("_probs", T.ArrayType(T.DoubleType()), True),
     T.StructField("predicted_label", T.StringType(), True),
     T.StructField("probability", T.DoubleType(), True),
+    T.StructField("probabilities", T.MapType(T.StringType(), T.DoubleType()), True),
     T.StructField("reason_code", T.StringType(), True),
     T.StructField("reason", T.StringType(), True),
+    T.StructField("model_uri", T.StringType(), True),
+    T.StructField("model_version", T.LongType(), True),
     T.StructField("scored_at", T.TimestampType(), True),
 ]
+"""What the UDF adds to the kept columns: :data:`OUTPUT_COLUMNS`, in that order, all computed in
+the UDF (no ``pyspark.sql.functions`` on the driver: on a Connect session made by Connect's
+own builder, which leaves ``SPARK_CONNECT_MODE_ENABLED`` unset, those build classic columns)."""
 
 
 _WORKER_MODELS: dict[str, Any] = {}
-"""SparkFiles folder name -> the loaded FlowersClassifierModel, once per Python worker."""
+"""SparkFiles folder name -> the loaded FlowersClassifierModel, once per Python worker. The
+name is unique per shipment (``flowers_model_<version>_<random>``): two models, or one model
+shipped to two Connect sessions, never share an entry."""
 WORKER_LOADS: dict[str, int] = {}
 """SparkFiles folder name -> times this Python worker loaded it (1 while the cache holds)."""
 
@@ -102,9 +108,10 @@ def _worker_model(name: str) -> Any:
 
 
 def _score_partitions(
-    model_name: str, keep: list[str]
+    model_name: str, keep: list[str], ref: ModelRef
 ) -> Callable[[Iterable[pd.DataFrame]], Iterator[pd.DataFrame]]:
-    """The ``mapInPandas`` function: ``keep`` columns passed on, plus ``_UDF_OUT``.
+    """The ``mapInPandas`` function: ``keep`` columns passed on, plus ``_UDF_OUT`` (``ref``'s
+    URI as given and its resolved version on every row).
 
     Rows that arrive with a ``reason_code`` (an entry ingest's decode refused) are not
     scored and keep their reason; every other row is scored or gets the model's rejection.
@@ -120,7 +127,7 @@ def _score_partitions(
             todo = [i for i in range(n) if refused is None or not refused[i]]
             result = model.score([pdf["image"].iat[i] for i in todo])
             out = pdf[keep].copy()
-            probs: list[list[float] | None] = [None] * n
+            probs: list[dict[str, float] | None] = [None] * n
             label: list[str | None] = [None] * n
             top: list[float | None] = [None] * n
             code = list(pdf["reason_code"]) if refused is not None else [None] * n
@@ -132,9 +139,11 @@ def _score_partitions(
                     continue
                 p = result.probabilities[j]
                 k = int(p.argmax())
-                probs[i], label[i], top[i] = p.tolist(), labels[k], float(p[k])
-            out["_probs"], out["predicted_label"], out["probability"] = probs, label, top
+                probs[i] = dict(zip(labels, p.tolist(), strict=True))
+                label[i], top[i] = labels[k], float(p[k])
+            out["predicted_label"], out["probability"], out["probabilities"] = label, top, probs
             out["reason_code"], out["reason"] = code, reason
+            out["model_uri"], out["model_version"] = ref.uri, ref.version
             out["scored_at"] = pd.Timestamp.now(tz="UTC")
             yield out
 
@@ -152,7 +161,7 @@ def score_images(
     """Score a DataFrame with an ``image`` binary column, lazily, on the executors.
 
     Nothing is computed until an action; only the model's resolution and download happen
-    now, on the driver (:mod:`flowers_job.serving.batch_predict` says why the folder is shipped).
+    now, on the driver (:mod:`flowers_job.serving.model_ref` says how the folder is shipped).
 
     Args:
         spark: the session whose executors score.
@@ -177,7 +186,9 @@ def score_images(
     Raises:
         UsageError, PredictError: as :func:`resolve_model`.
         ValueError: ``df`` has no binary ``image`` column, or already has an output column.
-        ConfigError: ``spark`` is a Spark Connect session (:mod:`flowers_job.cluster.connect`).
+
+    Classic Spark and Spark Connect alike: the model ships as a session artifact
+    (:func:`~flowers_job.serving.model_ref.ship_model`) and scoring is a ``mapInPandas``.
     """
     import mlflow
 
@@ -197,20 +208,6 @@ def score_images(
     fields = [df.schema[c] for c in keep]
     if num_partitions is not None:
         df = df.repartition(num_partitions)
-    scored = df.mapInPandas(
-        _score_partitions(shipped.name, keep), schema=T.StructType(fields + _UDF_OUT)
-    )
-    labels = F.array(*(F.lit(x) for x in shipped.label_names))
-    return scored.select(
-        *keep,
-        "predicted_label",
-        "probability",
-        F.when(F.col("_probs").isNotNull(), F.map_from_arrays(labels, F.col("_probs"))).alias(
-            "probabilities"
-        ),
-        "reason_code",
-        "reason",
-        F.lit(ref.uri).alias("model_uri"),
-        F.lit(ref.version).cast("long").alias("model_version"),
-        "scored_at",
+    return df.mapInPandas(
+        _score_partitions(shipped.name, keep, ref), schema=T.StructType(fields + _UDF_OUT)
     )
