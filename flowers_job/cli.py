@@ -13,10 +13,11 @@ nothing.
 (an unknown model, version or alias, or a missing input, exits with status 1).
 ``runs`` lists the MLflow runs of an output dir with their true state; it starts no Spark
 and creates no store.
-Spark Connect (``SPARK_REMOTE``, spark-submit ``--remote``, Databricks serverless compute or
-standard access mode) is refused with status 2 by every command that uses Spark, predict
-included, before Spark starts or as soon as the session is seen
-(:mod:`flowers_job.cluster.connect`).
+Every command that uses Spark runs on classic Spark or on Spark Connect (``--remote
+sc://HOST:PORT``, ``SPARK_REMOTE``, spark-submit ``--remote`` or ``--conf
+spark.api.mode=connect``, Databricks serverless compute or standard access mode); the log's
+first line says which (:mod:`flowers_job.cluster.connect`). A loader that needs classic Spark
+is refused on Connect with status 2 before Spark starts.
 Every status comes from one place, :func:`main`: the ``exit_code`` of the
 :class:`~flowers_job.errors.FlowersJobError` that stopped the command (:mod:`flowers_job.errors`
 lists them); any other exception is a bug, and ends with Python's traceback (status 1).
@@ -29,9 +30,8 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from flowers_job.cluster.connect import refuse_spark_connect
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import ConfigError, FlowersJobError, PredictError
 from flowers_job.vision.pillow_floor import check_pillow
@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowers-job",
         description="Distributed image-classification training on Spark: "
-        "photos -> Delta -> Petastorm -> TorchDistributor (DDP) -> MLflow.",
-        epilog="Needs classic Spark: Spark Connect (SPARK_REMOTE, spark-submit --remote, "
-        "Databricks serverless or standard access mode) is refused with exit status 2, "
-        "predict included.",
+        "photos -> Delta -> Petastorm or Streaming -> TorchDistributor (DDP) -> MLflow.",
+        epilog="Runs on classic Spark or on Spark Connect (--remote sc://HOST:PORT, "
+        "SPARK_REMOTE, spark-submit --remote, Databricks serverless or standard access "
+        "mode): docs/cluster.md.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="paths.output_dir: tables, checkpoints, summary (a directory or s3a://bucket/prefix)",
     )
     common.add_argument("--log-level", default="INFO", help="Python log level (default INFO)")
+    common.add_argument(
+        "--remote",
+        metavar="sc://HOST:PORT",
+        help="run on this Spark Connect server (default: $SPARK_REMOTE, or classic Spark)",
+    )
     images = argparse.ArgumentParser(add_help=False)
     images.add_argument(
         "--images", help="data.images: <images>/<label>/<file> (a directory or s3a://bucket/prefix)"
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Score photos (--images) or a Delta table with an image column (--table) "
         "on the executors; one output row per input row, bad inputs with a reason. "
         "Default model: the version the last run/train in --output-dir registered. "
-        "Needs classic Spark, as training does: on Spark Connect it exits with status 2.",
+        "Runs on classic Spark or Spark Connect (--remote), as training does.",
     )
     predict.add_argument(
         "--model",
@@ -199,15 +204,18 @@ def _message(command: str, exc: FlowersJobError) -> str:
 def _pipeline(args: argparse.Namespace) -> int:
     """``flowers-job {ingest,train,run}``: the configuration and the checks that need no
     Spark (seconds), then Spark, the cluster's checks, and the work."""
+    from flowers_job.cluster.connect import wanted_connect
+
+    connect = wanted_connect(args.remote)
+    log.info("session: %s", f"Spark Connect ({connect})" if connect else "classic Spark")
     cfg = _config(args)
-    refuse_spark_connect()  # SPARK_REMOTE, spark-submit --remote...: before any import
     if args.command in ("ingest", "run") and cfg.data.images is None:
         raise ConfigError("invalid configuration:\n  data.images: required (--images DIR)")
 
     from flowers_job.driver import pipeline
     from flowers_job.driver.lease import output_lease
 
-    job = pipeline.preflight(cfg, args.command)  # seconds, and no JVM yet
+    job = pipeline.preflight(cfg, args.command, connect)  # seconds, and no JVM yet
     # one writer per output: held before anything is written there, restarts included
     with output_lease(job.cfg.paths.output_dir, args.command):
         return _work(args, job)
@@ -220,11 +228,8 @@ def _work(args: argparse.Namespace, job: pipeline.CheckedJob) -> int:
     cfg = job.cfg
     if args.command != "ingest":
         pipeline.check_tracking(cfg)
-    from flowers_job.cluster.session import get_spark
-
     stores = [str(cfg.paths.output_dir), cfg.paths.cache_parent_url, str(cfg.data.images)]
-    spark = get_spark(object_stores=stores)
-    refuse_spark_connect(spark)  # a Connect session made elsewhere (Databricks serverless)
+    spark = _spark(args.remote, stores)
     if args.command != "ingest":
         pipeline.check_on_cluster(spark, job)
     result = pipeline.execute(spark, job, args.command)
@@ -272,10 +277,9 @@ def _work(args: argparse.Namespace, job: pipeline.CheckedJob) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     """``flowers-job predict``: model and input checked before Spark starts, then scored
-    (a Spark Connect session is refused: :mod:`flowers_job.cluster.connect`)."""
+    on classic Spark or Spark Connect (``--remote``)."""
     if args.model is None and args.output_dir is None:
         raise ConfigError("give --model or --output-dir (its summary.json)")
-    refuse_spark_connect()  # predict needs classic Spark too (docs/using-the-model.md)
     from flowers_job.serving import batch_predict as predict
     from flowers_job.tracking.mlflow_run import use_credentials
 
@@ -295,10 +299,8 @@ def _predict(args: argparse.Namespace) -> int:
     )
     ref = predict.resolve_model(model_uri, tracking_uri)
     predict.check_input(args.images, args.table)
-    from flowers_job.cluster.session import get_spark
-
     report = predict.predict(
-        get_spark(),
+        _spark(args.remote, []),
         ref,
         args.output_table,
         images=args.images,
@@ -308,6 +310,23 @@ def _predict(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report.to_dict(), indent=2))
     return 0
+
+
+def _spark(remote: str | None, stores: list[str]) -> Any:
+    """The session: Spark Connect where ``--remote`` or the environment asks for it
+    (:func:`~flowers_job.cluster.connect.remote_session`), else classic Spark (the one
+    spark-submit made, or a local one: :func:`~flowers_job.cluster.session.get_spark`); its
+    kind logged."""
+    from flowers_job.cluster.connect import remote_session, session_kind, wanted_connect
+
+    if wanted_connect(remote) is not None:
+        spark = remote_session(remote)
+    else:
+        from flowers_job.cluster.session import get_spark
+
+        spark = get_spark(object_stores=stores)
+    log.info("%s", session_kind(spark))
+    return spark
 
 
 def _runs(args: argparse.Namespace) -> int:

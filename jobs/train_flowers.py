@@ -4,7 +4,11 @@
         --images /data/flower_photos --output-dir /data/flowers_out [--set KEY=VALUE ...]
 
 Arguments after the script are those of ``flowers-job run`` (``--help`` lists them).
-The SparkSession is the one spark-submit configured (master, resources, Delta jars).
+The SparkSession is the one spark-submit configured (master, resources, Delta jars). On a
+Spark Connect server (docs/cluster.md), the Delta jar belongs to the server:
+
+    spark-submit --remote sc://HOST:15002 jobs/train_flowers.py --images ... \
+        --output-dir ... --set data.loader=streaming
 """
 
 import sys

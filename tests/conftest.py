@@ -140,6 +140,31 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
+def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``sc://127.0.0.1:<port>`` of one real Spark Connect server for the whole session
+    (``local[2]``, Delta, this interpreter's Python workers: :mod:`tests.support.connect`).
+    Skipped where the client cannot import pyspark's Connect module (no grpcio: the DBR
+    17.3 environment)."""
+    pytest.importorskip("grpc", reason="Spark Connect's client needs grpcio")
+    from tests.support.connect import connect_server
+
+    with connect_server(tmp_path_factory.mktemp("connect")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def connect_client(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """``.venv-connect/bin``: a Spark Connect client with no JVM (``pyspark-client`` and the
+    wheel under test, ``make setup-connect``); skipped where it cannot be built
+    (:func:`tests.support.connect.client_bin`)."""
+    from tests.support.connect import client_bin
+
+    return client_bin(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A class-balanced sample of the real photos: 12 per label, 60 in all."""
     return sample_photos(tmp_path_factory.mktemp("photos"), per_label=12)

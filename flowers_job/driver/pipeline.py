@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pyspark.sql import SparkSession
 
 from flowers_job.cluster import placement
+from flowers_job.cluster.connect import connect_reason, session_kind
 from flowers_job.cluster.executor_probe import check_executors
 from flowers_job.cluster.placement import check_cluster
 from flowers_job.cluster.session import executor_cores
@@ -54,7 +55,7 @@ from flowers_job.driver.restarts import (
 )
 from flowers_job.driver.runs import record_driver
 from flowers_job.ingest.job import IngestReport, check_images_root, ingest
-from flowers_job.loaders import resolve_loader
+from flowers_job.loaders import check_session, resolve_loader
 from flowers_job.loaders.base import Loader
 from flowers_job.location import Location
 from flowers_job.runtime.allocator import apply_to_environ
@@ -108,12 +109,14 @@ class CheckedJob:
         return self.loader
 
 
-def preflight(cfg: JobConfig, command: Command) -> CheckedJob:
+def preflight(cfg: JobConfig, command: Command, connect: str | None = None) -> CheckedJob:
     """The checks that need no Spark and leave nothing behind (seconds, no JVM), the
     configuration's before the input's:
 
-    - ``train``/``run``: ``data.loader`` can run on this stack ('auto' resolved), and the
-      packages the end of the run needs are importable;
+    - ``train``/``run``: ``data.loader`` can run on this stack and on this kind of session
+      ('auto' resolved; ``connect``: what makes the session Spark Connect, None for classic
+      Spark: :func:`~flowers_job.loaders.resolve_loader`), and the packages the end of the
+      run needs are importable;
     - ``ingest``/``run``: ``data.images`` is a directory with label folders.
 
     Returns:
@@ -128,7 +131,7 @@ def preflight(cfg: JobConfig, command: Command) -> CheckedJob:
 
     loader = None
     if command in ("train", "run"):
-        cfg, loader = resolve_loader(cfg)
+        cfg, loader = resolve_loader(cfg, connect)
         check_run_packages()
     if command in ("ingest", "run"):
         check_images_root(cfg)
@@ -154,14 +157,16 @@ def check_on_cluster(spark: SparkSession, job: CheckedJob) -> None:
     Raises:
         ConfigError: naming the setting that does not fit this cluster or its executors.
     """
+    check_session(job.training_loader, connect_reason(spark))
     check_cluster(spark, job.cfg, job.training_loader)
     check_executors(spark, job.cfg)
 
 
 def _check_all(spark: SparkSession, cfg: JobConfig, command: Command) -> CheckedJob:
     """Every check once, those that write nothing first (:func:`preflight`,
-    :func:`check_cluster`)."""
-    job = preflight(cfg, command)
+    :func:`check_cluster`); the log's first line says which kind of session the job has."""
+    log.info("%s", session_kind(spark))
+    job = preflight(cfg, command, connect_reason(spark))
     check_cluster(spark, job.cfg, job.training_loader)
     check_tracking(job.cfg)
     check_executors(spark, job.cfg)
@@ -194,9 +199,9 @@ def run_training(spark: SparkSession, cfg: JobConfig) -> dict[str, Any]:
         The summary (also written to ``<output_dir>/summary.json``).
 
     Raises:
-        ConfigError: ``data.loader`` cannot run on this stack, a package is missing
-            (:func:`preflight`), the session is Spark Connect or ``distributed`` does not fit
-            this cluster (:func:`check_cluster`), before any work.
+        ConfigError: ``data.loader`` cannot run on this stack or this kind of session, a
+            package is missing (:func:`preflight`), or ``distributed`` does not fit this
+            cluster (:func:`check_cluster`), before any work.
         OutputInUseError: another command holds the lease on ``paths.output_dir``
             (:mod:`flowers_job.driver.lease`, held for the whole run), before any work.
         DataError: missing/inconsistent tables or unworkable shards (before any worker starts).

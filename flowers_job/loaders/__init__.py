@@ -26,7 +26,13 @@ if TYPE_CHECKING:
     from flowers_job.config import JobConfig
     from flowers_job.loaders.base import Loader
 
-__all__ = ["LOADERS", "loader_problem", "registered_loaders", "resolve_loader"]
+__all__ = [
+    "LOADERS",
+    "check_session",
+    "loader_problem",
+    "registered_loaders",
+    "resolve_loader",
+]
 
 LOADERS: dict[str, str] = {
     "petastorm": "flowers_job.loaders.petastorm.petastorm_loader:PetastormLoader",
@@ -68,14 +74,51 @@ def loader_problem(name: str) -> str | None:
     return _registered(name).problem()
 
 
-def resolve_loader(cfg: JobConfig) -> tuple[JobConfig, type[Loader]]:
+def session_problem(loader: type[Loader], connect: str | None) -> str | None:
+    """Why ``loader`` cannot run on this session: on Spark Connect (``connect``: what made it
+    Connect, :func:`flowers_job.cluster.connect.connect_reason`), a loader whose driver side
+    needs classic Spark (:attr:`~flowers_job.loaders.base.Loader.classic_only`); else None."""
+    if connect is None or loader.classic_only is None:
+        return None
+    return (
+        f"{loader.name} needs {loader.classic_only}, which Spark Connect does not have ({connect})"
+    )
+
+
+def check_session(loader: type[Loader], connect: str | None) -> None:
+    """Refuse ``loader`` on a session it cannot run on, before any work
+    (:func:`session_problem`), naming the loaders that can.
+
+    Raises:
+        ClusterError: naming ``data.loader``, the API Connect lacks, and the loader to use.
+    """
+    from flowers_job.errors import ClusterError
+
+    problem = session_problem(loader, connect)
+    if problem is None:
+        return
+    working = [
+        name
+        for name in LOADERS
+        if loader_problem(name) is None and session_problem(_registered(name), connect) is None
+    ]
+    advice = f"; use data.loader={working[0]}" if working else ""
+    raise ClusterError(
+        f"invalid configuration:\n  data.loader: {loader.name!r} cannot run on this "
+        f"session: {problem}{advice}"
+    )
+
+
+def resolve_loader(cfg: JobConfig, connect: str | None = None) -> tuple[JobConfig, type[Loader]]:
     """The loader of ``cfg``, resolved once before Spark starts: ``cfg`` with ``data.loader``
     set to its name, and the loader itself (its driver side and its rank side), which the
     driver passes on (:func:`flowers_job.driver.prepare.prepare_data`, the placement check,
     the ranks' job). Nothing looks a loader up by name after this.
 
     'auto' becomes the first registered loader that can run here: 'petastorm' on the local
-    pinned stack, 'streaming' on Databricks Runtime ML 16.4 and later.
+    pinned stack, 'streaming' on Databricks Runtime ML 16.4 and later; on Spark Connect
+    (``connect``: what made the session Connect, or None for classic Spark) the first that
+    runs there too (:func:`session_problem`).
 
     Raises:
         ConfigError: the configured loader (or, for 'auto', every loader) cannot run on
@@ -88,14 +131,20 @@ def resolve_loader(cfg: JobConfig) -> tuple[JobConfig, type[Loader]]:
     candidates = list(LOADERS) if wanted == "auto" else [wanted]
     problems: dict[str, str] = {}
     for name in candidates:
-        problem = loader_problem(name)
+        problem = loader_problem(name) or session_problem(_registered(name), connect)
         if problem is None:
             if wanted == "auto" and problems:
                 log.info("data.loader=auto: %s (%s)", name, "; ".join(problems.values()))
             data = cfg.data.model_copy(update={"loader": name})
             return cfg.model_copy(update={"data": data}), _registered(name)
         problems[name] = problem
-    working = [x for x in LOADERS if x not in problems and loader_problem(x) is None]
+    working = [
+        x
+        for x in LOADERS
+        if x not in problems
+        and loader_problem(x) is None
+        and session_problem(_registered(x), connect) is None
+    ]
     advice = (
         f"; use data.loader={working[0]} instead (it can run here)"
         if working

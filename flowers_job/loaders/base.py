@@ -194,6 +194,11 @@ class Loader(ABC):
     """The flowers-job extra that installs it, e.g. ``flowers-job[streaming]``."""
     plan_type: ClassVar[type[ShardPlan]] = ShardPlan
     """The plan this loader writes and reads."""
+    classic_only: ClassVar[str | None] = None
+    """The classic-Spark API this loader's driver side needs and a Spark Connect session
+    lacks (as pyspark names it: ``pyspark.sql.DataFrame._jdf``, ``SparkContext``), or None: it
+    runs on Connect as on classic Spark (:func:`flowers_job.loaders.check_session`). Set it
+    from a real attempt on a Connect server, not from a guess."""
 
     def __init__(self, cfg: JobConfig, source: str) -> None:
         """The driver side of one run. ``source``: the table the splits are read from, as

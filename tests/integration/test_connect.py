@@ -1,166 +1,228 @@
-"""Spark Connect is refused before any work: by the CLI with status 2, by the library with a
-ConfigError, and the message says what the job needs and what made the session Connect.
+"""The job over Spark Connect: ``flowers-job run --remote`` trains on a real Connect server,
+``predict --remote`` scores there, and a library call with a Connect session ingests.
 
 Real components: a local Spark Connect server (the pyspark wheel's ``SparkConnectServer``,
-started with spark-submit, one per module), its Python client (``pyspark[connect]``: grpcio,
-grpcio-status), spark-submit's own ``--remote``. Runs in the local suite only (the DBR 17.3
+started with spark-submit, ``local[2]``, Delta's jar and SQL extension: the ``connect_url``
+fixture of tests/conftest.py), its Python client (``pyspark[connect]``: grpcio,
+grpcio-status), TorchDistributor's barrier stage run by the server's Python workers, the
+Streaming loader, a sqlite MLflow store. Runs in the local suite only (the DBR 17.3
 environment has no grpcio, as ``requirements/dbr-17.3-ml.txt`` is built).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import socket
+import re
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
-import pyspark
+import mlflow
 import pytest
 from pyspark.sql import SparkSession
 
-from flowers_job.config import ConfigError, load_config
-from flowers_job.driver.pipeline import run_ingest, run_job, run_training
-from flowers_job.serving.batch_predict import predict
-from flowers_job.serving.model_ref import ModelRef
+from flowers_job.config import load_config
+from flowers_job.driver.pipeline import run_ingest
+from tests.integration.test_job_e2e import FAST as E2E_FAST
 from tests.support import ROOT_DIR
-from tests.support.processes import run_cli, stop_server
+from tests.support.connect import (
+    SPARK_HOME,
+    client_env,
+    connect_session,
+    free_port,
+    run,
+    spark_env,
+    without_jvm_frames,
+)
+from tests.support.processes import run_cli
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("gate")]
 
-SERVER_START_SECONDS = 120.0
-"""Bound on the Connect server's start (about 12 s on the 2-core machine)."""
-SPARK_HOME = Path(pyspark.__file__).parent
-"""The pyspark wheel is a Spark distribution: bin/spark-submit and the jars, Connect's too."""
-NEEDS = ("classic", "dedicated (single user) access mode", "Databricks Runtime ML")
-"""What every refusal must name, besides the setting."""
+FAST = [*E2E_FAST, "train.epochs=1"]
+"""The gate's small job (tests/integration/test_job_e2e.py's settings, one epoch)."""
+JOB_SECONDS = 600
+"""Bound on one CLI job over Connect (about 2 minutes on the 2-core machine)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _sets(*settings: str) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]
 
 
-def _spark_env() -> dict[str, str]:
-    return {**os.environ, "SPARK_HOME": str(SPARK_HOME), "PYSPARK_PYTHON": sys.executable}
+def _log_lines(stderr: str) -> list[str]:
+    """The job's own log records (``<time> LEVEL logger: message``), in order."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if re.match(r"^\d{4}-\d\d-\d\d .* (INFO|WARNING|ERROR) ", line)
+    ]
 
 
 @pytest.fixture(scope="module")
-def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``sc://127.0.0.1:<port>`` of a local Spark Connect server (``local[1]``, 512 MB)."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("connect") / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            [
-                str(SPARK_HOME / "bin" / "spark-submit"),
-                "--class",
-                "org.apache.spark.sql.connect.service.SparkConnectServer",
-                "--master",
-                "local[1]",
-                "--driver-memory",
-                "512m",
-                "--conf",
-                "spark.ui.enabled=false",
-                "--conf",
-                "spark.connect.grpc.binding.address=127.0.0.1",
-                "--conf",
-                f"spark.connect.grpc.binding.port={port}",
-                "spark-internal",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_spark_env(),
-        )
+def connect_run(
+    request: pytest.FixtureRequest,
+    connect_url: str,
+    photos: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    """``flowers-job run --remote <server>`` with the Streaming loader in barrier mode (the
+    ranks are the server's Spark tasks) on the 60-photo sample; its process and summary.
+
+    The client is ``.venv-connect``'s ``flowers-job`` (``pyspark-client``, no JVM: the
+    ``connect_client`` fixture), run from a temp dir so that the project comes from its
+    wheel; this environment's CLI where that one cannot be built (no package index)."""
+    out = tmp_path_factory.mktemp("connect-run")
+    args = [
+        *("run", "--remote", connect_url, "--images", str(photos), "--output-dir", str(out)),
+        *_sets(*FAST, "data.loader=streaming", "distributed.local_mode=false"),
+    ]
     try:
-        deadline = time.monotonic() + SERVER_START_SECONDS
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"no Spark Connect server on :{port}:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        stop_server(server)
+        client = request.getfixturevalue("connect_client")
+    except pytest.skip.Exception:
+        client = None
+    if client is None:
+        proc = run_cli(*args, timeout=JOB_SECONDS)
+    else:
+        proc = run([str(client / "flowers-job"), *args], JOB_SECONDS, out.parent, client_env())
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return {"proc": proc, "out": out, "summary": summary, "client": client}
 
 
-def _assert_refusal(message: str, setting: str) -> None:
-    assert "Spark Connect is not supported" in message, message
-    assert setting in message, message
-    for need in NEEDS:
-        assert need in message, message
-    assert "Traceback" not in message and "AttributeError" not in message, message
-
-
-def test_cli_refuses_spark_connect_with_status_2_before_any_work(
-    connect_url: str, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_cli_run_over_spark_connect_with_streaming(
+    connect_run: dict[str, Any], connect_url: str
 ) -> None:
-    """``SPARK_REMOTE`` (its token hidden), and spark-submit ``--remote`` of the job's entry
-    point: status 2, the setting named, nothing written (no output dir, no MLflow store)."""
-    out = tmp_path / "out"
-    env = {**_spark_env(), "SPARK_REMOTE": f"{connect_url}/;token=not-for-logs"}
-    monkeypatch.chdir(tmp_path)  # MLflow's default store would be ./mlflow.db
-    cli = run_cli("run", "--images", str(photos), "--output-dir", str(out), env=env)
-    scored = run_cli(
-        *("predict", "--model", "models:/flowers/1", "--images", str(photos)),
-        *("--output-table", str(out / "predictions")),
-        env=env,
+    """From the client with no JVM (``pyspark-client``): exit 0, a test accuracy, the model
+    registered in the run's MLflow store; the log's first line says the session is Spark
+    Connect and names the server, a later one that it answered (its Spark and master)."""
+    proc, summary = connect_run["proc"], connect_run["summary"]
+    assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]
+    shown = json.loads(proc.stdout[: proc.stdout.rindex("}") + 1])
+    assert 0.0 <= shown["test_accuracy"] <= 1.0
+    assert shown["loader"] == "streaming" and shown["world_size"] == 2
+    lines = _log_lines(proc.stderr)
+    assert lines[0].endswith(f"session: Spark Connect (--remote {connect_url})"), lines[:3]
+    assert any(
+        f"Spark Connect session (sc://{connect_url.removeprefix('sc://')}, server Spark" in line
+        and "master local[2]" in line
+        for line in lines
+    ), lines[:5]
+    assert summary["local_mode"] is False and summary["loader"] == "streaming"
+    assert summary["train_rows"] + summary["val_rows"] + summary["test_rows"] == 60
+    assert summary["test"]["rows"] == summary["test_rows"] > 0
+    name, version = summary["registered_model_name"], summary["registered_model_version"]
+    model = mlflow.MlflowClient(summary["mlflow_tracking_uri"]).get_model_version(
+        name, str(version)
     )
-    for proc in (cli, scored):
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        _assert_refusal(proc.stderr, f"SPARK_REMOTE={connect_url}/;<parameters hidden>")
-        assert "not-for-logs" not in proc.stdout + proc.stderr
+    assert model.run_id == summary["mlflow_run_id"]
+    assert summary["test_accuracy"] == shown["test_accuracy"]
+    assert len(summary["ranks"]) == 2  # both ranks reported, from the server's tasks
+
+
+def test_the_gate_job_ran_from_the_client_with_no_jvm(connect_run: dict[str, Any]) -> None:
+    """The job above ran from ``.venv-connect`` (``pyspark-client``); skipped, naming why,
+    where that environment could not be built and this environment's CLI ran it instead."""
+    if connect_run["client"] is None:
+        pytest.skip(".venv-connect could not be built here: the job ran from .venv's CLI")
+    assert connect_run["proc"].returncode == 0
+
+
+def test_predict_table_over_spark_connect(connect_run: dict[str, Any], connect_url: str) -> None:
+    """``predict --remote`` scores the run's test split with the model the run registered
+    (``--output-dir``: its summary), on the same server: one output row per input row."""
+    out, summary = connect_run["out"], connect_run["summary"]
+    assert connect_run["proc"].returncode == 0, connect_run["proc"].stderr[-3000:]
+    proc = run_cli(
+        *("predict", "--remote", connect_url, "--output-dir", str(out)),
+        *("--table", summary["tables"]["images"], "--split", "test"),
+        *("--output-table", str(out / "predictions")),
+        timeout=JOB_SECONDS,
+    )
+    assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert report["input_rows"] == report["output_rows"] == summary["test_rows"], report
+    assert sum(report["label_counts"].values()) == summary["test_rows"], report
+    assert report["model_version"] == summary["registered_model_version"]
+    assert "Spark Connect session" in proc.stderr
+
+
+def test_library_ingest_with_a_connect_session(
+    connect_url: str, photos: Path, tmp_path: Path
+) -> None:
+    """``run_ingest`` handed a Connect session (as Databricks serverless hands ``spark``):
+    the photos listed and decoded by the server's tasks, the tables written through SQL."""
+    cfg = load_config(
+        None, ["data.image_size=32"], **{"data.images": photos, "paths.output_dir": tmp_path}
+    )
+    with connect_session(connect_url) as session:
+        spark = cast(SparkSession, session)
+        report = run_ingest(spark, cfg)
+        assert report.images_rows == 60 and report.quarantined_rows == 0
+        assert report.train_rows + report.val_rows + report.test_rows == 60
+        again = run_ingest(spark, cfg)  # nothing changed: nothing written
+        assert again.files_decoded == 0 and again.rows_inserted == 0
+    assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ  # later tests' Spark stays classic
+
+
+def test_an_unreachable_server_exits_2_naming_it_without_its_token(
+    photos: Path, tmp_path: Path
+) -> None:
+    """A Connect URL nothing answers at: status 2 within seconds, the URL named, its
+    parameters (a token) not; nothing written."""
+    url = f"sc://127.0.0.1:{free_port()}/;token=not-for-logs"
+    out = tmp_path / "out"
+    proc = run_cli(
+        *("run", "--remote", url, "--images", str(photos), "--output-dir", str(out)),
+        *_sets(*FAST, "data.loader=streaming"),
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "no Spark Connect server answers at sc://127.0.0.1:" in proc.stderr
+    assert "not-for-logs" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.tier("full")
+def test_spark_submit_remote_runs_the_job_on_the_server(
+    connect_url: str, photos: Path, tmp_path: Path
+) -> None:
+    """``spark-submit --remote <server> jobs/train_flowers.py``: pyspark hands the Python
+    driver a Connect session (``PYSPARK_REMOTE_INIT_CONF_*``), and the job runs on the
+    server to the end."""
+    out = tmp_path / "out"
     submitted = subprocess.run(
         [
             str(SPARK_HOME / "bin" / "spark-submit"),
             *("--remote", connect_url),
             str(ROOT_DIR / "jobs" / "train_flowers.py"),
             *("--images", str(photos), "--output-dir", str(out)),
+            *_sets(*FAST, "data.loader=streaming", "distributed.local_mode=false"),
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=JOB_SECONDS,
         check=False,
-        env=_spark_env(),
+        env=spark_env(),
     )
-    output = submitted.stdout + submitted.stderr  # spark-submit merges Python's stderr
-    assert submitted.returncode == 2, output[-3000:]
-    _assert_refusal(output, f"spark.remote={connect_url} from spark-submit --remote")
-    assert not out.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    output = submitted.stdout + submitted.stderr
+    assert submitted.returncode == 0, output[-5000:]
+    assert f"session: Spark Connect (spark.remote={connect_url} from spark-submit" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["registered_model_version"] >= 1 and summary["loader"] == "streaming"
 
 
-def test_library_refuses_a_connect_session_before_any_work(
+@pytest.mark.tier("full")
+def test_petastorm_runs_on_spark_connect_too(
     connect_url: str, photos: Path, tmp_path: Path
 ) -> None:
-    """run_job, run_training, run_ingest and predict handed a real Connect session (as
-    Databricks serverless compute hands one): ConfigError naming the session's class."""
-    from pyspark.sql.connect.session import SparkSession as ConnectSession
-
-    # typed as the classic session, as Databricks' ``spark`` reaches a job that expects one
-    spark = cast(SparkSession, ConnectSession.builder.remote(connect_url).getOrCreate())
-    try:
-        assert spark.version == pyspark.__version__  # the server answers (no Spark job)
-        cfg = load_config(None, [], **{"data.images": photos, "paths.output_dir": tmp_path})
-        ref = ModelRef("models:/flowers/1", "flowers", 1, f"sqlite:///{tmp_path}/mlflow.db")
-        calls = {
-            "run_job": lambda: run_job(spark, cfg),
-            "run_training": lambda: run_training(spark, cfg),
-            "run_ingest": lambda: run_ingest(spark, cfg),
-            "predict": lambda: predict(spark, ref, tmp_path / "predictions", images=photos),
-        }
-        for name, call in calls.items():
-            with pytest.raises(ConfigError) as err:
-                call()
-            _assert_refusal(str(err.value), "pyspark.sql.connect.session.SparkSession")
-            assert sorted(p.name for p in tmp_path.iterdir()) == [], name
-    finally:
-        spark.stop()
-    assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ  # later tests' Spark stays classic
+    """The issue expected Petastorm refused on Connect, its converter reading ``df._jdf``. This
+    project's Petastorm loader never calls ``make_spark_converter``: Spark writes the cache
+    (DataFrame writes) and the ranks read it with Petastorm's reader. Tried: it runs."""
+    out = tmp_path / "out"
+    proc = run_cli(
+        *("run", "--remote", connect_url, "--images", str(photos), "--output-dir", str(out)),
+        *_sets(*FAST, "data.loader=petastorm", "distributed.local_mode=false"),
+        timeout=JOB_SECONDS,
+    )
+    assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["loader"] == "petastorm" and summary["registered_model_version"] >= 1

@@ -28,9 +28,7 @@ on the quiet machine: 107 s in all, 30 s of it the fixture, 4 s the removal.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +37,7 @@ import pytest
 
 from tests.support import LABELS, ROOT_DIR
 from tests.support.data import sample_photos
-from tests.support.packaging import clean_env, uv_bin, uv_failure
+from tests.support.packaging import clean_env, project_wheel, run, uv_bin, uv_failure
 
 pytestmark = [
     pytest.mark.network,
@@ -77,43 +75,15 @@ SHOWN = (
 """Packages whose resolved versions the failure messages name."""
 
 
-def _run(
-    args: list[str], timeout: float, cwd: Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=False
-    )
-
-
-def _wheel(uv: str, tmp_path: Path) -> Path:
-    """``FLOWERS_WHEEL``, or the wheel built from a copy of the sources (no build/ or
-    egg-info left in the checkout)."""
-    given = os.environ.get("FLOWERS_WHEEL")
-    if given:
-        return Path(given).resolve()
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(
-        ROOT / "flowers_job", src / "flowers_job", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    out = tmp_path / "dist"
-    proc = _run([uv, "build", "--wheel", "--out-dir", str(out), str(src)], 300, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (built,) = out.glob("flowers_job-*.whl")
-    return built
-
-
 @pytest.fixture
 def venv(pypi: None, tmp_path: Path) -> Iterator[Path]:
     """A fresh virtual environment holding the wheel with [local,streaming] and exactly
     what the resolver chose for its requirements; removed after the test."""
     uv = uv_bin()
-    wheel = _wheel(uv, tmp_path)
+    wheel = project_wheel(uv, tmp_path)
     env = tmp_path / "venv"
     try:
-        created = _run(
+        created = run(
             [uv, "venv", "--no-config", "--python", sys.executable, str(env)], 120, tmp_path
         )
         assert created.returncode == 0, created.stderr
@@ -128,9 +98,9 @@ def venv(pypi: None, tmp_path: Path) -> Iterator[Path]:
             "--python",
             python,
         ]
-        proc = _run([*install, f"{wheel}[local,streaming]"], 600, tmp_path, clean_env())
+        proc = run([*install, f"{wheel}[local,streaming]"], 600, tmp_path, clean_env())
         assert proc.returncode == 0, f"uv pip install failed: {uv_failure(proc.stderr)}"
-        check = _run([uv, "pip", "check", "--python", python], 60, tmp_path, clean_env())
+        check = run([uv, "pip", "check", "--python", python], 60, tmp_path, clean_env())
         assert check.returncode == 0, check.stdout + check.stderr
         yield env
     finally:
@@ -142,7 +112,7 @@ def _versions(env: Path) -> dict[str, str]:
         "import json, sys\nfrom importlib import metadata\n"
         "print(json.dumps({n: metadata.version(n) for n in sys.argv[1:]}))"
     )
-    proc = _run([str(env / "bin" / "python"), "-c", code, *SHOWN], 60, env.parent)
+    proc = run([str(env / "bin" / "python"), "-c", code, *SHOWN], 60, env.parent)
     assert proc.returncode == 0, proc.stderr
     return dict(json.loads(proc.stdout))
 
@@ -159,7 +129,7 @@ def _figures(env: Path, summary: dict[str, object]) -> list[str]:
         "print(json.dumps(sorted(a.path for a in client.list_artifacts(sys.argv[2], 'figures'))))"
     )
     args = [str(summary["mlflow_tracking_uri"]), str(summary["mlflow_run_id"])]
-    proc = _run([str(env / "bin" / "python"), "-c", code, *args], 120, env.parent, clean_env())
+    proc = run([str(env / "bin" / "python"), "-c", code, *args], 120, env.parent, clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return list(json.loads(proc.stdout))
 
@@ -168,7 +138,7 @@ def test_the_wheel_with_only_its_declared_requirements_runs_a_job(
     venv: Path, tmp_path: Path
 ) -> None:
     versions = _versions(venv)
-    where = _run(
+    where = run(
         [str(venv / "bin" / "python"), "-c", "import flowers_job; print(flowers_job.__file__)"],
         60,
         tmp_path,
@@ -178,7 +148,7 @@ def test_the_wheel_with_only_its_declared_requirements_runs_a_job(
     out = tmp_path / "out"
     sets = [arg for setting in JOB for arg in ("--set", setting)]
     cli = [str(venv / "bin" / "flowers-job"), "run", "--images", str(photos), "--output-dir"]
-    proc = _run([*cli, str(out), *sets], 600, tmp_path, clean_env())
+    proc = run([*cli, str(out), *sets], 600, tmp_path, clean_env())
     assert proc.returncode == 0, (
         f"flowers-job run failed with {versions}:\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}"
     )

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +44,35 @@ def clean_env() -> dict[str, str]:
         env["UV_DEFAULT_INDEX"] = index_url()
     env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     return env
+
+
+def run(
+    args: list[str], timeout: float, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``args`` run in ``cwd`` with output captured, bounded by ``timeout`` seconds; never
+    raises on exit."""
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=False
+    )
+
+
+def project_wheel(uv: str, tmp_path: Path) -> Path:
+    """``FLOWERS_WHEEL``, or the wheel built from a copy of the sources (no build/ or
+    egg-info left in the checkout)."""
+    from tests.support import ROOT_DIR
+
+    given = os.environ.get("FLOWERS_WHEEL")
+    if given:
+        return Path(given).resolve()
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT_DIR / name, src / name)
+    shutil.copytree(
+        ROOT_DIR / "flowers_job", src / "flowers_job", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    out = tmp_path / "dist"
+    proc = run([uv, "build", "--wheel", "--out-dir", str(out), str(src)], 300, tmp_path)
+    assert proc.returncode == 0, uv_failure(proc.stderr)
+    (built,) = out.glob("flowers_job-*.whl")
+    return built

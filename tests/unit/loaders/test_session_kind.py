@@ -1,0 +1,53 @@
+"""A loader that needs classic Spark says so (``Loader.classic_only``), and a Spark Connect
+session refuses it before any work, naming the API it lacks and a loader that can run there;
+``auto`` passes it by. Both registered loaders run on Connect (tried for real:
+tests/integration/test_connect.py), so the refusal is shown with a loader made here that
+declares a classic-only API. No Spark: the refusal comes before any session is used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowers_job import loaders
+from flowers_job.config import ConfigError, load_config
+from flowers_job.errors import ClusterError
+from flowers_job.loaders import check_session, registered_loaders, resolve_loader
+
+pytestmark = pytest.mark.tier("gate")
+
+CONNECT = "--remote sc://127.0.0.1:15002"
+"""What made the session Spark Connect, as :func:`flowers_job.cluster.connect.wanted_connect`
+names it."""
+
+
+def test_both_loaders_run_on_spark_connect() -> None:
+    """Petastorm's loader here writes its cache with DataFrame writes and reads it with
+    Petastorm's reader on the ranks: no ``make_spark_converter``, no ``DataFrame._jdf``."""
+    for loader in registered_loaders():
+        assert loader.classic_only is None, loader.name
+        check_session(loader, CONNECT)
+
+
+def test_a_classic_only_loader_is_refused_on_connect_naming_the_api_and_streaming(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (petastorm,) = [x for x in registered_loaders() if x.name == "petastorm"]
+    monkeypatch.setattr(petastorm, "classic_only", "pyspark.sql.DataFrame._jdf")
+    check_session(petastorm, None)  # classic Spark: fine
+    with pytest.raises(ClusterError) as err:
+        check_session(petastorm, CONNECT)
+    message = str(err.value)
+    assert "data.loader: 'petastorm'" in message
+    assert "pyspark.sql.DataFrame._jdf" in message and CONNECT in message
+    streaming_runs = loaders.loader_problem("streaming") is None
+    assert ("use data.loader=streaming" in message) == streaming_runs
+    cfg = load_config(None, ["data.loader=petastorm"], **{"paths.output_dir": tmp_path})
+    with pytest.raises(ConfigError, match=r"petastorm needs pyspark\.sql\.DataFrame\._jdf"):
+        resolve_loader(cfg, CONNECT)
+    auto = load_config(None, ["data.loader=auto"], **{"paths.output_dir": tmp_path})
+    if streaming_runs:
+        resolved, loader = resolve_loader(auto, CONNECT)
+        assert loader.name == resolved.data.loader == "streaming"
+    assert resolve_loader(auto)[1].name == resolve_loader(auto, None)[1].name
