@@ -56,6 +56,17 @@ UV       := $(BIN)/uv
 # the editable project), hashed.
 LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -c1-12)
 DBR_ID   := $(shell cat $(DBR_LOCK) | sha256sum | cut -c1-12)
+# The Spark Connect client with no JVM (setup-connect): pyspark-client and what the driver
+# side imports (requirements/connect-client.txt, hashed like the others), then the wheel.
+CONNECT_VENV ?= .venv-connect
+CONNECT_BIN  := $(abspath $(CONNECT_VENV))/bin
+CONNECT_LOCK := requirements/connect-client.txt
+CONNECT_ID   := $(shell cat $(CONNECT_LOCK) | sha256sum | cut -c1-12)
+# The wheel setup-connect installs: empty, the one in WHEEL_DIR (built there if there is none).
+CONNECT_WHEEL ?=
+# What .venv-connect's setup waits for: .venv, whose uv builds it (the test of .venv-connect,
+# running in .venv already, passes its own UV and nothing here).
+CONNECT_NEEDS ?= $(VENV)/.installed-$(LOCAL_ID)
 # Where test-dbr builds the wheel (the bundle's artifact builds into dist/ the same way). The
 # one wheel of a run: the DBR environments, the clean install and the test cluster's
 # environment (tools/cluster.py make_env) all take it (FLOWERS_WHEEL).
@@ -130,7 +141,8 @@ DBR_DESELECT ?= unit/ingest/test_ingest.py::test_changed_clean_input_is_reingest
 LOCAL_LOADERS ?= petastorm
 
 .PHONY: setup setup-dbr setup-dbr18 run test test-full tier test-local test-dbr test-dbr18 \
-	dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars
+	dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars \
+	setup-connect
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
 # master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
@@ -206,6 +218,34 @@ DBR18 := DBR_LOCK=requirements/dbr-18-ml.txt DBR_VENV=.venv-dbr18 DBR_NAME=dbr18
 
 setup-dbr18:
 	@$(MAKE) --no-print-directory setup-dbr $(DBR18)
+
+# .venv-connect: a Spark Connect client with no JVM (`flowers-job run --remote sc://...`):
+# requirements/connect-client.txt synced exactly, then the project's wheel with --no-deps
+# (its `local` extra would bring pyspark back over pyspark-client: both install the `pyspark`
+# package), then a check that the `pyspark` there is the client only. uv venv, not python -m
+# venv: it writes a .gitignore into the environment, which keeps it out of git's untracked
+# files. The wheel is reinstalled every time (its version does not change with the source):
+# CONNECT_WHEEL names it (tests/integration/test_connect_client.py passes the one under test).
+$(CONNECT_VENV)/.installed-$(CONNECT_ID): | $(CONNECT_NEEDS)
+	@set -e; t0=$$(date +%s); set -x; \
+	rm -f $(CONNECT_VENV)/.installed*; \
+	test -x $(CONNECT_BIN)/python || $(UV) venv -q --python $(BIN)/python $(CONNECT_VENV); \
+	$(UV) pip sync -q --python $(CONNECT_BIN)/python $(CONNECT_LOCK); \
+	set +x; $(call took,install connect)
+	touch $@
+
+setup-connect: $(CONNECT_VENV)/.installed-$(CONNECT_ID)
+	@set -e; t0=$$(date +%s); set -x; \
+	wheel="$(CONNECT_WHEEL)"; \
+	if [ -z "$$wheel" ]; then \
+		ls $(WHEEL_DIR)/flowers_job-*.whl >/dev/null 2>&1 || \
+			$(UV) build -q --wheel --out-dir $(WHEEL_DIR) .; \
+		wheel=$$(ls $(WHEEL_DIR)/flowers_job-*.whl | head -1); \
+	fi; \
+	$(UV) pip install -q --python $(CONNECT_BIN)/python --no-deps --reinstall "$$wheel"; \
+	$(CONNECT_BIN)/python -c "from pyspark.util import is_remote_only; \
+		assert is_remote_only(), 'the pyspark in $(CONNECT_VENV) is not pyspark-client'"; \
+	set +x; $(call took,install wheel connect)
 
 run: setup
 	$(BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) $(ARGS)
