@@ -3,6 +3,8 @@
     python tools/cluster.py up      # master + 2 workers + driver host + MLflow server
     python tools/cluster.py submit -- --images ... --output-dir ... --set ...
     python tools/cluster.py down    # removes everything it made
+    python tools/cluster.py up --connect          # and a Spark Connect server, a client host
+    python tools/cluster.py client -- flowers-job run --remote sc://10.88.0.2:15002 ...
     python tools/cluster.py jars    # the Ivy cache of hadoop-aws (s3a://), once (make s3-jars)
 
 (``make cluster-up`` / ``make cluster-down`` run these.) Needs root (``ip netns``,
@@ -15,9 +17,12 @@ host        address      runs
 =========== ============ ===================================================
 (this ns)   10.88.0.1    nothing: the bridge's own address, to reach the UIs
 fl-driver   10.88.0.2    spark-submit (client mode), the MLflow server :5000 (basic auth
-                         with ``mlflow_auth``), with ``s3``: an S3 API server :9000 (moto)
+                         with ``mlflow_auth``), with ``s3``: an S3 API server :9000 (moto);
+                         :meth:`Cluster.connect_server`: a Spark Connect server :15002
 fl-master   10.88.0.3    ``org.apache.spark.deploy.master.Master`` :7077, UI :8080
 fl-w1..wN   10.88.0.11.. ``org.apache.spark.deploy.worker.Worker``, N cores each
+fl-client   10.88.0.20   with ``client_host``: a Spark Connect client (:meth:`Cluster.client`),
+                         no Spark process; it sees the shared dir as fl-driver does
 =========== ============ ===================================================
 
 Each host is a network namespace (its own interfaces, addresses and ``/etc/hosts``, via
@@ -68,6 +73,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,6 +105,20 @@ S3_CREDENTIALS = ("flowers-s3-key", "flowers-s3-secret-7c41d9e2")
 """Access key and secret of the test S3 server (moto accepts any)."""
 S3_REGION = "us-east-1"
 STATE_FILE = "cluster.json"
+CLIENT_HOST = "fl-client"
+"""The Spark Connect client's host (:attr:`Cluster.client_host`): no Spark process runs there."""
+CONNECT_PORT = 15002
+"""Spark Connect's default port, on fl-driver (:meth:`Cluster.connect_server`)."""
+CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+CONNECT_START_SECONDS = 180.0
+"""Bound on a Connect server's start (spark-submit's JVM, Delta from the Ivy cache, the
+master's executors; about 15 s on the 2-core machine)."""
+CONNECT_DELTA_CONF = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
+"""Delta's SQL extension and catalog, static settings a Connect server needs at its start
+(the job's classic session sets them when it builds itself; a Connect client cannot)."""
 JVM_OPTIONS = (
     "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
     "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
@@ -354,6 +374,8 @@ class Cluster:
             :meth:`submit` gives them to the driver's environment and, unless told not
             to, to the executors' (``spark.executorEnv.*``).
         python: the hosts' Python (default ``.venv-cluster``).
+        client_host: add the host :data:`CLIENT_HOST` (10.88.0.20), where a Spark Connect
+            client runs (:meth:`client`) against :meth:`connect_server`.
     """
 
     base: Path = Path("/var/tmp/flowers-cluster")
@@ -368,6 +390,7 @@ class Cluster:
     s3: bool = False
     mlflow_artifacts: str | None = None
     python: Path = field(default_factory=cluster_python)
+    client_host: bool = False
     hosts: dict[str, Host] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -375,6 +398,8 @@ class Cluster:
         self.hosts["fl-master"] = Host("fl-master", f"{SUBNET}.3")
         for i in range(1, self.workers + 1):
             self.hosts[f"fl-w{i}"] = Host(f"fl-w{i}", f"{SUBNET}.{10 + i}")
+        if self.client_host:
+            self.hosts[CLIENT_HOST] = Host(CLIENT_HOST, f"{SUBNET}.20")
 
     @property
     def shared(self) -> Path:
@@ -383,6 +408,12 @@ class Cluster:
     @property
     def master_url(self) -> str:
         return f"spark://{self.hosts['fl-master'].address}:7077"
+
+    @property
+    def connect_url(self) -> str:
+        """The Spark Connect server's URL (:meth:`connect_server`), reachable from every host
+        and this namespace."""
+        return f"sc://{self.hosts['fl-driver'].address}:{CONNECT_PORT}"
 
     @property
     def mlflow_url(self) -> str:
@@ -647,6 +678,20 @@ class Cluster:
         Returns:
             The spark-submit process; its output goes to ``log``.
         """
+        argv, env = self._spark_submit(conf, env, executor_credentials, executor_s3_env)
+        argv += [str(script or REPO / "jobs" / "train_flowers.py"), *job_args]
+        return self.start("fl-driver", argv, env=env, log=log)
+
+    def _spark_submit(
+        self,
+        conf: dict[str, str] | None,
+        env: dict[str, str] | None,
+        executor_credentials: bool,
+        executor_s3_env: Sequence[str] | None,
+    ) -> tuple[list[str], dict[str, str]]:
+        """spark-submit's options and environment of a driver on fl-driver (:meth:`submit`,
+        :meth:`connect_server`), without the application: the master, Delta, the JVM options,
+        the executors' environment (MLflow credentials, S3) and, with :attr:`s3`, s3a."""
         credentials = self.mlflow_credentials()
         s3 = self.s3_env()
         executors = {
@@ -670,10 +715,87 @@ class Cluster:
             "--conf", "spark.ui.showConsoleProgress=false",
             "--conf", f"spark.executor.extraJavaOptions={JVM_OPTIONS}",
         ]  # fmt: skip
-        for key, value in (conf or {}).items():
+        for key, value in conf.items():
             argv += ["--conf", f"{key}={value}"]
-        argv += [str(script or REPO / "jobs" / "train_flowers.py"), *job_args]
-        return self.start("fl-driver", argv, env=env, log=log)
+        return argv, env
+
+    def connect_server(
+        self,
+        *,
+        conf: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        executor_credentials: bool = True,
+        executor_s3_env: Sequence[str] | None = None,
+        timeout: float = CONNECT_START_SECONDS,
+    ) -> subprocess.Popen[bytes]:
+        """A Spark Connect server (:data:`CONNECT_SERVER_CLASS`, the pyspark wheel's
+        ``spark-connect_2.13`` jar, on Spark's class path already) on fl-driver, listening on
+        :attr:`connect_url` (the driver's address, :data:`CONNECT_PORT`), running its jobs
+        on the cluster's master: spark-submit as :meth:`submit` makes it (Delta from the Ivy
+        cache, the JVM options, the executors' environment with the MLflow credentials
+        unless ``executor_credentials`` is False, :attr:`s3`'s settings; the executors'
+        Python is the hosts' venv, :attr:`python`, as ``PYSPARK_PYTHON`` of the server's
+        environment) plus Delta's SQL extension and catalog, which a Connect client cannot
+        set (static SQL settings). ``conf`` is fixed for every client of the server: a
+        client's session sets runtime SQL settings only (``spark.executorEnv.*``, the fault
+        settings of a test, go here). :meth:`down` stops it with every other process.
+
+        Returns:
+            The server's process (spark-submit's JVM), once the port answers from this
+            namespace; its output goes to ``log`` (default ``<base>/logs/connect-server.out``).
+
+        Raises:
+            ClusterError: the server exited or did not listen within ``timeout`` seconds
+                (the end of its log quoted).
+        """
+        driver = self.hosts["fl-driver"].address
+        conf = {
+            **CONNECT_DELTA_CONF,
+            "spark.connect.grpc.binding.address": driver,
+            "spark.connect.grpc.binding.port": str(CONNECT_PORT),
+            **(conf or {}),
+        }
+        argv, env = self._spark_submit(conf, env, executor_credentials, executor_s3_env)
+        argv += ["--class", CONNECT_SERVER_CLASS, "spark-internal"]
+        log = log or self.base / "logs" / "connect-server.out"
+        log.unlink(missing_ok=True)
+        proc = self.start("fl-driver", argv, env=env, log=log)
+        start = time.monotonic()
+        while True:
+            try:
+                socket.create_connection((driver, CONNECT_PORT), timeout=1).close()
+                return proc
+            except OSError:
+                if proc.poll() is not None or time.monotonic() - start > timeout:
+                    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                    if proc.poll() is None:
+                        proc.kill()
+                    raise ClusterError(
+                        f"no Spark Connect server at {self.connect_url} after "
+                        f"{time.monotonic() - start:.0f} s (exit {proc.poll()}); {log}:\n{tail}"
+                    ) from None
+                time.sleep(0.5)
+
+    def client(
+        self, argv: list[str], *, env: dict[str, str] | None = None, log: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Run ``argv`` on the client host fl-client (:attr:`client_host`), the machine of a
+        Spark Connect client (``flowers-job run --remote`` :attr:`connect_url`): it sees the
+        shared dir as the driver host does, reaches the servers of fl-driver over the
+        bridge, and runs no Spark: its environment has the MLflow credentials and
+        :meth:`s3_env`, as a user's shell would (the job's driver side runs here).
+
+        Returns:
+            The process; its output goes to ``log``.
+
+        Raises:
+            ClusterError: the cluster has no client host.
+        """
+        if CLIENT_HOST not in self.hosts:
+            raise ClusterError(f"no {CLIENT_HOST} host: Cluster(client_host=True)")
+        env = {**self.mlflow_credentials(), **self.s3_env(), **(env or {})}
+        return self.start(CLIENT_HOST, argv, env=env, log=log)
 
     def mlflow_credentials(self) -> dict[str, str]:
         """The MLflow server's credentials as MLflow's client reads them (none without
@@ -728,7 +850,7 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/cluster.py", description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=["env", "jars", "up", "down", "submit"])
+    parser.add_argument("command", choices=["env", "jars", "up", "down", "submit", "client"])
     parser.add_argument("--base", type=Path, default=Cluster.base)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-cores", type=int, default=1)
@@ -737,7 +859,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-shared-dir", action="store_true", help="no directory shared by the hosts (up, submit)"
     )
-    parser.add_argument("job_args", nargs="*", help="after --: the job's arguments (submit)")
+    parser.add_argument(
+        "--connect",
+        action="store_true",
+        help="the client host fl-client and a Spark Connect server on fl-driver (up, client)",
+    )
+    parser.add_argument(
+        "job_args", nargs="*", help="after --: the job's arguments (submit), a command (client)"
+    )
     args = parser.parse_args(argv)
     if args.command == "env":
         print(make_env())
@@ -753,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         loopback_names=args.loopback_names,
         s3=args.s3,
         shared_dir=not args.no_shared_dir,
+        client_host=args.connect or args.command == "client",
     )
     if args.command == "down":
         cluster.down()
@@ -766,8 +896,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"master {cluster.master_url}, MLflow {cluster.mlflow_url}, shared {cluster.shared}")
         if cluster.s3:
             print(f"S3 {cluster.s3_endpoint} ({', '.join(cluster.s3_env())} in submit's env)")
+        if args.connect:
+            cluster.connect_server()
+            print(f"Spark Connect {cluster.connect_url}, client host {CLIENT_HOST}")
         return 0
-    return cluster.submit(args.job_args).wait()
+    # client: on a cluster brought up with --connect
+    run = cluster.client if args.command == "client" else cluster.submit
+    return run(args.job_args).wait()
 
 
 if __name__ == "__main__":
