@@ -109,6 +109,10 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 JOB = "flowers_train"
+TARGETS = ("dev", "prod", "standard")
+"""Every target of databricks.yml: dev and prod on classic compute (dedicated access mode,
+Databricks Runtime ML), standard on Spark Connect compute (standard access mode)."""
+CLASSIC_TARGETS = ("dev", "prod")
 VAR_REF = re.compile(r"\$\{var\.([^.}\[]+)")
 
 
@@ -365,6 +369,72 @@ def test_dev_trains_on_one_cpu_node_in_local_mode(bundle: dict[str, Any]) -> Non
     assert cluster["num_workers"] == 0
     assert cluster["spark_conf"]["spark.databricks.cluster.profile"] == "singleNode"
     assert "-cpu-ml-" in _substitute(cluster["spark_version"], _variables(bundle, "dev"))
+
+
+def _access_mode_problems(cluster: dict[str, Any], values: dict[str, str]) -> list[str]:
+    """What Databricks refuses in a job cluster's access mode (checked 2026-11-28, "Standard
+    compute requirements and limitations", docs.databricks.com/aws/en/compute/
+    standard-limitations: "Databricks Runtime for ML is not supported", "GPU-enabled compute
+    is not supported"; "Dedicated compute overview": dedicated for "RDD APIs" and "GPU
+    instances"): an ML runtime or a GPU setting in standard access mode (USER_ISOLATION), or
+    an access mode that is neither standard nor dedicated (no Unity Catalog)."""
+    mode = cluster.get("data_security_mode")
+    if mode == "SINGLE_USER":
+        return []
+    if mode != "USER_ISOLATION":
+        return [f"data_security_mode {mode!r} is neither SINGLE_USER nor USER_ISOLATION"]
+    problems = []
+    runtime = _substitute(str(cluster.get("spark_version", "")), values)
+    if "-ml-" in runtime or "-gpu-" in runtime:
+        problems.append(f"{runtime}: Databricks Runtime ML in standard access mode")
+    gpu = {k for k in cluster.get("spark_conf") or {} if ".resource.gpu." in k}
+    if gpu:
+        problems.append(f"GPU settings {sorted(gpu)} in standard access mode")
+    return problems
+
+
+def test_classic_targets_keep_dedicated_access_mode(bundle: dict[str, Any]) -> None:
+    """dev and prod stay classic: a Databricks Runtime ML in dedicated (single user) access
+    mode, the job's classic Spark path (the executor probe and restarts use the SparkContext)."""
+    assert set(bundle["targets"]) == set(TARGETS), sorted(bundle["targets"])
+    for target in CLASSIC_TARGETS:
+        cluster = _job_cluster(bundle, target)
+        assert cluster["data_security_mode"] == "SINGLE_USER", target
+        assert "-ml-" in _substitute(cluster["spark_version"], _variables(bundle, target))
+
+
+def test_standard_trains_on_spark_connect_compute(bundle: dict[str, Any]) -> None:
+    """standard: a job cluster in standard access mode (a Spark Connect session) on the plain
+    runtime with CPU workers, ranks as barrier tasks on the workers (TorchDistributor's
+    mapInArrow path) with gloo, one per worker node, reading with Mosaic Streaming."""
+    values = _variables(bundle, "standard")
+    cluster = _job_cluster(bundle, "standard")
+    assert cluster["data_security_mode"] == "USER_ISOLATION"
+    assert _substitute(cluster["spark_version"], values) == f"{values['dbr_version']}-scala2.13"
+    assert cluster["node_type_id"] == "${var.cpu_node_type}"
+    assert _access_mode_problems(cluster, values) == []
+    settings = _settings(_task_args(bundle, "standard"))
+    assert settings["data.loader"] == "streaming"
+    assert settings["distributed.local_mode"] == "false"
+    assert settings["distributed.use_gpu"] == "false"
+    assert settings["distributed.num_processes"] == values["num_workers"]
+    assert cluster["spark_conf"]["spark.task.cpus"] == "4"  # a node's vCPUs: a rank per node
+    # the credentials and the allocator tuning come from the shared job cluster, as classic's
+    assert cluster["spark_env_vars"] == _job_cluster(bundle, "dev")["spark_env_vars"]
+
+
+def test_access_mode_rules_catch_what_databricks_refuses(bundle: dict[str, Any]) -> None:
+    """The rules hold for every target, and are not vacuous: prod's GPU runtime and GPU task
+    setting, or dev's ML runtime, in standard access mode are refused, as is no access mode."""
+    for target in TARGETS:
+        values = _variables(bundle, target)
+        assert _access_mode_problems(_job_cluster(bundle, target), values) == [], target
+    prod = {**_job_cluster(bundle, "prod"), "data_security_mode": "USER_ISOLATION"}
+    assert len(_access_mode_problems(prod, _variables(bundle, "prod"))) == 2
+    dev = {**_job_cluster(bundle, "dev"), "data_security_mode": "USER_ISOLATION"}
+    assert len(_access_mode_problems(dev, _variables(bundle, "dev"))) == 1
+    none = {**_job_cluster(bundle, "standard"), "data_security_mode": "NONE"}
+    assert len(_access_mode_problems(none, _variables(bundle, "standard"))) == 1
 
 
 def test_tracking_goes_to_databricks_and_unity_catalog(bundle: dict[str, Any]) -> None:
@@ -803,7 +873,7 @@ def _typed_variables(bundle: dict[str, Any], target: str) -> dict[str, Any]:
     return values
 
 
-@pytest.mark.parametrize("target", ["dev", "prod"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_bundle_with_the_targets_values_validates(
     bundle: dict[str, Any], schema_validator: Any, target: str
 ) -> None:
@@ -855,7 +925,7 @@ def _pairs(node: Any) -> Iterator[tuple[str, Any]]:
             yield from _pairs(item)
 
 
-@pytest.mark.parametrize("target", ["dev", "prod"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_executors_get_databricks_credentials_from_a_secret_scope(
     bundle: dict[str, Any], target: str
 ) -> None:
@@ -998,7 +1068,7 @@ def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
         assert not hit, f"{src} is copied by the Dockerfile but excluded by .dockerignore {hit}"
 
 
-@pytest.mark.parametrize("target", ["dev", "prod"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_clusters_run_with_the_allocator_tuning(bundle: dict[str, Any], target: str) -> None:
     """Every process of the job cluster gets flowers_job.runtime.allocator's glibc settings."""
     from flowers_job.runtime.allocator import ALLOCATOR_ENV
