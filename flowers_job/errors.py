@@ -74,7 +74,8 @@ class ConfigError(FlowersJobError, ValueError):
 class ClusterError(ConfigError):
     """The configuration does not fit the Spark cluster: task slots or GPUs, a placement of
     ranks the loader cannot read with, storage or tracking credentials the executors lack,
-    too few live executors to restart, a Spark Connect session. Raised on the driver right
+    too few live executors to restart, a loader or local-mode GPUs a Spark Connect session
+    cannot run, a Connect server that does not answer. Raised on the driver right
     after Spark starts (:mod:`flowers_job.cluster`) or before a restart, before any work.
     A :class:`ConfigError`, as before it had a class of its own. Exit status 2."""
 

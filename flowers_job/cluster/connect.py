@@ -5,9 +5,13 @@ serverless compute and standard access mode. The job runs on both through the Da
 (``mapInPandas``/``mapInArrow``, barrier ``mapInArrow``, SQL, job tags, session artifacts),
 which both have; the few facts classic Spark reads from its ``SparkContext`` come from a
 short Spark job or the session's settings on Connect (:func:`spark_master`,
-:func:`default_parallelism`). What stays classic-only is named by the code that needs it,
-from a real attempt: Petastorm's converter reads ``DataFrame._jdf``
-(:attr:`flowers_job.loaders.base.Loader.classic_only`), and the refusal names Streaming.
+:func:`default_parallelism`). What Connect cannot do is named by the code that needs it,
+from a real attempt: there the driver cannot remove an executor that stopped answering
+before a restart (``killExecutors``, the status store: :mod:`flowers_job.cluster.session`),
+nor tell a task's GPU slots unless the server's settings give them. A loader that needs
+classic Spark says so (:attr:`flowers_job.loaders.base.Loader.classic_only`) and is refused
+on Connect before any work; neither registered loader does (Petastorm's here never calls
+``make_spark_converter``, whose ``DataFrame._jdf`` Connect lacks).
 
 What makes a Python process use Spark Connect (pyspark 4.0's ``SparkSession.builder``,
 ``pyspark.sql.utils.is_remote``, ``pyspark.util.default_api_mode``):
