@@ -132,11 +132,14 @@ def test_predict_table_over_spark_connect(connect_run: dict[str, Any], connect_u
     (``--output-dir``: its summary), on the same server: one output row per input row."""
     out, summary = connect_run["out"], connect_run["summary"]
     assert connect_run["proc"].returncode == 0, connect_run["proc"].stderr[-3000:]
+    # the run's store, whatever an earlier test of this process left in MLFLOW_TRACKING_URI
+    env = {**os.environ, "MLFLOW_TRACKING_URI": summary["mlflow_tracking_uri"]}
     proc = run_cli(
         *("predict", "--remote", connect_url, "--output-dir", str(out)),
         *("--table", summary["tables"]["images"], "--split", "test"),
         *("--output-table", str(out / "predictions")),
         timeout=JOB_SECONDS,
+        env=env,
     )
     assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]
     report = json.loads(proc.stdout[proc.stdout.index("{") :])
