@@ -152,7 +152,7 @@ def get_spark(
     for key, value in settings.items():
         builder = builder.config(key, value)
     spark = configure_spark_with_delta_pip(builder, extra_packages=packages).getOrCreate()
-    if not is_connect_session(spark):  # SPARK_REMOTE: the job's entry points refuse it
+    if not is_connect_session(spark):  # SPARK_REMOTE made it Connect: no SparkContext
         spark.sparkContext.setLogLevel(os.environ.get("FLOWERS_SPARK_LOG_LEVEL", "WARN"))
     return spark
 
