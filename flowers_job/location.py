@@ -28,6 +28,7 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -39,6 +40,7 @@ __all__ = [
     "S3_SCHEMES",
     "Location",
     "LocationValue",
+    "conditional_writes_missing",
     "copy_files_up",
     "filesystem",
     "is_remote",
@@ -218,6 +220,12 @@ class Location:
             with fs.open_output_stream(path) as f:
                 f.write(data)
             return
+        self._publish_local(data, os.replace)
+
+    def _publish_local(self, data: bytes, publish: Callable[[str, Path], None]) -> None:
+        """Write ``data`` to a temp file beside this local file (``fsync``), then
+        ``publish(temp, target)`` it (``os.replace``, or ``os.link``, which fails when the
+        target exists); the temp file never stays."""
         target = self.local_path
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -226,12 +234,51 @@ class Location:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
+            publish(tmp, target)
         finally:
             Path(tmp).unlink(missing_ok=True)
 
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
+
+    def create_bytes(self, data: bytes) -> bool:
+        """Write ``data`` only if nothing is there yet, in one atomic step: a put-if-absent.
+
+        A local file: ``data`` goes to a temp file in the same directory (``fsync``), which
+        ``os.link`` then names ``self`` (``link(2)`` fails with ``EEXIST`` when the name is
+        taken, atomically, on POSIX file systems and NFS). S3: one ``PutObject`` with
+        ``If-None-Match: *`` (S3's conditional write, 2024-08; boto3's standard credential
+        chain and ``AWS_ENDPOINT_URL``). Of several concurrent callers exactly one gets True,
+        and a reader sees no file or the whole of it.
+
+        Returns:
+            True when this call created it; False when it existed already.
+
+        Raises:
+            NotImplementedError: a store without a put-if-absent here
+                (:meth:`create_problem` says why).
+            botocore.exceptions.ClientError: S3 refused the put for another reason.
+        """
+        if self.is_local:
+            try:
+                self._publish_local(data, os.link)
+            except FileExistsError:
+                return False
+            return True
+        problem = self.create_problem()
+        if problem is not None:
+            raise NotImplementedError(problem)
+        return _s3_put_if_absent(self.sdk_url, data)
+
+    def create_problem(self) -> str | None:
+        """Why :meth:`create_bytes` cannot run on this location's store; None when it can
+        (local and mounted paths; S3 with a botocore that has conditional writes)."""
+        if self.is_local:
+            return None
+        scheme = urlparse(self.url).scheme
+        if scheme not in S3_SCHEMES:
+            return f"{scheme}:// has no put-if-absent in this job (only S3 and local paths)"
+        return conditional_writes_missing()
 
     def iterdir(self) -> list[Location]:
         """The direct children, sorted by name; empty for a missing directory."""
@@ -303,6 +350,48 @@ class Location:
             fs.delete_dir_contents(path, missing_dir_ok=True)
             if fs.get_file_info(path).type == pafs.FileType.Directory:
                 fs.delete_dir(path)
+
+
+def conditional_writes_missing() -> str | None:
+    """Why this Python cannot make S3 conditional writes (no boto3, or a botocore older than
+    ``PutObject``'s ``If-None-Match`` and ``If-Match``, botocore 1.35, 2024); None: it can."""
+    try:
+        import botocore.session
+    except ImportError:
+        return "boto3 is not installed (pip install 'flowers-job[s3]')"
+    put = botocore.session.get_session().get_service_model("s3").operation_model("PutObject")
+    if not {"IfNoneMatch", "IfMatch"} <= set(put.input_shape.members):
+        return f"botocore {botocore.__version__} predates S3's conditional writes"
+    return None
+
+
+CONFLICT_RETRIES = 5
+"""Tries of a conditional put that S3 answers 409 ConditionalRequestConflict (another
+conditional write to the same key in flight: AWS's advice is to retry)."""
+
+
+def _s3_put_if_absent(sdk_url: str, data: bytes) -> bool:
+    """``PutObject`` with ``If-None-Match: *`` of ``s3://bucket/key``: True if created,
+    False on 412 Precondition Failed (the key exists)."""
+    import time
+
+    import boto3
+    from botocore.exceptions import ClientError
+
+    bucket, _, key = sdk_url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3")  # the standard chain: AWS_*, ~/.aws, a profile
+    for attempt in range(CONFLICT_RETRIES):
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 412:
+                return False
+            if status != 409 or attempt == CONFLICT_RETRIES - 1:
+                raise
+            time.sleep(0.1 * 2**attempt)
+    return False
 
 
 def to_location(value: Any) -> Location:

@@ -59,7 +59,7 @@ from filelock import FileLock, Timeout
 
 from flowers_job.errors import OutputInUseError
 from flowers_job.ingest.retention import sole_writer
-from flowers_job.location import S3_SCHEMES, Location
+from flowers_job.location import S3_SCHEMES, Location, conditional_writes_missing
 from flowers_job.runtime.parent_watch import driver_identity, process_alive
 
 __all__ = [
@@ -345,19 +345,6 @@ class _S3Lease:
             self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
 
 
-def _conditional_writes_missing() -> str | None:
-    """Why this Python cannot take an S3 lease (no boto3, or a botocore older than S3's
-    conditional writes: ``PutObject`` with ``If-None-Match`` and ``If-Match``); None: it can."""
-    try:
-        import botocore.session
-    except ImportError:
-        return "boto3 is not installed"
-    put = botocore.session.get_session().get_service_model("s3").operation_model("PutObject")
-    if not {"IfNoneMatch", "IfMatch"} <= set(put.input_shape.members):
-        return f"botocore {botocore.__version__} predates S3's conditional writes"
-    return None
-
-
 _HELD: dict[str, tuple[OutputLease, int]] = {}
 _HELD_LOCK = threading.Lock()
 
@@ -392,7 +379,7 @@ class OutputLease:
         scheme = self.output.url.partition("://")[0]
         if self.output.is_local:
             self._impl = _DiskLease(self.output, self.holder)
-        elif scheme in S3_SCHEMES and (missing := _conditional_writes_missing()) is None:
+        elif scheme in S3_SCHEMES and (missing := conditional_writes_missing()) is None:
             self._impl = _S3Lease(self.output, self.holder, heartbeat_seconds, stale_after_seconds)
         else:
             why = missing if scheme in S3_SCHEMES else f"{scheme}:// has no conditional write"
