@@ -1,40 +1,53 @@
-"""The loader cache (driver side): each split written once per content, reused by later runs.
+"""The loader cache (driver side): each split written once per content, reused by later runs,
+on a disk and on an object store alike.
 
 A loader's copy of a split (Petastorm's Parquet, Streaming's MDS shards) is an **entry** of
 the cache root ``paths.cache_url`` (default ``<output_dir>/loader_cache``), keyed by what
 decides its bytes and its plan (:func:`entry_key`): the ``images`` table (path and Delta
-table id), its Delta version, the split, the loader, and the loader's settings
-(:meth:`~flowers_job.loaders.base.Loader.cache_settings`). A later ``run``, ``train`` or
-``--resume`` on the same version reads the entry and writes no byte of it.
+table id), its Delta version, the split, the loader, the loader's settings
+(:meth:`~flowers_job.loaders.base.Loader.cache_settings`) and the cache's layout
+(:data:`CACHE_FORMAT`). A later ``run``, ``train`` or ``--resume`` on the same version reads
+the entry and writes no byte of it.
 
-Layout of the root::
+Layout of the root (a local or mounted directory, or an ``s3a://`` prefix)::
 
-    entries/<loader>-<split>-v<version>-<key>/   a complete entry:
-        <the loader's files>
-        entry.json        what it was built from, its bytes, when, how long it took
-        plan.json         its ShardPlan, written last (with paths relative to the entry)
-        last_used         touched by every run that uses it: the LRU order
-        users/<run>.json  the drivers reading it now (host, pid, start time)
-    locks/<key>.lock      held while an entry is written
-    run-<id>/             one run's staging folder, with owner.json
+    entries/<loader>-<split>-v<version>-<key>/
+        entry.json          the marker: what it was built from, its bytes, its plan, and
+                            which data folder is the entry's; written last, by one
+                            put-if-absent (the entry is published when it exists)
+        data-run-<id>/      one writer's files (the marker names the winner's)
+        last_used           rewritten by every run that uses it: the LRU order
+        users/run-<id>.json the drivers reading it now (host, pid, start time): leases
+    locks/<key>.lock        a disk only: held while an entry is written (saves duplicate work)
+    run-<id>/owner.json     a run's identity, while it runs (the sweep of dead writers)
 
-**Safe under concurrency.** An entry is written in the run's staging folder and published
-by one ``rename`` into ``entries/`` (atomic on a POSIX file system), so a partly written
-entry is never read. Writers of the same key take its file lock (``filelock``) first; the
-loser waits (``cache.lock_timeout_seconds``), then finds the entry published and reuses it.
+**One publish protocol, two stores.** A writer writes its files under its own prefix
+``data-run-<id>/`` and then publishes them by one put-if-absent of ``entry.json``
+(:meth:`flowers_job.location.Location.create_bytes`: ``link(2)`` of a complete temp file on
+a disk, ``PutObject`` with ``If-None-Match: *`` on S3, whose reads are strongly consistent
+after a write since 2020-12). Readers trust only a published marker, and read only the
+data folder it names, so a partly written folder is never read. Concurrent writers of the
+same key duplicate work but never corrupt an entry: one put wins; the losers remove their
+own folder and read the winner's. On a disk, writers of a key also take its file lock
+(``filelock``) first, so that the second waits (``cache.lock_timeout_seconds``) and reuses
+the entry instead of writing it again; S3 has no locks, and needs none for correctness.
 
 **Bounded.** When a run's entries are ready, entries are evicted least-recently-used first
 while the cache holds more than ``cache.max_bytes``, except this run's and any that a live
-driver is reading (its ``users/`` file). A staging folder whose driver is dead (killed with
-SIGKILL, say) is swept at the next start (:func:`sweep_orphaned_caches`), with what each
-loader left on this host outside it (:meth:`~flowers_job.loaders.base.Loader.sweep`).
-Before a split is written, the free space of the cache's file system is checked against
-the split's size (:func:`check_cache_space`).
+driver reads (its lease in ``users/``). A reader writes its lease before it reads the
+marker; the evictor removes the marker, looks at the leases again, and puts the marker back
+if a reader came meanwhile, so an entry is never removed under a reader (on either store).
+A writer's folder whose driver is dead (killed with SIGKILL, say) is swept at the next
+start (:func:`sweep_orphaned_caches`), with what each loader left on this host
+(:meth:`~flowers_job.loaders.base.Loader.sweep`). Before a split is written to a disk, its
+free space is checked against the split's size (:func:`check_cache_space`).
 
-A cache root in an object store (``s3a://...``) is written per run under the run's staging
-folder and never reused (an object store has no atomic rename to publish an entry by, nor
-file locks); the folder is removed when the run ends, whatever happens, and a folder left
-by a driver that was killed is swept at a later start, like a local one.
+A store without a put-if-absent here (``gs://``, ``abfss://``, or S3 from a Python without
+boto3's conditional writes) gets the old behaviour, said in the log: each split is written
+under the run's folder for that run only, and removed when it ends.
+
+Entries of the layout before :data:`CACHE_FORMAT` 3 (published by a rename, with a separate
+``plan.json``) have other keys: they are never read again, and are evicted by age.
 """
 
 from __future__ import annotations
@@ -44,7 +57,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import socket
 import time
@@ -65,10 +77,15 @@ from flowers_job.location import Location
 from flowers_job.runtime.parent_watch import driver_identity, process_alive
 
 __all__ = [
+    "CACHE_FORMAT",
     "CACHE_SPACE_FACTOR",
     "CACHE_SPACE_HEADROOM_BYTES",
+    "ENTRIES",
+    "ENTRY_FILE",
+    "LAST_USED",
     "ORPHAN_AGE_SECONDS",
     "OWNER_FILE",
+    "USERS",
     "CacheUse",
     "LoaderCache",
     "cache_bytes_needed",
@@ -92,48 +109,79 @@ CACHE_SPACE_FACTOR = 1.1
 CACHE_SPACE_HEADROOM_BYTES = 1 << 20
 """A split's cache needs ``table size x 1.1 + 1 MiB``: the images are JPEG in both the Delta
 table and the uncompressed cache, plus Parquet footers and Hadoop's .crc files."""
+CACHE_FORMAT = 3
+"""The entries' layout, part of every key: 3 is a marker published by a put-if-absent over
+a writer's own data folder (2 and before: a folder published by a rename)."""
+
+ENTRIES = "entries"
+LOCKS = "locks"
+ENTRY_FILE = "entry.json"
+"""The marker of a published entry (module doc)."""
+LEGACY_PLAN_FILE = "plan.json"
+"""An entry of layout 2 was published when this existed."""
+LAST_USED = "last_used"
+USERS = "users"
+DATA_PREFIX = "data-"
+_HERE = "{entry}"
+"""Stands for the entry's data folder in a stored plan."""
+
+
+def _alive(owner: dict[str, Any]) -> bool:
+    """Whether the driver ``owner`` (:func:`driver_identity`) still runs: checked on this
+    host; a driver on another host counts as alive for :data:`ORPHAN_AGE_SECONDS`."""
+    if owner.get("host") == socket.gethostname():
+        return process_alive(owner)
+    return time.time() - float(owner.get("create_time", 0.0)) < ORPHAN_AGE_SECONDS
+
+
+def _read_json(loc: Location) -> Any:
+    """``loc``'s JSON, or None when it is missing or unreadable."""
+    try:
+        return json.loads(loc.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
-    """Remove the ``run-*`` cache folders whose driver is dead (local or object store).
+    """Remove what runs whose driver is dead left in the cache root (local or object store):
+    their ``run-*`` folder and their unpublished writer folders under ``entries/``.
 
-    A folder is orphaned when its ``owner.json`` names a driver on this host that no
-    longer exists, or a driver elsewhere that started more than :data:`ORPHAN_AGE_SECONDS`
-    ago. Folders without ``owner.json`` are not ours and are left alone. For a local folder
-    of this host, each registered loader also removes what its readers left outside it.
+    A run is dead when its ``owner.json`` names a driver on this host that no longer
+    exists, or a driver elsewhere that started more than :data:`ORPHAN_AGE_SECONDS` ago.
+    Folders without ``owner.json`` are not ours and are left alone; a data folder that a
+    published marker names is never removed here. For a local folder of this host, each
+    registered loader also removes what its readers left outside it.
 
     Returns:
-        The folders removed.
+        The ``run-*`` folders removed.
     """
     parent = Location.of(cache_parent_url)
-    for trash in parent.glob("trash-*"):  # an evicted entry whose removal was cut short
+    for trash in parent.glob("trash-*"):  # an evicted layout-2 entry, its removal cut short
         with contextlib.suppress(OSError):
             trash.rmtree()
     removed = []
     for folder in parent.glob("run-*"):
-        try:
-            owner = json.loads((folder / OWNER_FILE).read_text())
-        except (OSError, ValueError):
+        owner = _read_json(folder / OWNER_FILE)
+        if not isinstance(owner, dict) or _alive(owner):
             continue
-        here = owner.get("host") == socket.gethostname()
-        dead = (
-            not process_alive(owner)
-            if here
-            else time.time() - float(owner.get("create_time", 0.0)) > ORPHAN_AGE_SECONDS
+        log.warning(
+            "removing the loader cache %s of a run that was killed (driver pid %s on %s)",
+            folder,
+            owner.get("pid"),
+            owner.get("host"),
         )
-        if dead:
-            log.warning(
-                "removing the loader cache %s of a run that was killed (driver pid %s on %s)",
-                folder,
-                owner.get("pid"),
-                owner.get("host"),
-            )
-            with contextlib.suppress(OSError):
-                folder.rmtree()
-            if here and folder.is_local:
-                for registered in registered_loaders():
-                    registered.sweep(folder.local_path)
-            removed.append(folder)
+        for entry in (parent / ENTRIES).iterdir():
+            data = entry / f"{DATA_PREFIX}{folder.name}"
+            marker = _read_json(entry / ENTRY_FILE)
+            if not (isinstance(marker, dict) and marker.get("data") == data.name):
+                with contextlib.suppress(OSError):
+                    data.rmtree()
+        with contextlib.suppress(OSError):
+            folder.rmtree()
+        if folder.is_local and owner.get("host") == socket.gethostname():
+            for registered in registered_loaders():
+                registered.sweep(folder.local_path)
+        removed.append(folder)
     return removed
 
 
@@ -154,6 +202,8 @@ def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
     folder = local_dir(cache_dir_url)
     if folder is None:
         return  # object stores and DBFS report no meaningful free space
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # the volume it will be on
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
         raise DataError(
@@ -165,15 +215,15 @@ def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
 
 @contextmanager
 def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
-    """This run's cache folder ``<cache_parent_url>/run-<id>``: created with its
-    ``owner.json`` (after sweeping orphans), removed on exit whatever happens (in an
-    object store too: every key under it).
+    """This run's folder ``<cache_parent_url>/run-<id>``: created with its ``owner.json``
+    (after sweeping orphans), removed on exit whatever happens (in an object store too:
+    every key under it).
 
     Yields:
         ``(cache_url, local_folder)``; the folder is None for a cache that is not local.
     """
     sweep_orphaned_caches(cache_parent_url)
-    cache_url = f"{cache_parent_url}/run-{uuid.uuid4().hex[:12]}"
+    cache_url = f"{cache_parent_url.rstrip('/')}/run-{uuid.uuid4().hex[:12]}"
     run = Location.of(cache_url)
     folder = run.local_path if run.is_local else None
     if folder is not None:
@@ -186,16 +236,6 @@ def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
             run.rmtree()  # local or in an object store
         except OSError as exc:
             log.warning("could not remove this run's loader cache %s: %s", cache_url, exc)
-
-
-ENTRIES = "entries"
-LOCKS = "locks"
-ENTRY_FILE = "entry.json"
-PLAN_FILE = "plan.json"
-LAST_USED = "last_used"
-USERS = "users"
-_HERE = "{entry}"
-"""Stands for the entry's own URL in a stored plan: entries are published by a rename."""
 
 
 def entry_key(fields: dict[str, Any]) -> str:
@@ -221,94 +261,119 @@ class CacheUse:
     """How a run got one split's cache: for ``summary.json`` (``loader_cache``)."""
 
     entry: str
-    """The entry's folder name (or the staging folder's, for a cache that is not local)."""
+    """The entry's folder name (or the staging folder's, for a store without publishing)."""
     reused: bool
-    """True when the entry existed and nothing was written."""
+    """True when this run reads an entry it did not publish: written by an earlier run, or
+    by a concurrent one whose publish won."""
     bytes_written: int
-    """Bytes this run wrote for it (0 when reused)."""
+    """Bytes this run wrote to the cache's store for it, on any store: 0 when the entry
+    existed; a concurrent writer that lost the publish counts what it wrote (and removed)."""
     seconds: float
     """Time to find or write it, waiting for another writer's lock included (s)."""
     waited_seconds: float = 0.0
-    """Of which waiting for the lock of another run writing the same entry (s)."""
+    """Of which waiting for the lock of another run writing the same entry (s; disk only)."""
+    lost_publish: bool = False
+    """This run wrote the entry too, and another run published it first."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _users_alive(entry: Path, skip: str) -> list[str]:
-    """The runs other than ``skip`` whose drivers read ``entry`` and still run (a driver on
-    another host counts as alive for :data:`ORPHAN_AGE_SECONDS`)."""
+def _users_alive(entry: Location, skip: str) -> list[str]:
+    """The runs other than ``skip`` whose drivers read ``entry`` and still run
+    (:func:`_alive`); the leases of dead ones are removed."""
     alive = []
-    for f in sorted((entry / USERS).glob("*.json")):
-        if f.stem == skip:
+    for f in (entry / USERS).glob("*.json"):
+        name = f.name.removesuffix(".json")
+        if name == skip:
             continue
-        try:
-            owner = json.loads(f.read_text())
-        except (OSError, ValueError):
+        owner = _read_json(f)
+        if not isinstance(owner, dict):
             continue
-        here = owner.get("host") == socket.gethostname()
-        if (
-            process_alive(owner)
-            if here
-            else time.time() - float(owner.get("create_time", 0.0)) < ORPHAN_AGE_SECONDS
-        ):
-            alive.append(f.stem)
+        if _alive(owner):
+            alive.append(name)
         else:
             with contextlib.suppress(OSError):
                 f.unlink()  # a reader that died: it no longer holds the entry
     return alive
 
 
-def _remove_entry(entry: Path) -> None:
-    """Unpublish (``plan.json`` first, so the entry is never read half removed), then
-    delete."""
-    with contextlib.suppress(OSError):
-        (entry / PLAN_FILE).unlink()
-    trash = entry.parent.parent / f"trash-{uuid.uuid4().hex[:12]}"
-    try:
-        entry.rename(trash)
-    except OSError:
-        trash = entry
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _entry_info(entry: Path) -> dict[str, Any] | None:
-    try:
-        info = json.loads((entry / ENTRY_FILE).read_text())
-    except (OSError, ValueError):
+def _entry_info(entry: Location) -> dict[str, Any] | None:
+    """A published entry's marker; None when the entry is not published. Layout 2 entries
+    (``plan.json`` beside ``entry.json``) count, for eviction."""
+    info = _read_json(entry / ENTRY_FILE)
+    if not isinstance(info, dict):
         return None
-    return info if isinstance(info, dict) and (entry / PLAN_FILE).is_file() else None
+    if "data" in info or (entry / LEGACY_PLAN_FILE).is_file():
+        return info
+    return None
 
 
-def check_entry(entry: Path, stored: Any, loader: Loader, fields: dict[str, Any]) -> None:
+def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
+    """Unpublish ``entry`` (its marker first, so that it is never read half removed), then
+    delete its data; unless a reader leased it meanwhile: then the marker is put back.
+    Only the published data folder goes: a concurrent writer's folder is its own.
+
+    Returns:
+        Whether the entry was removed.
+    """
+    marker = entry / ENTRY_FILE
+    try:
+        saved = marker.read_bytes()
+        marker.unlink()
+    except OSError:
+        return False
+    if _users_alive(entry, run_id):  # a reader leased it between our look and the unlink
+        marker.create_bytes(saved)
+        return False
+    data = info.get("data")
+    with contextlib.suppress(OSError):
+        if data is None:  # layout 2: the whole folder was the entry
+            entry.rmtree()
+        else:
+            (entry / str(data)).rmtree()
+            (entry / LAST_USED).unlink(missing_ok=True)
+            if entry.is_local:
+                for leftover in (entry / USERS, entry):
+                    with contextlib.suppress(OSError):
+                        leftover.local_path.rmdir()  # empty unless a writer is at work
+    return True
+
+
+def check_entry(
+    entry: Location, info: dict[str, Any], loader: Loader, fields: dict[str, Any]
+) -> None:
     """Refuse a published entry that this job did not write for ``fields``, before any of
     its files is read.
 
-    The job writes ``entry.json`` with the ``fields`` the entry's name is the key of, and a
-    plan whose every path is inside the entry (written as :data:`_HERE`). An entry whose
-    ``entry.json`` is missing or names other fields, or whose ``plan.json`` names another
-    loader or any path outside the entry, was put there by someone else (a cache root on a
-    shared path such as ``/dbfs/tmp``) and is not read. Someone who can write the cache root
-    can forge both files: what the loaders open is checked again where they open it (the
-    Petastorm ranks open only the plan's own files, never a folder whose metadata Petastorm
-    would unpickle: :func:`~flowers_job.loaders.petastorm.petastorm_loader.check_cache_files`).
+    The job's marker holds the ``fields`` the entry's name is the key of, the name of a data
+    folder of this entry, and a plan whose every path is inside that folder (written as
+    :data:`_HERE`). A marker that names other fields, another loader's plan, a data folder
+    elsewhere or any path outside it was put there by someone else (a cache root on a shared
+    path such as ``/dbfs/tmp``) and is not read. Someone who can write the cache root can
+    forge it: what the loaders open is checked again where they open it (the Petastorm ranks
+    open only the plan's own files, never a folder whose metadata Petastorm would unpickle:
+    :func:`~flowers_job.loaders.petastorm.petastorm_loader.check_cache_files`).
 
     Raises:
         DataError: naming the entry and what is wrong; the entry is left as it is.
     """
-    info = _entry_info(entry)
     expected = json.loads(json.dumps(fields, default=str))
+    stored = info.get("plan")
+    data = info.get("data")
     problem = None
-    if info is None or info.get("fields") != expected:
+    if info.get("fields") != expected:
         problem = f"its {ENTRY_FILE} does not describe the key {entry_key(fields)}"
+    elif not (isinstance(data, str) and data.startswith(DATA_PREFIX) and "/" not in data):
+        problem = f"its {ENTRY_FILE} names no data folder of its own"
     elif not isinstance(stored, dict) or stored.get("loader") != loader.name:
-        problem = f"its {PLAN_FILE} is not a {loader.name} plan"
+        problem = f"its {ENTRY_FILE} holds no {loader.name} plan"
     else:
         outside = [
             p for k, v in stored.items() if k != "loader" for p in _strings(v) if not _inside(p)
         ]
         if outside:
-            problem = f"its {PLAN_FILE} names {outside[0]!r}, outside the entry"
+            problem = f"its plan names {outside[0]!r}, outside the entry"
     if problem:
         raise DataError(
             f"the loader cache entry {entry} was not written by this job: {problem}; "
@@ -333,26 +398,27 @@ def _inside(text: str) -> bool:
     return text == _HERE or (text.startswith(_HERE + "/") and ".." not in text.split("/"))
 
 
-def evict(root: Path, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
+def evict(root: Location | Path | str, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
     """Evict entries under ``root`` least-recently-used first until they hold at most
     ``max_bytes``; never those named in ``keep`` nor those a live driver reads.
 
     Returns:
         The names of the entries removed.
     """
+    root = Location.of(root)
     entries = []
-    for entry in (root / ENTRIES).glob("*"):
+    for entry in (root / ENTRIES).iterdir():
         info = _entry_info(entry)
         if info is None:
             continue
         try:
-            used = (entry / LAST_USED).stat().st_mtime
+            used = (entry / LAST_USED).mtime()
         except OSError:
             used = 0.0
-        entries.append((used, entry, int(info.get("bytes", 0))))
-    total = sum(size for _, _, size in entries)
+        entries.append((used, entry, info, int(info.get("bytes", 0))))
+    total = sum(e[3] for e in entries)
     removed = []
-    for _, entry, size in sorted(entries, key=lambda e: e[0]):
+    for _, entry, info, size in sorted(entries, key=lambda e: e[0]):
         if total <= max_bytes:
             break
         if entry.name in keep or _users_alive(entry, run_id):
@@ -365,21 +431,19 @@ def evict(root: Path, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
             total / 2**20,
             max_bytes,
         )
-        _remove_entry(entry)
-        total -= size
-        removed.append(entry.name)
+        if _remove_entry(entry, info, run_id):
+            total -= size
+            removed.append(entry.name)
     return removed
 
 
 def cached_versions(cfg: JobConfig, table: str) -> set[int]:
     """The Delta versions of ``table`` (its path or catalog name, as the cache entries record
-    it: :meth:`~flowers_job.tables.table_ref.TableRef.describe`) that complete entries of the
-    loader cache were built from (what retention keeps readable)."""
-    root = local_dir(cfg.paths.cache_parent_url)
-    if root is None:
-        return set()
+    it: :meth:`~flowers_job.tables.table_ref.TableRef.describe`) that published entries of
+    the loader cache were built from (what retention keeps readable), on any store."""
+    root = Location.of(cfg.paths.cache_parent_url)
     versions = set()
-    for entry in (root / ENTRIES).glob("*"):
+    for entry in (root / ENTRIES).iterdir():
         info = _entry_info(entry)
         if info is not None and info.get("fields", {}).get("table") == table:
             versions.add(int(info["fields"]["version"]))
@@ -392,11 +456,21 @@ class LoaderCache:
     def __init__(self, cfg: JobConfig, root_url: str, run_id: str, staging_url: str) -> None:
         self.cfg = cfg
         self.root_url = root_url
-        self.root = local_dir(root_url)
+        self.root = Location.of(root_url)
         self.run_id = run_id
         self.staging_url = staging_url
-        self.used: list[Path] = []
-        """Entry folders this run reads."""
+        self.used: list[Location] = []
+        """Entries this run reads."""
+        self.written: list[Location] = []
+        """Data folders this run wrote (removed at the end unless published)."""
+        self.publish_problem = self.root.create_problem()
+        """Why entries cannot be published on this store (then written per run); None."""
+        if self.publish_problem is not None:
+            log.warning(
+                "the loader cache %s is written for this run only and not reused: %s",
+                root_url,
+                self.publish_problem,
+            )
 
     def split(
         self,
@@ -407,89 +481,119 @@ class LoaderCache:
         frame: Callable[[], DataFrame],
         needed_bytes: int,
     ) -> tuple[ShardPlan, CacheUse]:
-        """This run's plan of ``split``: from the entry keyed by ``fields`` if it exists,
-        else written now (``frame()``'s rows, by ``loader``) and published.
+        """This run's plan of ``split``: from the entry keyed by ``fields`` if it is
+        published, else written now (``frame()``'s rows, by ``loader``) and published.
 
         Args:
-            fields: what the entry is built from (:func:`entry_key`); ``version`` among them.
+            fields: what the entry is built from (:func:`entry_key`, with
+                :data:`CACHE_FORMAT` added); ``version`` among them.
             frame: the split's rows (``row_id``, ``image``, ``label_index``), built only when
                 the entry must be written.
             needed_bytes: the space the write needs (:func:`cache_bytes_needed`).
 
         Raises:
-            DataError: no space for the write, or another run held the entry's lock for
-                longer than ``cache.lock_timeout_seconds``; as ``loader.write``.
+            DataError: no space for the write, another run held the entry's lock for
+                longer than ``cache.lock_timeout_seconds``, or an entry not written by this
+                job (:func:`check_entry`); as ``loader.write``.
         """
         t0 = time.perf_counter()
+        fields = {**fields, "cache_format": CACHE_FORMAT}
         key = entry_key(fields)
         name = f"{loader.name}-{split}-v{fields['version']}-{key}"
-        if self.root is None:  # not a local or mounted path: written for this run only
-            staging = f"{self.staging_url}/{name}"
-            plan = loader.write(spark, frame(), staging, split)
-            return plan, CacheUse(name, False, 0, round(time.perf_counter() - t0, 3))
+        if self.publish_problem is not None:  # written for this run only
+            staging = Location.of(self.staging_url) / name
+            once = loader.write(spark, frame(), staging.as_uri(), split)
+            size = staging.size_bytes()
+            return once, CacheUse(name, False, size, round(time.perf_counter() - t0, 3))
         entry = self.root / ENTRIES / name
-        reused = self._use(entry, loader, fields)
+        plan = self._use(entry, loader, fields)
         waited = 0.0
-        written = 0
-        if reused is None:
-            from filelock import FileLock, Timeout
-
+        written, won = 0, False
+        if plan is None:
             # before the lock file is made: a volume without room is left as it was
-            check_cache_space(self.staging_url, needed_bytes, f"the {split} split")
-            (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
-            lock = FileLock(str(self.root / LOCKS / f"{key}.lock"))
-            t_wait = time.perf_counter()
-            try:
-                lock.acquire(timeout=self.cfg.cache.lock_timeout_seconds)
-            except Timeout:
+            check_cache_space(self.root_url, needed_bytes, f"the {split} split")
+            with self._lock(entry, key) as waited:
+                plan = self._use(entry, loader, fields)  # published while this run waited
+                if plan is None:
+                    written, won = self._write(
+                        spark, loader, split, fields, frame, entry, needed_bytes
+                    )
+                    plan = self._use(entry, loader, fields)
+            if plan is None:
                 raise DataError(
-                    f"waited {self.cfg.cache.lock_timeout_seconds:.0f} s for another run writing "
-                    f"the loader cache entry {entry} (lock {lock.lock_file}); if no run is "
-                    "writing it, remove the lock file, or raise cache.lock_timeout_seconds"
-                ) from None
-            waited = time.perf_counter() - t_wait
-            try:
-                reused = self._use(entry, loader, fields)  # published while this run waited
-                if reused is None:
-                    written = self._write(spark, loader, split, fields, frame, entry, needed_bytes)
-                    reused = self._use(entry, loader, fields)
-            finally:
-                lock.release()
-            assert reused is not None
+                    f"the loader cache entry {entry} was published and then removed before "
+                    "this run could read it; run again"
+                )
         use = CacheUse(
             entry.name,
-            written == 0,
+            not won,
             written,
             round(time.perf_counter() - t0, 3),
             round(waited, 3),
+            lost_publish=written > 0 and not won,
         )
         log.info(
-            "%s: loader cache %s %s (%.1f MiB written, %.1f s)",
+            "%s: loader cache %s %s (%.1f MiB written%s, %.1f s)",
             split,
             "reused" if use.reused else "written:",
             entry.name,
             written / 2**20,
+            ", another run published it first" if use.lost_publish else "",
             use.seconds,
         )
-        return reused, use
+        return plan, use
 
-    def _use(self, entry: Path, loader: Loader, fields: dict[str, Any]) -> ShardPlan | None:
-        """The entry's plan, with this run registered as a reader; None if not published.
+    @contextmanager
+    def _lock(self, entry: Location, key: str) -> Iterator[float]:
+        """A disk's file lock of ``key`` (yields the seconds waited); nothing on S3."""
+        if not self.root.is_local:
+            yield 0.0
+            return
+        from filelock import FileLock, Timeout
+
+        locks = self.root.local_path / LOCKS
+        locks.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(locks / f"{key}.lock"))
+        t_wait = time.perf_counter()
+        try:
+            lock.acquire(timeout=self.cfg.cache.lock_timeout_seconds)
+        except Timeout:
+            raise DataError(
+                f"waited {self.cfg.cache.lock_timeout_seconds:.0f} s for another run writing "
+                f"the loader cache entry {entry} (lock {lock.lock_file}); if no run is "
+                "writing it, remove the lock file, or raise cache.lock_timeout_seconds"
+            ) from None
+        try:
+            yield time.perf_counter() - t_wait
+        finally:
+            lock.release()
+
+    def _lease(self, entry: Location) -> None:
+        """Register this run as a reader of ``entry`` and mark it used (before its marker is
+        read: :func:`_remove_entry` relies on the order)."""
+        (entry / USERS / f"{self.run_id}.json").write_text(json.dumps(driver_identity()))
+        (entry / LAST_USED).write_text(f"{time.time():.3f}")
+
+    def _use(self, entry: Location, loader: Loader, fields: dict[str, Any]) -> ShardPlan | None:
+        """The entry's plan, with this run leased as a reader; None if not published.
 
         Raises:
             DataError: the entry was not written by this job for ``fields``
                 (:func:`check_entry`).
         """
-        try:
-            stored = json.loads((entry / PLAN_FILE).read_text())
-        except (OSError, ValueError):
+        if not isinstance(_read_json(entry / ENTRY_FILE), dict):
             return None
-        check_entry(entry, stored, loader, fields)
-        (entry / USERS).mkdir(exist_ok=True)
-        (entry / USERS / f"{self.run_id}.json").write_text(json.dumps(driver_identity()))
-        (entry / LAST_USED).touch()
-        self.used.append(entry)
-        return loader.plan_type(**_rebase(stored, _HERE, entry.resolve().as_uri()))
+        self._lease(entry)
+        info = _read_json(entry / ENTRY_FILE)  # read again after the lease: still published
+        if not isinstance(info, dict):  # evicted meanwhile
+            with contextlib.suppress(OSError):
+                (entry / USERS / f"{self.run_id}.json").unlink()
+            return None
+        check_entry(entry, info, loader, fields)
+        if entry not in self.used:
+            self.used.append(entry)
+        data = entry / str(info["data"])
+        return loader.plan_type(**_rebase(info["plan"], _HERE, data.as_uri()))
 
     def _write(
         self,
@@ -498,51 +602,60 @@ class LoaderCache:
         split: str,
         fields: dict[str, Any],
         frame: Callable[[], DataFrame],
-        entry: Path,
+        entry: Location,
         needed_bytes: int,
-    ) -> int:
-        """Write the entry in the staging folder and publish it by a rename; its bytes."""
-        staging_dir = local_dir(self.staging_url)
-        assert staging_dir is not None
-        staging = staging_dir / entry.name
-        staging_url = staging.resolve().as_uri()
-        check_cache_space(self.staging_url, needed_bytes, f"the {split} split")
+    ) -> tuple[int, bool]:
+        """Write the entry's files in this run's data folder and publish them by one
+        put-if-absent of the marker. Returns the bytes written and whether this run's
+        publish won (if not, its folder is removed and the winner's is read)."""
+        data = entry / f"{DATA_PREFIX}{self.run_id}"
+        self.written.append(data)
+        for stale in entry.glob(f"{DATA_PREFIX}*"):  # unpublished: whose writer is gone?
+            owner = _read_json(self.root / stale.name.removeprefix(DATA_PREFIX) / OWNER_FILE)
+            if stale == data or not (isinstance(owner, dict) and _alive(owner)):
+                with contextlib.suppress(OSError):
+                    stale.rmtree()
+        check_cache_space(data.as_uri(), needed_bytes, f"the {split} split")
         t0 = time.perf_counter()
-        plan = loader.write(spark, frame(), staging_url, split)
+        plan = loader.write(spark, frame(), data.as_uri(), split)
         seconds = time.perf_counter() - t0
-        size = Location.of(staging).size_bytes()
+        size = data.size_bytes()
         info = {
             "fields": fields,
             "bytes": size,
             "seconds": round(seconds, 3),
             "created": time.time(),
             "writer": driver_identity(),
+            "data": data.name,
+            "plan": _rebase(plan.to_dict(), data.as_uri(), _HERE),
         }
-        (staging / ENTRY_FILE).write_text(json.dumps(info, indent=1, sort_keys=True, default=str))
-        stored = _rebase(plan.to_dict(), staging_url, _HERE)
-        (staging / PLAN_FILE).write_text(json.dumps(stored, sort_keys=True))
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        if (entry / PLAN_FILE).is_file():  # published by a writer that took no lock: keep it
-            shutil.rmtree(staging, ignore_errors=True)
-            return 0
-        if entry.exists():  # never published (its writer stopped half-way): replaced
-            _remove_entry(entry)
-        os.rename(staging, entry)
-        return size
+        self._lease(entry)  # before it is published: no evictor takes it from under us
+        won = (entry / ENTRY_FILE).create_bytes(
+            json.dumps(info, indent=1, sort_keys=True, default=str).encode()
+        )
+        if not won:
+            with contextlib.suppress(OSError):
+                data.rmtree()
+        return size, won
 
     def release(self) -> None:
-        """This run no longer reads its entries."""
+        """This run no longer reads its entries; its unpublished data folders are removed."""
         for entry in self.used:
             with contextlib.suppress(OSError):
                 (entry / USERS / f"{self.run_id}.json").unlink()
+        for data in self.written:
+            marker = _read_json(data.parent / ENTRY_FILE)
+            if not (isinstance(marker, dict) and marker.get("data") == data.name):
+                with contextlib.suppress(OSError):
+                    data.rmtree()
 
 
 @contextmanager
 def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
-    """This run's :class:`LoaderCache`: a staging folder ``run-<id>`` (after sweeping
-    orphans), removed on exit whatever happens; then this run's entries are released, the
-    loader's state on this host for them swept (:meth:`Loader.release`), and the cache
-    evicted down to ``cache.max_bytes`` (keeping this run's entries)."""
+    """This run's :class:`LoaderCache`: a run folder ``run-<id>`` (after sweeping orphans),
+    removed on exit whatever happens; then this run's entries are released, the loader's
+    state on this host for them swept (:meth:`Loader.release`), and the cache evicted down
+    to ``cache.max_bytes`` (keeping this run's entries)."""
     root_url = cfg.paths.cache_parent_url
     with run_cache(root_url) as (staging_url, _folder):
         run_id = staging_url.rsplit("/", 1)[-1]
@@ -551,7 +664,8 @@ def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
             yield cache
         finally:
             cache.release()
-            for entry in [*cache.used, *([_folder] if _folder is not None else [])]:
-                loader.release(entry)
-            if cache.root is not None:
+            folders = [e.local_path for e in cache.used if e.is_local]
+            for folder in [*folders, *([_folder] if _folder is not None else [])]:
+                loader.release(folder)
+            if cache.publish_problem is None:
                 evict(cache.root, cfg.cache.max_bytes, {e.name for e in cache.used}, run_id)

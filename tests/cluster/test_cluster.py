@@ -297,6 +297,24 @@ def check_summary(
     return summary
 
 
+def check_cache_left(store: S3Store, out: str) -> dict[str, Any]:
+    """What a finished (or failed) run leaves of the loader cache in the bucket: its
+    published entries only (a marker and the one data folder it names each), no run folder,
+    no unpublished writer's folder, no reader's lease. Returns entry name -> marker."""
+    keys = [k for k in store.keys(f"{out}/loader_cache/") if not k.endswith("/")]
+    assert not [k for k in keys if "/loader_cache/run-" in k], keys
+    assert not [k for k in keys if "/users/" in k], keys
+    markers = {
+        k.split("/")[-2]: json.loads(store.read(k)) for k in keys if k.endswith("/entry.json")
+    }
+    for key in keys:
+        entry, _, rest = key.split("/entries/", 1)[-1].partition("/")
+        folder = rest.split("/", 1)[0]
+        assert entry in markers, key
+        assert folder in ("entry.json", "last_used", markers[entry]["data"]), key
+    return markers
+
+
 def assert_no_secret(log: str) -> None:
     """The MLflow server's password is in no spark-submit log (driver and ranks) and no
     executor or daemon log of any host."""
@@ -810,8 +828,9 @@ class TestObjectStore:
     ) -> None:
         """The job end to end from ``s3a://`` (photos, output dir, loader cache) with Mosaic
         Streaming, 4 ranks on the 2 hosts, which share no directory: rank 2 raises in
-        epoch 2 (no restart), and the bucket keeps epoch 1's checkpoint and nothing of the
-        run's loader cache or reports; ``--resume`` then finishes the run. Spark alternates
+        epoch 2 (no restart), and the bucket keeps epoch 1's checkpoint and the published
+        loader cache entries, nothing else of the run's cache nor its reports; ``--resume``
+        then finishes the run, reusing every entry without writing a byte of it. Spark alternates
         the ranks over the hosts; each host's ranks read consecutive shards."""
         cluster, store = object_store_cluster, object_store
         out = store.url("out-streaming")
@@ -830,7 +849,8 @@ class TestObjectStore:
         assert "rank 2" in log and "RuntimeError" in log, log[-3000:]
         assert "out-streaming/checkpoints/last.pt" in store.keys("out-streaming/checkpoints/")
         left = store.keys("out-streaming/")
-        assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
+        written = check_cache_left(store, "out-streaming")  # published before training
+        assert sorted(m["fields"]["split"] for m in written.values()) == ["test", "train", "val"]
         assert not [k for k in left if "/flowers-failures-" in k], left
 
         resume_log = BASE / "s3-streaming-resume.log"
@@ -864,8 +884,11 @@ class TestObjectStore:
         check_registered(cluster, summary, world_size=4, epochs=2)
         # the registered model's files, through the tracking server, in the bucket
         assert any(k.endswith("/MLmodel") for k in store.keys("mlflow-artifacts/"))
-        left = store.keys("out-streaming/")
-        assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
+        # the resume on unchanged tables wrote no byte of cache: the failed run's entries
+        assert all(
+            u["reused"] and u["bytes_written"] == 0 for u in summary["loader_cache"].values()
+        )
+        assert check_cache_left(store, "out-streaming") == written
         assert_no_secret(log)
         assert cluster.s3_env()["AWS_SECRET_ACCESS_KEY"] not in log + json.dumps(summary)
         report(test="run streaming 4 ranks object store", job_seconds=summary["job_seconds"])
@@ -903,8 +926,9 @@ class TestObjectStore:
         )
         assert summary["loader"] == "petastorm"
         check_registered(cluster, summary, world_size=4, epochs=1)
-        left = store.keys("out-petastorm/")
-        assert not [k for k in left if "/loader_cache/" in k and not k.endswith("/")], left
+        markers = check_cache_left(store, "out-petastorm")
+        assert sorted(m["fields"]["split"] for m in markers.values()) == ["test", "train", "val"]
+        assert all(u["bytes_written"] > 0 for u in summary["loader_cache"].values())
 
     def test_executors_without_object_store_credentials_are_refused(
         self, object_store_cluster: Cluster, object_store: S3Store

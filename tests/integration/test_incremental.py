@@ -170,7 +170,7 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     of older versions, except those of a version a loader cache entry was built from. The
     changes are full rebuilds (``--full``): an incremental MERGE marks rows in deletion
     vectors and leaves every data file of the older versions in use."""
-    from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, PLAN_FILE
+    from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE
 
     images = sample_photos(tmp_path / "images", per_label=4)  # 3 per class after a deletion
     cfg = _cfg(images, tmp_path / "out", *SHORT_RETENTION)
@@ -180,8 +180,8 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     entry = tmp_path / "out" / "loader_cache" / ENTRIES / f"streaming-train-v{kept}-x"
     entry.mkdir(parents=True)
     fields = {"table": first.tables["images"], "version": kept}
-    (entry / ENTRY_FILE).write_text(json.dumps({"fields": fields, "bytes": 0}))
-    (entry / PLAN_FILE).write_text("{}")
+    marker = {"fields": fields, "bytes": 0, "data": "data-run-x", "plan": {}}
+    (entry / ENTRY_FILE).write_text(json.dumps(marker))
 
     def readable(version: int) -> bool:
         try:

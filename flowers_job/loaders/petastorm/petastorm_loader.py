@@ -79,6 +79,7 @@ from flowers_job.loaders.petastorm.balanced import (
 )
 from flowers_job.loaders.petastorm.pyarrow_fs import legacy_filesystem
 from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
+from flowers_job.location import Location
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -399,8 +400,8 @@ def check_cache_files(plan: PetastormPlan) -> None:
     Every entry of ``plan.file_urls`` must be a ``part-*.parquet`` file
     (:data:`CACHE_FILE_PATTERN`) directly inside ``plan.cache_dir_url``, named once; a local
     one must be a regular file (a directory, or a link to one, would make pyarrow read its
-    ``_common_metadata`` and Petastorm unpickle its schema from it). Object-store URLs are
-    checked by name only (their caches are written for one run and never reused).
+    ``_common_metadata`` and Petastorm unpickle its schema from it), and an object-store
+    one an object (one ``HEAD`` each: entries are reused on object stores too).
 
     Raises:
         DataError: no files, or a file that breaks these rules, naming it and the folder.
@@ -430,8 +431,8 @@ def _cache_file_problem(url: str, folder: str, seen: set[str]) -> str | None:
         return f"lies outside the cache folder {folder}"
     if path in seen:
         return "is named twice"
-    local = local_dir(url)  # None for an object store
-    if local is not None and not local.is_file():
+    local = local_dir(url)
+    if not (local.is_file() if local is not None else Location.of(url).is_file()):
         return "is not a regular file"
     return None
 

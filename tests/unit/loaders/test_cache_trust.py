@@ -17,7 +17,7 @@ import pytest
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import DataError
-from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, PLAN_FILE, LoaderCache
+from flowers_job.loaders.cache_dir import CACHE_FORMAT, ENTRIES, ENTRY_FILE, LoaderCache
 from flowers_job.vision.images import DecodeTransform
 from tests.support import LABELS, PHOTOS
 from tests.support.data import loader_skip_reason
@@ -156,15 +156,22 @@ def _cfg(tmp_path: Path) -> JobConfig:
     )
 
 
-def _entry(root: Path, fields: dict[str, Any] | None, plan: dict[str, Any]) -> Path:
-    """A published entry of ``root``, as :meth:`LoaderCache._write` leaves one."""
+DATA = "data-run-0a1b2c3d4e5f"
+
+
+def _entry(
+    root: Path, fields: dict[str, Any] | None, plan: dict[str, Any], data: str = DATA
+) -> Path:
+    """A published entry of ``root``, as :meth:`LoaderCache._write` leaves one (its marker
+    holds ``fields`` with the cache format added; none when ``fields`` is None)."""
     from flowers_job.loaders.cache_dir import entry_key
 
-    entry = root / ENTRIES / f"petastorm-train-v3-{entry_key(FIELDS)}"
-    entry.mkdir(parents=True)
+    entry = root / ENTRIES / f"petastorm-train-v3-{entry_key({**FIELDS, 'cache_format': 3})}"
+    (entry / DATA).mkdir(parents=True)
+    marker: dict[str, Any] = {"bytes": 1, "data": data, "plan": plan}
     if fields is not None:
-        (entry / ENTRY_FILE).write_text(json.dumps({"fields": fields, "bytes": 1}))
-    (entry / PLAN_FILE).write_text(json.dumps(plan))
+        marker["fields"] = {**fields, "cache_format": CACHE_FORMAT}
+    (entry / ENTRY_FILE).write_text(json.dumps(marker))
     return entry
 
 
@@ -202,24 +209,28 @@ def _stored_plan(files: list[str]) -> dict[str, Any]:
 def test_an_entry_this_job_wrote_is_reused(tmp_path: Path) -> None:
     entry = _entry(tmp_path / "cache", FIELDS, _stored_plan(["{entry}/part-00000-a.parquet"]))
     plan, use = _split(tmp_path)
-    assert use.reused and plan.file_urls == [f"{entry.resolve().as_uri()}/part-00000-a.parquet"]
+    data = (entry / DATA).resolve().as_uri()
+    assert use.reused and plan.file_urls == [f"{data}/part-00000-a.parquet"]
+    assert plan.cache_dir_url == data
 
 
 @petastorm_only
 @pytest.mark.parametrize(
-    ("fields", "files", "what"),
+    ("fields", "files", "data", "what"),
     [
-        (None, ["{entry}/part-00000-a.parquet"], "entry.json does not describe"),
-        ({**FIELDS, "version": 4}, ["{entry}/part-00000-a.parquet"], "does not describe"),
-        (FIELDS, ["file:///dbfs/tmp/evil"], "names 'file:///dbfs/tmp/evil', outside"),
-        (FIELDS, ["{entry}/../../evil/part-0.parquet"], "outside the entry"),
+        (None, ["{entry}/part-00000-a.parquet"], DATA, "entry.json does not describe"),
+        ({**FIELDS, "version": 4}, ["{entry}/part-00000-a.parquet"], DATA, "does not describe"),
+        (FIELDS, ["file:///dbfs/tmp/evil"], DATA, "names 'file:///dbfs/tmp/evil', outside"),
+        (FIELDS, ["{entry}/../../evil/part-0.parquet"], DATA, "outside the entry"),
+        (FIELDS, ["{entry}/part-00000-a.parquet"], "../../evil", "no data folder of its own"),
+        (FIELDS, ["{entry}/part-00000-a.parquet"], "elsewhere", "no data folder of its own"),
     ],
 )
 def test_an_entry_this_job_did_not_write_is_refused(
-    tmp_path: Path, fields: dict[str, Any] | None, files: list[str], what: str
+    tmp_path: Path, fields: dict[str, Any] | None, files: list[str], data: str, what: str
 ) -> None:
-    entry = _entry(tmp_path / "cache", fields, _stored_plan(files))
+    entry = _entry(tmp_path / "cache", fields, _stored_plan(files), data)
     with pytest.raises(DataError, match="not written by this job") as err:
         _split(tmp_path)
     assert what in str(err.value) and str(entry) in str(err.value)
-    assert (entry / PLAN_FILE).is_file()  # left as it is: someone else's folder
+    assert (entry / ENTRY_FILE).is_file()  # left as it is: someone else's folder

@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.loaders import resolve_loader
-from flowers_job.loaders.cache_dir import ENTRIES, PLAN_FILE, USERS
+from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, USERS
 from flowers_job.runtime.parent_watch import driver_identity
 from tests.support.data import SELECTED_LOADERS
 
@@ -59,7 +59,8 @@ def test_a_second_run_reuses_every_entry_and_writes_nothing(
 ) -> None:
     """The first run writes one entry per split, the second reuses them all: no byte
     written, the same plans, the entries' files untouched. An entry that was never
-    published (no plan.json: its writer stopped half-way) is not read but written again."""
+    published (no entry.json: its writer stopped half-way) is not read but written again,
+    and the unpublished folder is swept by the writer."""
     cfg = _cfg(tables, tmp_path / "cache")
     plans, first = _prepare(spark, cfg)
     assert all(not u["reused"] and u["bytes_written"] > 0 for u in first.values()), first
@@ -74,11 +75,13 @@ def test_a_second_run_reuses_every_entry_and_writes_nothing(
     assert not list(entries.glob(f"*/{USERS}/*.json"))  # no reader left registered
 
     broken = entries / first["val"]["entry"]
-    (broken / PLAN_FILE).unlink()
+    (broken / ENTRY_FILE).unlink()
     _, third = _prepare(spark, cfg)
     assert not third["val"]["reused"] and third["val"]["bytes_written"] > 0
     assert third["train"]["reused"] and third["test"]["reused"]
-    assert (broken / PLAN_FILE).is_file()
+    assert (broken / ENTRY_FILE).is_file()
+    marker = json.loads((broken / ENTRY_FILE).read_text())
+    assert [p.name for p in broken.glob("data-*")] == [marker["data"]]
 
 
 def test_two_runs_that_start_at_once_write_each_entry_once(

@@ -1,0 +1,73 @@
+"""The loader cache reused on an object store, as a user meets it: `flowers-job run` with its
+output (the tables, the loader cache, the summary) in a bucket of a real S3 API server
+(moto, with S3's conditional writes), then `flowers-job train` on the unchanged tables: the
+second writes no byte of cache and says it reused each split, in its summary and its log.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE
+from tests.support.data import SELECTED_LOADERS
+from tests.support.processes import run_cli
+from tests.support.s3 import S3Store, fresh_bucket, s3_jars, s3_server  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("gate")]
+
+LOADER = SELECTED_LOADERS[0]
+FAST = [
+    "data.image_size=32",
+    f"data.loader={LOADER}",
+    "train.per_device_batch_size=8",
+    "train.epochs=1",
+    "distributed.timeout_seconds=300",
+]
+RUN_TIMEOUT = 600.0
+"""Bound on one CLI run (seconds)."""
+
+
+def _sets(settings: list[str]) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]
+
+
+def test_a_second_train_on_s3_reuses_every_split_and_writes_no_cache_byte(
+    s3_server: str,  # noqa: F811
+    s3_jars: Path,  # noqa: F811
+    photos: Path,
+    tmp_path: Path,
+) -> None:
+    store: S3Store = fresh_bucket(s3_server)
+    output = store.url("out")
+    settings = _sets([*FAST, f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    env = store.cli_env()
+
+    first = run_cli(
+        "run", "--images", str(photos), "--output-dir", output, *settings,
+        timeout=RUN_TIMEOUT, env=env,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-5000:]
+    written = json.loads(store.read("out/summary.json"))["loader_cache"]
+    assert sorted(written) == ["test", "train", "val"]
+    assert all(not u["reused"] and u["bytes_written"] > 0 for u in written.values()), written
+    markers = [k for k in store.keys(f"out/loader_cache/{ENTRIES}/") if k.endswith(ENTRY_FILE)]
+    assert len(markers) == 3
+    for split, use in written.items():
+        marker = json.loads(store.read(f"out/loader_cache/{ENTRIES}/{use['entry']}/{ENTRY_FILE}"))
+        assert marker["fields"]["split"] == split and marker["bytes"] == use["bytes_written"]
+    data_keys = [k for k in store.keys("out/loader_cache/") if "/data-run-" in k]
+    assert data_keys and not [
+        k for k in store.keys("out/loader_cache/") if "/run-" in k.split(ENTRIES)[0]
+    ]
+
+    second = run_cli("train", "--output-dir", output, *settings, timeout=RUN_TIMEOUT, env=env)
+    assert second.returncode == 0, second.stderr[-5000:]
+    reused = json.loads(store.read("out/summary.json"))["loader_cache"]
+    assert {s: u["entry"] for s, u in reused.items()} == {s: u["entry"] for s, u in written.items()}
+    assert all(u["reused"] and u["bytes_written"] == 0 for u in reused.values()), reused
+    for split in ("train", "val", "test"):
+        assert f"{split}: loader cache reused" in second.stderr
+    assert [k for k in store.keys("out/loader_cache/") if "/data-run-" in k] == data_keys
