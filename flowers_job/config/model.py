@@ -534,6 +534,16 @@ class CacheConfig(Section):
     lock_timeout_seconds: float = Field(3600.0, gt=0.0, le=86_400.0)
     """How long a run waits for another run that is writing the same cache entry (seconds)
     before it fails, naming the lock."""
+    append: bool = True
+    """For a new ``images`` version, grow the newest entry of the same split, loader and
+    settings by the rows the version added, and skip the rows it removed, instead of
+    writing the split whole (:meth:`flowers_job.loaders.base.Loader.append`)."""
+    compact_dead_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    """Write the split whole again once more than this share of an entry's stored rows
+    would be dead (removed or replaced rows, which the readers skip)."""
+    max_segments: int = Field(16, ge=2, le=1000)
+    """Write the split whole again once an entry would have more segments than this (each
+    append adds one; their small files slow the readers down)."""
 
 
 class ServingConfig(Section):

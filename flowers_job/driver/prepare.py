@@ -23,8 +23,8 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
-from flowers_job.loaders.base import Loader, ShardPlan
-from flowers_job.loaders.cache_dir import cache_bytes_needed, loader_cache
+from flowers_job.loaders.base import SEGMENT_COLUMN, Loader, ShardPlan
+from flowers_job.loaders.cache_dir import Changes, cache_bytes_needed, loader_cache
 from flowers_job.photos.files import digest, hash_sums
 from flowers_job.tables.delta_tables import SPLITS, CheckedTables, checked_tables, split_frame
 from flowers_job.tables.table_ref import table_ref
@@ -37,6 +37,7 @@ __all__ = [
     "example_images",
     "lineage",
     "prepare_data",
+    "split_changes",
     "split_digest",
 ]
 
@@ -151,12 +152,49 @@ def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2
     return [bytes(r["image"]) for r in rows]
 
 
+def _loader_rows(df: DataFrame, version: int) -> DataFrame:
+    """The loader's columns of rows of ``images``, with the segment a cache written at
+    ``version`` puts them in (:data:`~flowers_job.loaders.base.SEGMENT_COLUMN`)."""
+    return (
+        df.select(*LOADER_COLUMNS)
+        .withColumn("label_index", F.col("label_index").cast("long"))
+        .withColumn(SEGMENT_COLUMN, F.lit(version).cast("long"))
+    )
+
+
 def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> DataFrame:
     """The loader's columns of ``split`` at Delta ``version`` of ``images``."""
-    return (
-        split_frame(spark, table_ref(cfg, "images"), version, split)
-        .select(*LOADER_COLUMNS)
-        .withColumn("label_index", F.col("label_index").cast("long"))
+    return _loader_rows(split_frame(spark, table_ref(cfg, "images"), version, split), version)
+
+
+def split_changes(
+    spark: SparkSession, cfg: JobConfig, split: str, version: int, base: int, rows: int
+) -> Changes:
+    """``split``'s changes from Delta ``base`` to ``version`` of ``images``: rows compared
+    by ``(row_id, content_sha256)``, so that a file rewritten in place is removed and added
+    again. Only those two columns of both versions are read for the comparison (Parquet
+    column pruning), once; the ids of the added and removed rows reach the driver (a day's
+    change: about 1% of the rows). The added rows are then the current version's rows of
+    those ids, through a broadcast semi-join that keeps the table scan's partitions: the
+    loaders read them twice (count, then write) and need the same partitions both times.
+
+    Raises:
+        pyspark.errors.AnalysisException: ``base`` is no longer readable (vacuumed).
+    """
+    import numpy as np
+
+    images = table_ref(cfg, "images")
+    keys = ["row_id", "content_sha256"]
+    now = split_frame(spark, images, version, split)
+    old = split_frame(spark, images, base, split).select(*keys)
+    fresh = now.select(*keys).join(old, keys, "left_anti").select("row_id")
+    gone = old.join(now.select(*keys), keys, "left_anti").select("row_id")
+    added_ids = [int(r["row_id"]) for r in fresh.collect()]
+    removed_ids = np.array([int(r["row_id"]) for r in gone.collect()], dtype=np.int64)
+    ids = spark.createDataFrame([(i,) for i in added_ids], schema="row_id long")
+    added = now.join(F.broadcast(ids), "row_id", "left_semi")
+    return Changes(
+        _loader_rows(now, version), _loader_rows(added, version), len(added_ids), removed_ids, rows
     )
 
 
@@ -202,13 +240,17 @@ def prepare_data(
                 "loader": writer.name,
                 "settings": writer.cache_settings(split),
             }
+            rows = checked.split_rows[split]
             plans[split], use = cache.split(
                 spark,
                 writer,
                 split,
                 fields,
                 lambda split=split: _split(spark, cfg, split, version),  # type: ignore[misc]
-                cache_bytes_needed(size, checked.split_rows[split] / total),
+                cache_bytes_needed(size, rows / total),
+                lambda base, split=split, rows=rows: split_changes(  # type: ignore[misc]
+                    spark, cfg, split, version, base, rows
+                ),
             )
             uses[split] = use.to_dict()
         yield PreparedData(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -50,15 +50,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKSUM_MODULUS",
+    "DELETIONS_FILE",
+    "SEGMENT_COLUMN",
     "Batch",
+    "Deletions",
     "Loader",
     "ShardPlan",
     "ShardReader",
     "check_batch_fits",
+    "live_mask",
     "local_dir",
+    "read_deletions",
     "rebatch",
     "row_stats",
     "wrap_int64",
+    "write_deletions",
 ]
 
 T = TypeVar("T")
@@ -121,6 +127,15 @@ class ShardPlan:
             are checked.
         steps_per_epoch: batches per epoch, the same on every rank.
         per_device_batch_size: nominal images per rank per step (the largest batch).
+        segment_dirs: the folders of the older segments of an entry that grew by appending
+            (:meth:`Loader.append`), oldest first; ``cache_dir_url`` is the newest. Empty for
+            an entry written whole.
+        deletions_url: the entry's deletion list (:func:`write_deletions`): rows of older
+            segments that the current version removed or replaced, which the readers skip
+            (Petastorm) or mask as padding (Streaming); None when there is none.
+        stored_rows: real rows stored in all segments, dead ones included (0: the same as
+            ``dataset_size``): the dead share ``1 - dataset_size / stored_rows`` decides
+            when the entry is written whole again (``cache.compact_dead_fraction``).
     """
 
     loader: str
@@ -131,6 +146,9 @@ class ShardPlan:
     checksum_per_shard: list[int] | None
     steps_per_epoch: int
     per_device_batch_size: int
+    segment_dirs: list[str] = field(default_factory=list)
+    deletions_url: str | None = None
+    stored_rows: int = 0
 
     def batch_sizes(self, rank: int) -> list[int]:
         """Per-step batch sizes of ``rank``: ``steps_per_epoch`` numbers summing to its rows.
@@ -145,6 +163,91 @@ class ShardPlan:
         """Plain data for the ranks: ``loader.plan_type(**plan.to_dict())`` rebuilds it, with
         the loader the driver resolved (:attr:`Loader.plan_type`)."""
         return asdict(self)
+
+
+SEGMENT_COLUMN = "segment"
+"""The cache's column that names the segment a row was written in: the ``images`` Delta
+version of the entry that wrote it (int64), the same for every row of one write."""
+DELETIONS_FILE = "deletions.npy"
+"""An appended entry's deletion list, in its data folder (:func:`write_deletions`)."""
+
+
+@dataclass(frozen=True)
+class Deletions:
+    """The rows of older segments that are dead: a copy of ``row_ids[i]`` stored in a
+    segment below ``before[i]`` is dead (removed from the split, or replaced by a newer copy
+    in segment ``before[i]`` or later). The same idea as Delta's deletion vectors, keyed by
+    row id and segment instead of by file and position.
+
+    Attributes:
+        row_ids: int64 ``[D]``, sorted, unique.
+        before: int64 ``[D]``: the segment (``images`` version) from which copies are alive.
+    """
+
+    row_ids: Any
+    before: Any
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+
+def write_deletions(url: str, deletions: Deletions) -> int:
+    """Store ``deletions`` at ``url`` as one ``.npy`` array int64 ``[2, D]`` (row ids, then
+    segments), on a disk or an object store; its bytes (16 per row, plus a 128-byte header)."""
+    import io
+
+    import numpy as np
+
+    from flowers_job.location import Location
+
+    buf = io.BytesIO()
+    np.save(buf, np.stack([deletions.row_ids, deletions.before]).astype(np.int64))
+    Location.of(url).write_bytes(buf.getvalue())
+    return len(buf.getvalue())
+
+
+def read_deletions(url: str | None) -> Deletions | None:
+    """The deletion list at ``url`` (None: none). Loaded without pickle.
+
+    Raises:
+        DataError: the file is not an int64 ``[2, D]`` array of sorted unique row ids.
+    """
+    if url is None:
+        return None
+    import io
+
+    import numpy as np
+
+    from flowers_job.location import Location
+
+    try:
+        array = np.load(io.BytesIO(Location.of(url).read_bytes()), allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"the loader cache's deletion list {url} cannot be read: {exc}") from exc
+    ids = array[0] if array.ndim == 2 and len(array) == 2 else None
+    if array.dtype != np.int64 or ids is None or (len(ids) > 1 and not (np.diff(ids) > 0).all()):
+        raise DataError(
+            f"the loader cache's deletion list {url} is not an int64 [2, D] array of sorted "
+            "unique row ids; remove the cache entry so that it is written again"
+        )
+    return Deletions(array[0], array[1])
+
+
+def live_mask(
+    row_id: torch.Tensor, segment: torch.Tensor, deletions: Deletions | None
+) -> torch.Tensor:
+    """bool ``[B]``: which rows of a batch (``row_id`` and ``segment`` int64 ``[B]``) are
+    alive under ``deletions`` (all of them when it is None). One ``searchsorted`` over the
+    sorted row ids: ``O(B log D)``."""
+    import torch
+
+    if deletions is None or len(deletions) == 0:
+        return torch.ones(len(row_id), dtype=torch.bool)
+    ids = torch.as_tensor(deletions.row_ids)
+    before = torch.as_tensor(deletions.before)
+    at = torch.searchsorted(ids, row_id).clamp(max=len(ids) - 1)
+    dead = (ids[at] == row_id) & (segment < before[at])
+    return ~dead
 
 
 class ShardReader(Protocol):
@@ -244,6 +347,39 @@ class Loader(ABC):
             DataError: an empty split, unworkable shards, or no space left (naming the
                 directory); the caller removes the run's cache folder.
         """
+
+    def append(
+        self,
+        spark: SparkSession,
+        base: ShardPlan,
+        current: DataFrame,
+        added: DataFrame,
+        deletions: DataFrame,
+        cache_url: str,
+        split: str,
+    ) -> ShardPlan:
+        """Grow ``base`` (the plan of an older version's entry of the same lineage) to the
+        current version: write ``added`` as a new segment under ``cache_url`` (nothing when
+        it is empty) and plan every segment together, skipping the dead rows.
+
+        Args:
+            base: the older entry's plan (its files stay where they are, read-only).
+            current: the split's rows now (``row_id``, ``image``, ``label_index``,
+                ``segment``): what the plan must read, every row once.
+            added: the rows of ``current`` that ``base`` does not hold alive (new, or
+                changed since), with ``segment`` = the current version.
+            deletions: ``row_id`` long, ``before`` long: every row of ``base``'s segments
+                that is dead (:class:`Deletions`; the caller stores the same list at the
+                plan's ``deletions_url``).
+            cache_url: this entry's own folder.
+            split: the split's name.
+
+        Raises:
+            DataError: the segments cannot be planned with this loader's guarantees (too
+                uneven, or not holding ``current``'s rows); the caller then writes the
+                split whole.
+        """
+        raise DataError(f"the {self.name} loader cannot append to a cache entry")
 
     def cache_settings(self, split: str) -> dict[str, Any]:
         """The settings that decide the bytes and the plan of ``split``'s cache: part of its

@@ -72,7 +72,15 @@ from pyspark.sql import DataFrame, SparkSession
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.loaders import registered_loaders
-from flowers_job.loaders.base import Loader, ShardPlan, local_dir
+from flowers_job.loaders.base import (
+    DELETIONS_FILE,
+    Deletions,
+    Loader,
+    ShardPlan,
+    local_dir,
+    read_deletions,
+    write_deletions,
+)
 from flowers_job.location import Location
 from flowers_job.runtime.parent_watch import driver_identity, process_alive
 
@@ -87,7 +95,9 @@ __all__ = [
     "OWNER_FILE",
     "USERS",
     "CacheUse",
+    "Changes",
     "LoaderCache",
+    "MergedDeletions",
     "cache_bytes_needed",
     "cached_versions",
     "check_cache_space",
@@ -95,6 +105,7 @@ __all__ = [
     "entry_key",
     "evict",
     "loader_cache",
+    "merged_deletions",
     "run_cache",
     "sweep_orphaned_caches",
 ]
@@ -109,9 +120,10 @@ CACHE_SPACE_FACTOR = 1.1
 CACHE_SPACE_HEADROOM_BYTES = 1 << 20
 """A split's cache needs ``table size x 1.1 + 1 MiB``: the images are JPEG in both the Delta
 table and the uncompressed cache, plus Parquet footers and Hadoop's .crc files."""
-CACHE_FORMAT = 3
-"""The entries' layout, part of every key: 3 is a marker published by a put-if-absent over
-a writer's own data folder (2 and before: a folder published by a rename)."""
+CACHE_FORMAT = 4
+"""The entries' layout, part of every key: 4 is a marker published by a put-if-absent over
+a writer's own data folder and the segments of older entries it grew from, rows carrying
+their segment (2 and before: a folder published by a rename)."""
 
 ENTRIES = "entries"
 LOCKS = "locks"
@@ -122,8 +134,8 @@ LEGACY_PLAN_FILE = "plan.json"
 LAST_USED = "last_used"
 USERS = "users"
 DATA_PREFIX = "data-"
-_HERE = "{entry}"
-"""Stands for the entry's data folder in a stored plan."""
+_ROOT = "{cache}"
+"""Stands for the cache root in a stored plan: its paths are inside the entry's segments."""
 
 
 def _alive(owner: dict[str, Any]) -> bool:
@@ -170,10 +182,10 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
             owner.get("pid"),
             owner.get("host"),
         )
+        referenced = _referenced(parent)
         for entry in (parent / ENTRIES).iterdir():
             data = entry / f"{DATA_PREFIX}{folder.name}"
-            marker = _read_json(entry / ENTRY_FILE)
-            if not (isinstance(marker, dict) and marker.get("data") == data.name):
+            if (entry.name, data.name) not in referenced:
                 with contextlib.suppress(OSError):
                     data.rmtree()
         with contextlib.suppress(OSError):
@@ -274,9 +286,70 @@ class CacheUse:
     """Of which waiting for the lock of another run writing the same entry (s; disk only)."""
     lost_publish: bool = False
     """This run wrote the entry too, and another run published it first."""
+    appended_to: str | None = None
+    """The older entry this one grew from by appending (None: written whole, or reused)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """A split's changes since an older version of the ``images`` table (what
+    :meth:`LoaderCache.split` appends; :func:`flowers_job.driver.prepare.split_changes`
+    makes it from the two versions' ``(row_id, content_sha256)``)."""
+
+    current: DataFrame
+    """The split now: ``row_id``, ``image``, ``label_index``, ``segment`` (this version)."""
+    added: DataFrame
+    """The rows of ``current`` the older version did not hold as they are (new, or changed
+    since), same columns."""
+    added_rows: int
+    """Rows of ``added``."""
+    removed_ids: Any
+    """int64 ``[R]``: ``row_id`` of the older version's rows that ``current`` does not hold
+    as they were (removed, or changed since)."""
+    rows: int
+    """Rows of ``current``."""
+
+
+@dataclass(frozen=True)
+class MergedDeletions:
+    """An entry's deletion list: its older entry's and this version's removals."""
+
+    rows: Deletions
+    """On the driver (numpy), for :func:`~flowers_job.loaders.base.write_deletions`."""
+    frame: DataFrame
+    """The same as a Spark DataFrame: ``row_id`` long, ``before`` long."""
+
+
+def merged_deletions(
+    spark: SparkSession, base_url: str | None, removed_ids: Any, version: int
+) -> MergedDeletions:
+    """The deletion list of an entry grown to ``version``: the older entry's
+    (``base_url``), and every id of ``removed_ids`` (int64 ``[R]``) dead in segments before
+    ``version``; where a row id is in both, the later segment wins (copies written before
+    it are dead). The list stays below ``cache.compact_dead_fraction`` of the rows, 16
+    bytes each.
+    """
+    import numpy as np
+    import pandas as pd
+
+    base = read_deletions(base_url)
+    new = np.asarray(removed_ids, dtype=np.int64)
+    ids = np.concatenate([base.row_ids if base else np.empty(0, np.int64), new])
+    before = np.concatenate(
+        [base.before if base else np.empty(0, np.int64), np.full(len(new), version, np.int64)]
+    )
+    order = np.lexsort((before, ids))
+    ids, before = ids[order], before[order]
+    last = np.r_[ids[1:] != ids[:-1], True] if len(ids) else np.empty(0, bool)
+    rows = Deletions(ids[last], before[last])
+    frame = spark.createDataFrame(
+        pd.DataFrame({"row_id": rows.row_ids, "before": rows.before}),
+        schema="row_id long, before long",
+    )
+    return MergedDeletions(rows, frame)
 
 
 def _users_alive(entry: Location, skip: str) -> list[str]:
@@ -309,10 +382,30 @@ def _entry_info(entry: Location) -> dict[str, Any] | None:
     return None
 
 
+def _segments(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """The ``(entry, data folder)`` pairs whose files a marker's plan reads, oldest first
+    (the entry's own data folder last)."""
+    pairs = info.get("segments")
+    if not isinstance(pairs, list):
+        return []
+    return [(str(p[0]), str(p[1])) for p in pairs if isinstance(p, list) and len(p) == 2]
+
+
+def _referenced(root: Location) -> set[tuple[str, str]]:
+    """Every ``(entry, data folder)`` that a published marker under ``root`` reads."""
+    used: set[tuple[str, str]] = set()
+    for entry in (root / ENTRIES).iterdir():
+        info = _entry_info(entry)
+        if info is not None:
+            used.update(_segments(info))
+    return used
+
+
 def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
     """Unpublish ``entry`` (its marker first, so that it is never read half removed), then
-    delete its data; unless a reader leased it meanwhile: then the marker is put back.
-    Only the published data folder goes: a concurrent writer's folder is its own.
+    delete the data folders of its segments that no other published marker reads (an entry
+    that grew from it keeps reading them); unless a reader leased it meanwhile: then the
+    marker is put back. A concurrent writer's folder is its own and is never removed here.
 
     Returns:
         Whether the entry was removed.
@@ -326,17 +419,22 @@ def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
     if _users_alive(entry, run_id):  # a reader leased it between our look and the unlink
         marker.create_bytes(saved)
         return False
-    data = info.get("data")
-    with contextlib.suppress(OSError):
-        if data is None:  # layout 2: the whole folder was the entry
+    if info.get("data") is None:  # layout 2: the whole folder was the entry
+        with contextlib.suppress(OSError):
             entry.rmtree()
-        else:
-            (entry / str(data)).rmtree()
-            (entry / LAST_USED).unlink(missing_ok=True)
-            if entry.is_local:
-                for leftover in (entry / USERS, entry):
-                    with contextlib.suppress(OSError):
-                        leftover.local_path.rmdir()  # empty unless a writer is at work
+        return True
+    root = entry.parent.parent
+    still = _referenced(root)
+    for owner, data in _segments(info):
+        if (owner, data) not in still:
+            with contextlib.suppress(OSError):
+                (root / ENTRIES / owner / data).rmtree()
+    with contextlib.suppress(OSError):
+        (entry / LAST_USED).unlink(missing_ok=True)
+    if entry.is_local:
+        for leftover in (entry / USERS, entry):
+            with contextlib.suppress(OSError):
+                leftover.local_path.rmdir()  # empty unless a writer is at work
     return True
 
 
@@ -347,10 +445,11 @@ def check_entry(
     its files is read.
 
     The job's marker holds the ``fields`` the entry's name is the key of, the name of a data
-    folder of this entry, and a plan whose every path is inside that folder (written as
-    :data:`_HERE`). A marker that names other fields, another loader's plan, a data folder
-    elsewhere or any path outside it was put there by someone else (a cache root on a shared
-    path such as ``/dbfs/tmp``) and is not read. Someone who can write the cache root can
+    folder of this entry, the segments it reads (data folders of entries of the root), and
+    a plan whose every path is inside one of them (written from :data:`_ROOT`). A marker
+    that names other fields, another loader's plan, a data folder elsewhere or any path
+    outside its segments was put there by someone else (a cache root on a shared path such
+    as ``/dbfs/tmp``) and is not read. Someone who can write the cache root can
     forge it: what the loaders open is checked again where they open it (the Petastorm ranks
     open only the plan's own files, never a folder whose metadata Petastorm would unpickle:
     :func:`~flowers_job.loaders.petastorm.petastorm_loader.check_cache_files`).
@@ -361,19 +460,31 @@ def check_entry(
     expected = json.loads(json.dumps(fields, default=str))
     stored = info.get("plan")
     data = info.get("data")
+    segments = _segments(info)
     problem = None
     if info.get("fields") != expected:
         problem = f"its {ENTRY_FILE} does not describe the key {entry_key(fields)}"
-    elif not (isinstance(data, str) and data.startswith(DATA_PREFIX) and "/" not in data):
+    elif not (isinstance(data, str) and _is_name(data) and data.startswith(DATA_PREFIX)):
         problem = f"its {ENTRY_FILE} names no data folder of its own"
+    elif (
+        not segments
+        or segments[-1] != (entry.name, data)
+        or not all(_is_name(e) and _is_name(d) and d.startswith(DATA_PREFIX) for e, d in segments)
+    ):
+        problem = f"its {ENTRY_FILE} names segments that are not data folders of the cache"
     elif not isinstance(stored, dict) or stored.get("loader") != loader.name:
         problem = f"its {ENTRY_FILE} holds no {loader.name} plan"
     else:
+        prefixes = [f"{_ROOT}/{ENTRIES}/{e}/{d}" for e, d in segments]
         outside = [
-            p for k, v in stored.items() if k != "loader" for p in _strings(v) if not _inside(p)
+            p
+            for k, v in stored.items()
+            if k != "loader"
+            for p in _strings(v)
+            if not _inside(p, prefixes)
         ]
         if outside:
-            problem = f"its plan names {outside[0]!r}, outside the entry"
+            problem = f"its plan names {outside[0]!r}, outside the entry's segments"
     if problem:
         raise DataError(
             f"the loader cache entry {entry} was not written by this job: {problem}; "
@@ -393,9 +504,17 @@ def _strings(obj: Any) -> list[str]:
     return []
 
 
-def _inside(text: str) -> bool:
-    """Whether a stored plan's string is :data:`_HERE` or a path below it (no ``..``)."""
-    return text == _HERE or (text.startswith(_HERE + "/") and ".." not in text.split("/"))
+def _is_name(text: str) -> bool:
+    """A plain file name: no separator, not ``.`` or ``..``, not empty."""
+    return bool(text) and "/" not in text and text not in (".", "..")
+
+
+def _inside(text: str, prefixes: list[str]) -> bool:
+    """Whether a stored plan's string is one of ``prefixes`` or a path below one (no
+    ``..``)."""
+    if ".." in text.split("/"):
+        return False
+    return any(text == p or text.startswith(p + "/") for p in prefixes)
 
 
 def evict(root: Location | Path | str, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
@@ -480,16 +599,22 @@ class LoaderCache:
         fields: dict[str, Any],
         frame: Callable[[], DataFrame],
         needed_bytes: int,
+        changes: Callable[[int], Changes] | None = None,
     ) -> tuple[ShardPlan, CacheUse]:
         """This run's plan of ``split``: from the entry keyed by ``fields`` if it is
-        published, else written now (``frame()``'s rows, by ``loader``) and published.
+        published; else grown from the newest older entry of the same lineage by appending
+        (``changes``, ``cache.append``), or written whole (``frame()``'s rows, by
+        ``loader``), and published.
 
         Args:
             fields: what the entry is built from (:func:`entry_key`, with
-                :data:`CACHE_FORMAT` added); ``version`` among them.
-            frame: the split's rows (``row_id``, ``image``, ``label_index``), built only when
-                the entry must be written.
+                :data:`CACHE_FORMAT` added); ``version`` among them, and the rest (the
+                lineage) shared by the entries an entry can grow from.
+            frame: the split's rows (``row_id``, ``image``, ``label_index``, ``segment``),
+                built only when the entry must be written.
             needed_bytes: the space the write needs (:func:`cache_bytes_needed`).
+            changes: given an older version of the lineage, the split's changes since
+                (:class:`Changes`); None: no appending.
 
         Raises:
             DataError: no space for the write, another run held the entry's lock for
@@ -508,15 +633,15 @@ class LoaderCache:
         entry = self.root / ENTRIES / name
         plan = self._use(entry, loader, fields)
         waited = 0.0
-        written, won = 0, False
+        written, won, grown = 0, False, None
         if plan is None:
             # before the lock file is made: a volume without room is left as it was
             check_cache_space(self.root_url, needed_bytes, f"the {split} split")
             with self._lock(entry, key) as waited:
                 plan = self._use(entry, loader, fields)  # published while this run waited
                 if plan is None:
-                    written, won = self._write(
-                        spark, loader, split, fields, frame, entry, needed_bytes
+                    written, won, grown = self._write(
+                        spark, loader, split, fields, frame, entry, needed_bytes, changes
                     )
                     plan = self._use(entry, loader, fields)
             if plan is None:
@@ -531,13 +656,15 @@ class LoaderCache:
             round(time.perf_counter() - t0, 3),
             round(waited, 3),
             lost_publish=written > 0 and not won,
+            appended_to=grown,
         )
         log.info(
-            "%s: loader cache %s %s (%.1f MiB written%s, %.1f s)",
+            "%s: loader cache %s %s (%.1f MiB written%s%s, %.1f s)",
             split,
             "reused" if use.reused else "written:",
             entry.name,
             written / 2**20,
+            f", appended to {grown}" if grown else "",
             ", another run published it first" if use.lost_publish else "",
             use.seconds,
         )
@@ -574,13 +701,9 @@ class LoaderCache:
         (entry / USERS / f"{self.run_id}.json").write_text(json.dumps(driver_identity()))
         (entry / LAST_USED).write_text(f"{time.time():.3f}")
 
-    def _use(self, entry: Location, loader: Loader, fields: dict[str, Any]) -> ShardPlan | None:
-        """The entry's plan, with this run leased as a reader; None if not published.
-
-        Raises:
-            DataError: the entry was not written by this job for ``fields``
-                (:func:`check_entry`).
-        """
+    def _leased_info(self, entry: Location) -> dict[str, Any] | None:
+        """``entry``'s marker, with this run leased as its reader; None (and no lease) when
+        it is not published."""
         if not isinstance(_read_json(entry / ENTRY_FILE), dict):
             return None
         self._lease(entry)
@@ -589,11 +712,56 @@ class LoaderCache:
             with contextlib.suppress(OSError):
                 (entry / USERS / f"{self.run_id}.json").unlink()
             return None
-        check_entry(entry, info, loader, fields)
         if entry not in self.used:
             self.used.append(entry)
-        data = entry / str(info["data"])
-        return loader.plan_type(**_rebase(info["plan"], _HERE, data.as_uri()))
+        return info
+
+    def _plan(self, info: dict[str, Any], loader: Loader) -> ShardPlan:
+        """A checked marker's plan, its paths made absolute."""
+        return loader.plan_type(**_rebase(info["plan"], _ROOT, self.root.as_uri()))
+
+    def _use(self, entry: Location, loader: Loader, fields: dict[str, Any]) -> ShardPlan | None:
+        """The entry's plan, with this run leased as a reader; None if not published.
+
+        Raises:
+            DataError: the entry was not written by this job for ``fields``
+                (:func:`check_entry`).
+        """
+        info = self._leased_info(entry)
+        if info is None:
+            return None
+        check_entry(entry, info, loader, fields)
+        return self._plan(info, loader)
+
+    def _base(
+        self, loader: Loader, split: str, fields: dict[str, Any]
+    ) -> tuple[Location, dict[str, Any], ShardPlan] | None:
+        """The newest published entry of an older version of the same lineage (``fields``
+        but ``version``), leased by this run; None when there is none."""
+        version = int(fields["version"])
+        prefix = f"{loader.name}-{split}-v"
+        older = []
+        for entry in (self.root / ENTRIES).glob(f"{prefix}*"):
+            digits = entry.name[len(prefix) :].split("-", 1)[0]
+            if digits.isdigit() and int(digits) < version:
+                older.append((int(digits), entry))
+        for number, entry in sorted(older, key=lambda e: -e[0]):
+            candidate = {**fields, "version": number}
+            info = _read_json(entry / ENTRY_FILE)
+            if not isinstance(info, dict) or info.get("fields") != json.loads(
+                json.dumps(candidate, default=str)
+            ):
+                continue
+            info = self._leased_info(entry)
+            if info is None:
+                continue
+            try:
+                check_entry(entry, info, loader, candidate)
+            except DataError as exc:
+                log.warning("%s: not appending to %s: %s", split, entry.name, exc)
+                return None
+            return entry, info, self._plan(info, loader)
+        return None
 
     def _write(
         self,
@@ -604,20 +772,36 @@ class LoaderCache:
         frame: Callable[[], DataFrame],
         entry: Location,
         needed_bytes: int,
-    ) -> tuple[int, bool]:
-        """Write the entry's files in this run's data folder and publish them by one
-        put-if-absent of the marker. Returns the bytes written and whether this run's
-        publish won (if not, its folder is removed and the winner's is read)."""
+        changes: Callable[[int], Changes] | None,
+    ) -> tuple[int, bool, str | None]:
+        """Write the entry's files in this run's data folder (a new segment over an older
+        entry of the lineage, or the split whole) and publish them by one put-if-absent of
+        the marker. Returns the bytes written, whether this run's publish won (if not, its
+        folder is removed and the winner's is read), and the entry it grew from (None:
+        written whole)."""
         data = entry / f"{DATA_PREFIX}{self.run_id}"
         self.written.append(data)
+        referenced = _referenced(self.root)
         for stale in entry.glob(f"{DATA_PREFIX}*"):  # unpublished: whose writer is gone?
             owner = _read_json(self.root / stale.name.removeprefix(DATA_PREFIX) / OWNER_FILE)
-            if stale == data or not (isinstance(owner, dict) and _alive(owner)):
+            alive = isinstance(owner, dict) and _alive(owner)
+            if stale == data or not (alive or (entry.name, stale.name) in referenced):
                 with contextlib.suppress(OSError):
                     stale.rmtree()
         check_cache_space(data.as_uri(), needed_bytes, f"the {split} split")
         t0 = time.perf_counter()
-        plan = loader.write(spark, frame(), data.as_uri(), split)
+        segments: list[tuple[str, str]] = []
+        grown = None
+        plan = None
+        base = self._base(loader, split, fields) if changes and self.cfg.cache.append else None
+        if base is not None and changes is not None:
+            plan = self._append(spark, loader, split, int(fields["version"]), base, changes, data)
+            if plan is not None:
+                segments, grown = _segments(base[1]), base[0].name
+        if plan is None:
+            with contextlib.suppress(OSError):
+                data.rmtree()  # what a failed append left
+            plan = loader.write(spark, frame(), data.as_uri(), split)
         seconds = time.perf_counter() - t0
         size = data.size_bytes()
         info = {
@@ -627,7 +811,9 @@ class LoaderCache:
             "created": time.time(),
             "writer": driver_identity(),
             "data": data.name,
-            "plan": _rebase(plan.to_dict(), data.as_uri(), _HERE),
+            "segments": [[e, d] for e, d in [*segments, (entry.name, data.name)]],
+            "grown_from": grown,
+            "plan": _rebase(plan.to_dict(), self.root.as_uri(), _ROOT),
         }
         self._lease(entry)  # before it is published: no evictor takes it from under us
         won = (entry / ENTRY_FILE).create_bytes(
@@ -636,16 +822,87 @@ class LoaderCache:
         if not won:
             with contextlib.suppress(OSError):
                 data.rmtree()
-        return size, won
+        return size, won, grown
+
+    def _append(
+        self,
+        spark: SparkSession,
+        loader: Loader,
+        split: str,
+        version: int,
+        base: tuple[Location, dict[str, Any], ShardPlan],
+        changes: Callable[[int], Changes],
+        data: Location,
+    ) -> ShardPlan | None:
+        """The plan of ``base`` grown to ``version`` (:meth:`Loader.append`), its new
+        segment and deletion list written under ``data``; None when the split should be
+        written whole instead (too many dead rows or segments, or a plan the loader
+        refuses), said in the log."""
+        from dataclasses import replace
+
+        entry, info, plan = base
+        base_version = int(info["fields"]["version"])
+        try:
+            change = changes(base_version)
+            added, removed = change.added_rows, len(change.removed_ids)
+        except Exception as exc:  # the older version vacuumed, say: the split is written whole
+            log.warning("%s: not appending to %s: %s", split, entry.name, exc)
+            return None
+        stored = (plan.stored_rows or plan.dataset_size) + added
+        dead = stored - change.rows
+        segments = len(_segments(info)) + 1
+        why = None
+        if dead > self.cfg.cache.compact_dead_fraction * stored:
+            why = (
+                f"{dead} of its {stored} rows would be dead, more than "
+                f"cache.compact_dead_fraction={self.cfg.cache.compact_dead_fraction}"
+            )
+        elif segments > self.cfg.cache.max_segments:
+            why = f"it would have {segments} segments, more than cache.max_segments"
+        if why:
+            log.info(
+                "%s: compacting: writing the split whole instead of %s: %s", split, entry.name, why
+            )
+            return None
+        deletions = merged_deletions(spark, plan.deletions_url, change.removed_ids, version)
+        t0 = time.perf_counter()
+        try:
+            grown = loader.append(
+                spark, plan, change.current, change.added, deletions.frame, data.as_uri(), split
+            )
+        except DataError as exc:
+            log.warning(
+                "%s: not appending to %s: %s; writing the split whole", split, entry.name, exc
+            )
+            return None
+        deletions_url = None
+        if len(deletions.rows):
+            deletions_url = (data / DELETIONS_FILE).as_uri()
+            write_deletions(deletions_url, deletions.rows)
+        log.info(
+            "%s: appended to %s (v%d -> v%d): +%d rows, -%d rows, %d dead of %d stored, %d "
+            "segments (%.1f s)",
+            split,
+            entry.name,
+            base_version,
+            version,
+            added,
+            removed,
+            dead,
+            stored,
+            segments,
+            time.perf_counter() - t0,
+        )
+        return replace(grown, deletions_url=deletions_url, stored_rows=stored)
 
     def release(self) -> None:
         """This run no longer reads its entries; its unpublished data folders are removed."""
         for entry in self.used:
             with contextlib.suppress(OSError):
                 (entry / USERS / f"{self.run_id}.json").unlink()
+        referenced = _referenced(self.root) if self.written else set()
         for data in self.written:
-            marker = _read_json(data.parent / ENTRY_FILE)
-            if not (isinstance(marker, dict) and marker.get("data") == data.name):
+            if (data.parent.name, data.name) not in referenced:
                 with contextlib.suppress(OSError):
                     data.rmtree()
 

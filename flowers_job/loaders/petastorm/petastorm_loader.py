@@ -48,7 +48,7 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -57,13 +57,17 @@ import numpy as np
 import torch
 from packaging.version import Version
 
-from flowers_job.errors import DataError
+from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders.base import (
+    SEGMENT_COLUMN,
     Batch,
+    Deletions,
     Loader,
     ShardPlan,
     check_batch_fits,
+    live_mask,
     local_dir,
+    read_deletions,
     rebatch,
     wrap_int64,
 )
@@ -97,6 +101,7 @@ __all__ = [
     "cache_partitions",
     "check_cache_files",
     "footer_rows",
+    "live_rows",
     "partition_counts",
     "partition_keys",
     "plan_shards",
@@ -111,11 +116,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PetastormPlan(ShardPlan):
-    """A :class:`ShardPlan` plus the cache's Parquet files, in Petastorm's order, and the
-    bytes of the split's largest image (the row width of undecoded batches)."""
+    """A :class:`ShardPlan` plus the cache's Parquet files, in Petastorm's order, the
+    bytes of the split's largest image (the row width of undecoded batches), and each
+    file's rows and int64 row checksum as written (dead rows included: an appended entry's
+    plan subtracts them)."""
 
     file_urls: list[str] = field(default_factory=list)
     max_image_bytes: int = 0
+    file_checksums: list[list[int]] = field(default_factory=list)
 
 
 def quiet_petastorm() -> None:
@@ -232,11 +240,109 @@ class PetastormLoader(Loader):
             per_device_batch_size=cfg.train.per_device_batch_size,
             file_urls=cache.file_urls,
             max_image_bytes=cache.max_image_bytes,
+            file_checksums=[list(c) for c in cache.file_checksums],
+        )
+
+    def append(
+        self,
+        spark: SparkSession,
+        base: ShardPlan,
+        current: DataFrame,
+        added: DataFrame,
+        deletions: DataFrame,
+        cache_url: str,
+        split: str,
+    ) -> ShardPlan:
+        """``base``'s files, then ``added`` written as balanced Parquet under
+        ``<cache_url>/petastorm-<split>`` (:func:`write_balanced`, as many files as ranks at
+        least), planned together: each file's rows and checksum less its dead rows (one
+        Spark aggregation of the ``row_id`` and ``segment`` columns of every file against
+        ``deletions``), Petastorm's shard rule over all files (:func:`plan_shards`). The
+        ranks skip the dead rows (:func:`~flowers_job.loaders.base.live_mask`).
+
+        Raises:
+            DataError: shards too uneven to plan, or files whose live rows are not
+                ``current``'s (count and checksum).
+        """
+        from pyspark.sql import functions as F
+
+        from flowers_job.loaders.base import SEGMENT_COLUMN, row_stats
+
+        assert isinstance(base, PetastormPlan), base
+        cfg = self.cfg
+        quiet_petastorm()
+        if not base.file_checksums:
+            raise DataError("the older entry's plan has no per-file checksums")
+        files = list(base.file_urls)
+        raw = [tuple(c) for c in base.file_checksums]
+        out_url = f"{cache_url.rstrip('/')}/petastorm-{split}"
+        max_bytes = base.max_image_bytes
+        segment_dirs = list(base.segment_dirs)
+        if not added.isEmpty():
+            cache = write_balanced(
+                spark,
+                added,
+                out_url,
+                world_size=cfg.world_size,
+                min_partitions=cfg.world_size,
+                what=f"the rows added to the {split} split of {self.source}",
+            )
+            files += cache.file_urls
+            raw += cache.file_checksums
+            max_bytes = max(max_bytes, cache.max_image_bytes)
+            segment_dirs.append(base.cache_dir_url)
+        else:
+            out_url = base.cache_dir_url
+        dead = {
+            url_path(str(r["f"])): (int(r["n"]), int(r["s"]))
+            for r in spark.read.parquet(*files)
+            .select("row_id", SEGMENT_COLUMN, F.input_file_name().alias("f"))
+            .join(deletions, "row_id")
+            .where(F.col(SEGMENT_COLUMN) < F.col("before"))
+            .groupBy("f")
+            .agg(
+                F.count(F.lit(1)).alias("n"),
+                F.sum(F.col("row_id").cast("decimal(38,0)")).alias("s"),
+            )
+            .collect()
+        }
+        live = []
+        for url, (n, total) in zip(files, raw, strict=True):
+            dn, ds = dead.get(url_path(url), (0, 0))
+            live.append((n - dn, wrap_int64(total - ds)))
+        rows, checksum, steps = plan_shards(
+            files,
+            live,
+            cfg.world_size,
+            cfg.train.per_device_batch_size,
+            full_batches=split == "train",
+            split=split,
+        )
+        expected = row_stats(current)
+        if (sum(rows), wrap_int64(sum(checksum))) != expected:
+            raise DataError(
+                f"the {split} split's segments hold {sum(rows)} live rows (checksum "
+                f"{wrap_int64(sum(checksum))}), the table {expected[0]} ({expected[1]})"
+            )
+        return PetastormPlan(
+            loader=self.name,
+            cache_dir_url=out_url,
+            dataset_size=sum(rows),
+            checksum=wrap_int64(sum(checksum)),
+            rows_per_shard=rows,
+            checksum_per_shard=checksum,
+            steps_per_epoch=steps,
+            per_device_batch_size=cfg.train.per_device_batch_size,
+            segment_dirs=segment_dirs,
+            file_urls=files,
+            max_image_bytes=max_bytes,
+            file_checksums=[list(c) for c in raw],
         )
 
     def cache_settings(self, split: str) -> dict[str, Any]:
-        """The base's, and the plan's format: 2 since plans hold ``max_image_bytes``."""
-        return {**super().cache_settings(split), "plan_format": 2}
+        """The base's, and the plan's format: 2 since plans hold ``max_image_bytes``, 3
+        since they hold each file's checksum and the segments."""
+        return {**super().cache_settings(split), "plan_format": 3}
 
     @classmethod
     def open(
@@ -269,6 +375,7 @@ class PetastormLoader(Loader):
             shuffle_buffer_rows=settings.shuffle_buffer_rows,
             workers_count=cfg.data.loader_workers or 1,
             pin_memory=pin_memory,
+            deletions=read_deletions(plan.deletions_url),
         )
 
 
@@ -398,7 +505,8 @@ def check_cache_files(plan: PetastormPlan) -> None:
     """Refuse a plan whose files Petastorm could read a pickle from, before it opens them.
 
     Every entry of ``plan.file_urls`` must be a ``part-*.parquet`` file
-    (:data:`CACHE_FILE_PATTERN`) directly inside ``plan.cache_dir_url``, named once; a local
+    (:data:`CACHE_FILE_PATTERN`) directly inside ``plan.cache_dir_url`` or one of its
+    ``segment_dirs``, named once; a local
     one must be a regular file (a directory, or a link to one, would make pyarrow read its
     ``_common_metadata`` and Petastorm unpickle its schema from it), and an object-store
     one an object (one ``HEAD`` each: entries are reused on object stores too).
@@ -406,12 +514,12 @@ def check_cache_files(plan: PetastormPlan) -> None:
     Raises:
         DataError: no files, or a file that breaks these rules, naming it and the folder.
     """
-    folder = url_path(plan.cache_dir_url).rstrip("/")
+    folders = {url_path(u).rstrip("/") for u in [plan.cache_dir_url, *plan.segment_dirs]}
     if not plan.file_urls:
         raise DataError(f"the Petastorm plan of {plan.cache_dir_url} names no Parquet files")
     seen: set[str] = set()
     for url in plan.file_urls:
-        problem = _cache_file_problem(url, folder, seen)
+        problem = _cache_file_problem(url, folders, seen)
         if problem:
             raise DataError(
                 f"the Petastorm cache's plan names {url}, which {problem}: the ranks open only "
@@ -421,14 +529,15 @@ def check_cache_files(plan: PetastormPlan) -> None:
         seen.add(url_path(url))
 
 
-def _cache_file_problem(url: str, folder: str, seen: set[str]) -> str | None:
-    """What is wrong with ``url`` as a file of the cache folder ``folder`` (a path), or None."""
+def _cache_file_problem(url: str, folders: set[str], seen: set[str]) -> str | None:
+    """What is wrong with ``url`` as a file of one of the cache folders ``folders`` (paths:
+    the plan's and its older segments'), or None."""
     path = url_path(url)
     parent, _, name = path.rpartition("/")
     if not CACHE_FILE_PATTERN.fullmatch(name):
         return "is not a Parquet file of the cache (part-*.parquet)"
-    if parent.rstrip("/") != folder:
-        return f"lies outside the cache folder {folder}"
+    if parent.rstrip("/") not in folders:
+        return f"lies outside the cache folders {sorted(folders)}"
     if path in seen:
         return "is named twice"
     local = local_dir(url)
@@ -464,8 +573,10 @@ def shard_batches(
     reader_pool_type: str = "dummy",
     shuffle_buffer_rows: int = 0,
     workers_count: int = 1,
+    deletions: Deletions | None = None,
 ) -> Iterator[Batch]:
-    """One epoch of this rank's shard: ``plan.steps_per_epoch`` batches.
+    """One epoch of this rank's shard: ``plan.steps_per_epoch`` batches, without the rows
+    of ``deletions`` (an appended entry's dead rows: :func:`live_rows`).
 
     Each batch: ``image`` uint8 ``[B, 3, S, S]``, ``label_index`` int64 ``[B]``,
     ``row_id`` int64 ``[B]``, with ``B`` from ``plan.batch_sizes(rank)``. Petastorm's
@@ -498,7 +609,28 @@ def shard_batches(
         seed=seed,
         filesystem=legacy_filesystem(plan.file_urls),
     ) as loader:
-        yield from rebatch(loader, plan.batch_sizes(rank))
+        yield from rebatch(live_rows(loader, deletions), plan.batch_sizes(rank))
+
+
+def live_rows(batches: Iterable[Batch], deletions: Deletions | None) -> Iterator[Batch]:
+    """``batches`` without their ``segment`` column and without the rows ``deletions``
+    marks dead (:func:`~flowers_job.loaders.base.live_mask`); batches left empty are
+    dropped.
+
+    Raises:
+        ShardError: there are deletions and the cache's rows carry no segment.
+    """
+    for read in batches:
+        segment = read.pop(SEGMENT_COLUMN, None)
+        batch = read
+        if deletions is not None and len(deletions):
+            if segment is None:
+                raise ShardError("the cache has a deletion list but its rows no segment column")
+            keep = live_mask(read["row_id"], segment, deletions)
+            if not bool(keep.all()):
+                batch = {k: v[keep] for k, v in read.items()}
+        if len(batch["row_id"]):
+            yield batch
 
 
 @dataclass
@@ -523,6 +655,7 @@ class PetastormReader(CursorReader):
     shuffle_buffer_rows: int = 0
     workers_count: int = 1
     pin_memory: bool = False
+    deletions: Deletions | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -547,6 +680,7 @@ class PetastormReader(CursorReader):
                 reader_pool_type=self.reader_pool_type,
                 shuffle_buffer_rows=self.shuffle_buffer_rows,
                 workers_count=self.workers_count,
+                deletions=self.deletions,
             )
         )
         if start is not None:

@@ -39,10 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders.base import (
+    SEGMENT_COLUMN,
     Batch,
+    Deletions,
     Loader,
     ShardPlan,
     check_batch_fits,
+    live_mask,
+    read_deletions,
     row_stats,
 )
 from flowers_job.loaders.position import CursorReader, EpochCursor, EpochStart, epoch_seed
@@ -77,7 +81,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MDS_COLUMNS = {"row_id": "int64", "image": "bytes", "label_index": "int64", "valid": "uint8"}
+MDS_COLUMNS = {
+    "row_id": "int64",
+    "image": "bytes",
+    "label_index": "int64",
+    "valid": "uint8",
+    SEGMENT_COLUMN: "int64",
+}
 """Columns of the MDS shards and their Mosaic encodings."""
 SHARD_SIZE_LIMIT_BYTES = 1 << 26
 """Largest MDS shard file (bytes), Mosaic's default (64 MiB)."""
@@ -121,6 +131,74 @@ class StreamingLoader(Loader):
             per_device_batch_size=cfg.train.per_device_batch_size,
             full_batches=split == "train",
             split=split,
+        )
+
+    def append(
+        self,
+        spark: SparkSession,
+        base: ShardPlan,
+        current: DataFrame,
+        added: DataFrame,
+        deletions: DataFrame,
+        cache_url: str,
+        split: str,
+    ) -> ShardPlan:
+        """``base``'s MDS folders, then ``added`` written as MDS under
+        ``<cache_url>/mds-<split>`` with the padding rows (``valid = 0``) that make the
+        samples of all segments divide by ``world_size``. The ranks read every segment as
+        one ``StreamingDataset`` of several streams and mask the dead rows like padding
+        (:func:`~flowers_job.loaders.base.live_mask`): every rank still reads
+        ``samples / world_size`` rows, every live row once. ``deletions`` is not read here:
+        the live rows' count and checksum are ``current``'s.
+
+        Raises:
+            DataError: a batch larger than a rank's rows (training), or MDS files that do
+                not hold the rows written.
+        """
+        from pyspark.sql import functions as F
+
+        assert isinstance(base, StreamingPlan), base
+        cfg = self.cfg
+        world_size = cfg.world_size
+        rows, checksum = row_stats(current)
+        dirs = [*base.segment_dirs, base.cache_dir_url]
+        stored = sum(_index_samples(Location.of(d)) for d in dirs)
+        n_added = added.count()
+        padding = (-(stored + n_added)) % world_size
+        if n_added:
+            out = Location.of(cache_url) / f"mds-{split}"
+            data = added.withColumn("valid", F.lit(1).cast("tinyint"))
+            if padding:  # copies of added rows, as many times as needed
+                copies = -(-padding // n_added)
+                pads = (
+                    added.crossJoin(spark.range(copies).withColumnRenamed("id", "_copy"))
+                    .drop("_copy")
+                    .limit(padding)
+                    .withColumn("valid", F.lit(0).cast("tinyint"))
+                )
+                data = data.unionByName(pads)
+            _write_frame(data, out, min(cfg.num_partitions, n_added + padding), split)
+            written = _index_samples(out)
+            if written != n_added + padding:
+                raise DataError(
+                    f"the MDS shards of the rows added to the {split} table under {out} hold "
+                    f"{written} samples, {n_added} rows + {padding} padding were written"
+                )
+            dirs.append(out.as_uri())
+        per_rank = (stored + n_added + padding) // world_size
+        batch = cfg.train.per_device_batch_size
+        check_batch_fits([per_rank] * world_size, batch, world_size, split, split == "train")
+        return StreamingPlan(
+            loader=self.name,
+            cache_dir_url=dirs[-1],
+            dataset_size=rows,
+            checksum=checksum,
+            rows_per_shard=[per_rank] * world_size,
+            checksum_per_shard=None,
+            steps_per_epoch=math.ceil(per_rank / batch),
+            per_device_batch_size=batch,
+            segment_dirs=dirs[:-1],
+            padding_rows=base.padding_rows + padding,
         )
 
     def release(self, cache_dir: Path | None) -> None:
@@ -213,13 +291,13 @@ def write_mds(
     from pyspark.sql import functions as F
 
     import_streaming()
-    from streaming.base.converters import dataframe_to_mds
-
     out = Location.of(out)
     rows, checksum = row_stats(df)
     if rows == 0:
         raise DataError(f"the {split} table is empty")
     padding = (-rows) % world_size
+    if SEGMENT_COLUMN not in df.columns:  # rows not from the images table (benchmarks)
+        df = df.withColumn(SEGMENT_COLUMN, F.lit(0).cast("long"))
     data = df.withColumn("valid", F.lit(1).cast("tinyint"))
     if padding:
         # the rows with the smallest ids, found by sorting row_id alone (not the images)
@@ -232,24 +310,7 @@ def write_mds(
     check_batch_fits(
         [per_rank] * world_size, per_device_batch_size, world_size, split, full_batches
     )
-    try:
-        dataframe_to_mds(
-            data.repartition(num_partitions),
-            merge_index=True,
-            mds_kwargs={
-                "out": mds_out(out.url),
-                "columns": MDS_COLUMNS,
-                "compression": None,
-                "size_limit": SHARD_SIZE_LIMIT_BYTES,
-            },
-        )
-    except Exception as exc:
-        if "No space left on device" in str(exc):
-            raise DataError(
-                f"no space left for the loader cache of the {split} table in {out.parent}; "
-                "free some space or set paths.cache_url to a larger volume"
-            ) from exc
-        raise
+    _write_frame(data, out, num_partitions, split)
     written = _index_samples(out)
     if written != rows + padding:
         raise DataError(
@@ -277,6 +338,36 @@ def write_mds(
         per_device_batch_size=per_device_batch_size,
         padding_rows=padding,
     )
+
+
+def _write_frame(data: DataFrame, out: Location, num_partitions: int, split: str) -> None:
+    """``dataframe_to_mds`` of ``data`` (:data:`MDS_COLUMNS`) in ``num_partitions`` Spark
+    partitions, uncompressed, with one merged ``index.json``.
+
+    Raises:
+        DataError: the volume filled up (naming the directory).
+    """
+    import_streaming()
+    from streaming.base.converters import dataframe_to_mds
+
+    try:
+        dataframe_to_mds(
+            data.repartition(num_partitions),
+            merge_index=True,
+            mds_kwargs={
+                "out": mds_out(out.url),
+                "columns": MDS_COLUMNS,
+                "compression": None,
+                "size_limit": SHARD_SIZE_LIMIT_BYTES,
+            },
+        )
+    except Exception as exc:
+        if "No space left on device" in str(exc):
+            raise DataError(
+                f"no space left for the loader cache of the {split} table in {out.parent}; "
+                "free some space or set paths.cache_url to a larger volume"
+            ) from exc
+        raise
 
 
 def _index_samples(out: Location) -> int:
@@ -356,11 +447,15 @@ class StreamingReader(CursorReader):
 
         self.plan, self.steps_per_epoch, self.seed = plan, plan.steps_per_epoch, seed
         self.num_nodes, self.rank = num_nodes, rank
+        self.deletions: Deletions | None = read_deletions(plan.deletions_url)
         with shard_environment(rank):  # Streaming's node: RANK // LOCAL_WORLD_SIZE
-            self.source = dataset_source(plan.cache_dir_url, settings)
-            enter_host_cache(self.source)
+            self.sources = [
+                dataset_source(url, settings) for url in [*plan.segment_dirs, plan.cache_dir_url]
+            ]
+            for source in self.sources:
+                enter_host_cache(source)
             self.dataset = _decoding_dataset(
-                **self.source,
+                **_dataset_kwargs(self.sources),
                 transform=transform,
                 batch_size=plan.per_device_batch_size,
                 shuffle=shuffle,
@@ -404,11 +499,15 @@ class StreamingReader(CursorReader):
                     f"Streaming yielded more than the planned {self.steps_per_epoch} batches"
                 )
             images = {k: batch[k] for k in ("image", JPEG_KEY, LENGTH_KEY) if k in batch}
+            row_id = batch["row_id"].long()
+            valid = batch["valid"].bool()
+            if self.deletions is not None:  # dead rows count as padding
+                valid &= live_mask(row_id, batch[SEGMENT_COLUMN].long(), self.deletions)
             yield {
                 **images,
                 "label_index": batch["label_index"].long(),
-                "row_id": batch["row_id"].long(),
-                "valid": batch["valid"].bool(),
+                "row_id": row_id,
+                "valid": valid,
             }
         if cursor.step != self.steps_per_epoch:
             raise ShardError(
@@ -423,7 +522,8 @@ class StreamingReader(CursorReader):
         import_streaming()
         from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
 
-        leave_host_cache(self.source)
+        for source in self.sources:
+            leave_host_cache(source)
         prefix = getattr(self.dataset, "_shm_prefix_int", None)
         if prefix is None:
             return
@@ -462,6 +562,21 @@ def collate_jpegs(samples: list[dict[str, Any]]) -> dict[str, Any]:
     batch[JPEG_KEY] = pad_sequence(jpegs, batch_first=True)
     batch[LENGTH_KEY] = torch.tensor([len(j) for j in jpegs], dtype=torch.int64)
     return batch
+
+
+def _dataset_kwargs(sources: list[dict[str, Any]]) -> dict[str, Any]:
+    """``StreamingDataset``'s arguments for the segments' ``sources``
+    (:func:`~flowers_job.loaders.streaming.remote.dataset_source`): one segment as before
+    (``local``, ``remote``, ``cache_limit``); several as ``streams``, one ``Stream`` each,
+    every sample once per epoch (no ``proportion``, ``repeat`` or ``choose``)."""
+    if len(sources) == 1:
+        return dict(sources[0])
+    import_streaming()
+    from streaming import Stream
+
+    streams = [Stream(remote=s.get("remote"), local=s["local"]) for s in sources]
+    limits = {s.get("cache_limit") for s in sources}
+    return {"streams": streams, **({"cache_limit": limits.pop()} if limits != {None} else {})}
 
 
 def _decoding_dataset(transform: DecodeTransform, **kwargs: Any) -> Any:

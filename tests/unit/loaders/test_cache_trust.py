@@ -163,12 +163,16 @@ def _entry(
     root: Path, fields: dict[str, Any] | None, plan: dict[str, Any], data: str = DATA
 ) -> Path:
     """A published entry of ``root``, as :meth:`LoaderCache._write` leaves one (its marker
-    holds ``fields`` with the cache format added; none when ``fields`` is None)."""
+    holds ``fields`` with the cache format added; none when ``fields`` is None). ``{entry}``
+    in the plan's strings stands for the entry's data folder."""
     from flowers_job.loaders.cache_dir import entry_key
 
-    entry = root / ENTRIES / f"petastorm-train-v3-{entry_key({**FIELDS, 'cache_format': 3})}"
+    name = f"petastorm-train-v3-{entry_key({**FIELDS, 'cache_format': CACHE_FORMAT})}"
+    entry = root / ENTRIES / name
     (entry / DATA).mkdir(parents=True)
-    marker: dict[str, Any] = {"bytes": 1, "data": data, "plan": plan}
+    here = f"{{cache}}/{ENTRIES}/{name}/{data}"
+    stored = json.loads(json.dumps(plan).replace("{entry}", here))
+    marker: dict[str, Any] = {"bytes": 1, "data": data, "segments": [[name, data]], "plan": stored}
     if fields is not None:
         marker["fields"] = {**fields, "cache_format": CACHE_FORMAT}
     (entry / ENTRY_FILE).write_text(json.dumps(marker))

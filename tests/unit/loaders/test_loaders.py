@@ -24,6 +24,7 @@ from flowers_job.errors import ShardError
 from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.base import ShardPlan, wrap_int64
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
+from tests.support.shards import read_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.tier("full")]
 
@@ -31,26 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.tier("full
 def _read(
     plan: ShardPlan, cfg: JobConfig, world_size: int, epochs: list[int], seed: int = 7
 ) -> dict[str, Any]:
-    """``read_shards`` on ``world_size`` real local TorchDistributor processes, with ``cfg``'s
-    image size and loader settings."""
-    from pyspark.ml.torch.distributor import TorchDistributor
-
-    from flowers_job.train.shard_read import read_shards
-
-    job = {
-        "plan": plan.to_dict(),
-        "loader": resolve_loader(cfg)[1],
-        "epochs": epochs,
-        "shuffle": True,
-        "seed": seed,
-        "config": cfg.model_dump(mode="json"),
-        "timeout_seconds": 120,
-    }
-    result = TorchDistributor(num_processes=world_size, local_mode=True, use_gpu=False).run(
-        read_shards, job
-    )
-    assert isinstance(result, dict)
-    return result
+    return read_plan(plan, cfg, world_size, epochs, seed)
 
 
 def _sums(ids: list[int], read: int) -> PassSums:
