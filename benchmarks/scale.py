@@ -7,38 +7,68 @@ For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default) i
    into a fresh images folder for this run (the corpus itself is never changed);
 2. runs the job's own CLI in subprocesses (``python -m flowers_job ...``, this checkout on
    ``PYTHONPATH``), each with its process tree sampled every 0.5 s (RSS and ``VmHWM`` of the
-   driver Python, the driver JVM, Spark's Python workers and each training rank):
+   driver Python, the driver JVM, Spark's Python workers and each training rank), in this
+   order, on one output dir:
 
    - ``ingest`` of all the files: files/s (files / the ingest's own seconds, from its log
      line), the driver's peak RSS (JVM + Python);
+   - ``train`` twice with ``train.epochs=1``, on the tables of that full ingest: the first
+     run writes the loader cache from scratch (no cache at all), the second reuses it; each
+     run's preparation time (from its start to its first training step: the first progress
+     line of epoch 1); of the first, its training images/s (``train_images_per_second`` of
+     the epoch), ``loader_cache`` and the rows per shard of ``summary.json``, and the peak
+     RSS of each rank. The second is stopped at its first step (``--second-train full``
+     runs it to its end): its preparation is what it measures;
    - ``ingest`` again with nothing changed (it lists and compares, writes nothing);
    - ``ingest`` again after 1 % new photos (spare variants) were added and 0.1 % deleted: its
      seconds against the full ingest's, the same above the unchanged run's (what the change
      itself cost), and the counts of an incremental ingest when the CLI prints them
      (``files_listed``, ``files_decoded``, ``rows_*``); ``--only-ingest`` stops here
-     (``ingest_x<N>.json``);
-   - ``train`` twice with ``train.epochs=1``: the first run writes the loader cache, the
-     second reuses it; each run's preparation time (from its start to its first training
-     step: the first progress line of epoch 1); of the first, its training images/s
-     (``train_images_per_second`` of the epoch), ``loader_cache`` and the rows per shard of
-     ``summary.json``, and the peak RSS of each rank. The second is stopped at its first
-     step (``--second-train full`` runs it to its end): its preparation is what it measures;
-   - ``predict --table`` over the test split of the stored images table (``--predict-split``):
-     images/s (the report's);
+     (``ingest_x<N>.json``; no train runs then, the ingests keep this order);
+   - **a day's cycle** (``day`` in the JSON): that incremental ingest is the day's ingest,
+     then ``train`` with ``train.epochs=1`` on the new tables version, whose loader cache
+     does not exist yet (the first train's, of the previous version, does): a new version's
+     first train. Recorded: ``day_seconds`` (the wall seconds of the incremental ingest and
+     of this train), its ``preparation_seconds``, ``cache_bytes_written`` per split and
+     ``cache_bytes_written_total`` (``bytes_written`` of its ``summary.json``'s
+     ``loader_cache``), ``full_cache_bytes`` (what the first train wrote from scratch) and
+     ``cache_bytes_vs_full`` (the day's / the full; 1.0 while a new version rewrites the
+     whole cache), and the day train's own record (``day.train``). (Before the day step
+     existed, the two trains ran after the incremental ingest, on the changed tables: they
+     now run before the change, so that the day train is the first on a new version while a
+     cache of the previous one exists; they still measure a cache written from scratch and
+     then reused, on about 1 % fewer rows.)
+   - ``predict --table`` over the test split of the stored images table (``--predict-split``;
+     the changed tables, as before): images/s (the report's);
    - with ``--memory-limit SIZE``: a third ``train`` in a memory cgroup of that size
      (``--limited-set`` overrides; ``--limited-driver-memory M``: ``run`` under
      ``spark-submit --driver-memory M`` instead), with the train split's stored size beside
      it (a run on data larger than its memory when the limit is below it);
      ``--only-limited`` runs the full ingest and this train only (``limited_x<N>.json``).
 
+Every step records ``store_bytes_growth`` (the growth of the output dir's ``tables`` and
+``loader_cache`` during it) and ``bytes_written``: for an ingest the tables' growth, for a
+train the loader cache bytes of its summary (its log's for a train stopped early).
+
+``--store s3`` puts the output dir (the tables, the loader cache, summary.json) in a bucket
+of an S3 API server started for the run (``python -m moto.server`` on 127.0.0.1, stopped
+at the end whatever happens): every command gets ``--output-dir s3a://<bucket>/out``, the
+``AWS_*`` of ``tools/cluster.py``'s ``s3_env`` and ``PYSPARK_SUBMIT_ARGS`` with hadoop-aws
+and the ``fs.s3a.*`` settings (as ``tests/support/s3.py``'s ``S3Store.cli_env``), and
+``tracking.tracking_uri=sqlite:///<run>/mlflow.db`` (the job refuses its default store under
+an object-store output dir). The images stay on the local disk; summary.json and the
+sizes are read with boto3. moto keeps the objects in its own process's memory.
+
 ``--set KEY=VALUE`` goes to every ingest and train (the data settings must match).
 
-Writes ``<results>/scale_x<N>[_f<F>].json``, then a Markdown table of every factor in that
-folder against the 1x run of the same fraction (``scale.md``, also printed). Run from the
-repository root:
+Writes ``<results>/scale_x<N>[_f<F>][_s3].json``, then a Markdown table of every run in that
+folder (a column per factor and store) against the 1x run of the same fraction and store
+(``scale.md``, also printed). Run from the repository root:
 
     python benchmarks/scale.py --factor 1 --fraction 0.1      # a few minutes
+    python benchmarks/scale.py --factor 1 --fraction 0.1 --store s3
     python benchmarks/scale.py --factor 30 --corpus /work/scale-corpus/x30
+    python benchmarks/scale.py --factor 30 --corpus /work/scale-corpus/x30 --store s3
     python benchmarks/scale.py --factor 30 --corpus /work/scale-corpus/x30 --only-limited \
         --set data.image_size=128 --set data.resize_ratio=2 --set data.jpeg_quality=100 \
         --set data.val_fraction=0.05 --set data.test_fraction=0.05 --memory-limit 4.5G \
@@ -59,6 +89,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -66,14 +97,25 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tools"))
 
+from cluster import (
+    DELTA_PACKAGE,
+    S3_CREDENTIALS,
+    S3_PACKAGES,
+    ivy_dir,
+    local_s3_server,
+    resolve_packages,
+    s3_env,
+    s3a_conf,
+)
 from corpus import build_corpus, select_photos
 from report import machine_facts
 
@@ -316,10 +358,12 @@ def run_cli(
     cgroup: MemoryCgroup | None = None,
     stop_at: str | None = None,
     launcher: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``python -m flowers_job <args>`` as a user runs it, its tree sampled.
 
-    ``launcher`` replaces ``python -m flowers_job`` (a ``spark-submit ... jobs/train_flowers.py``).
+    ``launcher`` replaces ``python -m flowers_job`` (a ``spark-submit ... jobs/train_flowers.py``);
+    ``extra_env`` goes on top of this process's environment (:meth:`OutputStore.cli_env`).
 
     With ``stop_at`` (a name of :data:`MARKERS`), the command's process group is stopped
     (SIGTERM, then SIGKILL after 30 s) once that line arrives: a run measured up to its first
@@ -339,6 +383,7 @@ def run_cli(
         "PYTHONUNBUFFERED": "1",
         # spark-submit runs the script with $PYSPARK_PYTHON (else `python3`): this interpreter
         "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+        **(extra_env or {}),
     }
     lines: list[tuple[float, str]] = []
     out_lines: list[tuple[float, str]] = []
@@ -477,18 +522,19 @@ def change_images(
     return {"files_before": len(before), "added": added, "deleted": len(deleted)}
 
 
-def delta_table_bytes(table: Path, split: str | None = None) -> int:
+def delta_table_bytes(store: OutputStore, table: str, split: str | None = None) -> int:
     """Bytes of the data files of a Delta table's latest version, or of its partition
     ``split=<split>`` (its JSON log replayed; all Parquet files under it, or under the
-    partition's folder, when the log has been checkpointed away)."""
-    log = table / "_delta_log"
-    commits = sorted(log.glob("*.json"))
-    if not commits or not commits[0].name.startswith("0" * 20):
-        root = table / f"split={split}" if split else table
-        return sum(p.stat().st_size for p in root.rglob("*.parquet"))
+    partition's folder, when the log has been checkpointed away). ``table`` is relative to
+    the output dir (``tables/images``), on either store."""
+    log = f"{table}/_delta_log"
+    commits = sorted(n for n in store.files(log) if n.endswith(".json") and "/" not in n)
+    if not commits or not commits[0].startswith("0" * 20):
+        root = f"{table}/split={split}" if split else table
+        return sum(size for name, size in store.files(root).items() if name.endswith(".parquet"))
     live: dict[str, int] = {}
     for commit in commits:
-        for line in commit.read_text().splitlines():
+        for line in (store.read_text(f"{log}/{commit}") or "").splitlines():
             action = json.loads(line)
             if "add" in action:
                 add = action["add"]
@@ -499,18 +545,213 @@ def delta_table_bytes(table: Path, split: str | None = None) -> int:
     return sum(live.values())
 
 
-def dir_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (0 when it does not exist)."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+# --- the output dir's store ------------------------------------------------------------
+
+S3_SERVER_TIMEOUT = 30.0
+"""Bound on the moto server's start (seconds; about 2 s)."""
+S3_RESOLVE_TIMEOUT = 600.0
+"""Bound on the resolution of the s3a jars into an empty Ivy cache (seconds; 55 to 96 s)."""
+STORE_PARTS = ("tables", "loader_cache")
+"""The output dir's folders whose growth every step records (``store_bytes_growth``)."""
+
+
+class OutputStore(Protocol):
+    """Where the run's ``--output-dir`` lives (the tables, the loader cache, summary.json);
+    every ``sub`` is a path relative to it (``tables/images``, ``summary.json``)."""
+
+    kind: str
+
+    def url(self, sub: str = "") -> str:
+        """The output dir (or ``sub`` under it) as the CLI takes it."""
+        ...
+
+    def files(self, sub: str = "") -> dict[str, int]:
+        """Every file (object) under ``sub``: its path relative to ``sub`` -> bytes."""
+        ...
+
+    def read_text(self, sub: str) -> str | None:
+        """The file's text, None when there is none."""
+        ...
+
+    def modified(self, sub: str) -> float | None:
+        """The file's last modification (epoch seconds), None when there is none."""
+        ...
+
+    def cli_env(self) -> dict[str, str]:
+        """What a CLI subprocess's environment needs on top of this process's."""
+        ...
+
+    def submit_args(self) -> list[str]:
+        """``spark-submit`` options of a run on this store (``--packages``, ``--conf``)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The store, for the result's JSON."""
+        ...
+
+
+def store_bytes(store: OutputStore, sub: str = "") -> int:
+    """Bytes of every file (object) under ``sub``."""
+    return sum(store.files(sub).values())
+
+
+class DiskStore:
+    """The output dir on the local disk (``--store disk``)."""
+
+    kind = "disk"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def url(self, sub: str = "") -> str:
+        return str(self.root / sub) if sub else str(self.root)
+
+    def files(self, sub: str = "") -> dict[str, int]:
+        base = self.root / sub
+        if not base.is_dir():
+            return {}
+        out = {}
+        for path in base.rglob("*"):
+            with contextlib.suppress(OSError):  # removed while listed
+                if path.is_file():
+                    out[path.relative_to(base).as_posix()] = path.stat().st_size
+        return out
+
+    def read_text(self, sub: str) -> str | None:
+        with contextlib.suppress(OSError):
+            return (self.root / sub).read_text()
+        return None
+
+    def modified(self, sub: str) -> float | None:
+        with contextlib.suppress(OSError):
+            return (self.root / sub).stat().st_mtime
+        return None
+
+    def cli_env(self) -> dict[str, str]:
+        return {}
+
+    def submit_args(self) -> list[str]:
+        return ["--packages", DELTA_PACKAGE]
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "output_dir": self.url()}
+
+
+class S3OutputStore:
+    """The output dir in a bucket of an S3 API server (``--store s3``: moto on 127.0.0.1),
+    ``s3a://<bucket>/<prefix>``; read with boto3 (``list_objects_v2``, ``get_object``)."""
+
+    kind = "s3"
+
+    def __init__(self, endpoint: str, bucket: str, prefix: str = "out") -> None:
+        import boto3
+
+        self.endpoint, self.bucket, self.prefix = endpoint, bucket, prefix.strip("/")
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_CREDENTIALS[0],
+            aws_secret_access_key=S3_CREDENTIALS[1],
+            region_name=s3_env(endpoint)["AWS_DEFAULT_REGION"],
+        )
+
+    def key(self, sub: str = "") -> str:
+        return f"{self.prefix}/{sub.strip('/')}".rstrip("/")
+
+    def url(self, sub: str = "") -> str:
+        return f"s3a://{self.bucket}/{self.key(sub)}"
+
+    def files(self, sub: str = "") -> dict[str, int]:
+        prefix = self.key(sub) + "/"
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        )
+        return {
+            o["Key"][len(prefix) :]: int(o["Size"])
+            for page in pages
+            for o in page.get("Contents", [])
+            if not o["Key"].endswith("/")  # s3a's directory markers
+        }
+
+    def read_text(self, sub: str) -> str | None:
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(sub))["Body"]
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return bytes(body.read()).decode()
+
+    def modified(self, sub: str) -> float | None:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(sub))
+        except self.client.exceptions.ClientError:
+            return None
+        return float(head["LastModified"].timestamp())
+
+    def spark_conf(self) -> dict[str, str]:
+        return {"spark.jars.ivy": str(ivy_dir()), **s3a_conf(self.endpoint)}
+
+    def submit_args(self) -> list[str]:
+        """``--packages`` names Delta too: an explicit ``--packages`` wins over the
+        ``spark.jars.packages`` of ``configure_spark_with_delta_pip``, which would otherwise
+        leave hadoop-aws out (as ``tests/support/s3.py``'s ``S3Store.submit_args``)."""
+        args = ["--packages", ",".join(S3_PACKAGES)]
+        for key, value in self.spark_conf().items():
+            args += ["--conf", f"{key}={value}"]
+        return args
+
+    def cli_env(self) -> dict[str, str]:
+        """``AWS_*`` (:func:`cluster.s3_env`) and ``PYSPARK_SUBMIT_ARGS``: the local session
+        the CLI builds then has hadoop-aws and the ``fs.s3a.*`` settings."""
+        return {
+            **s3_env(self.endpoint),
+            "PYSPARK_SUBMIT_ARGS": shlex.join([*self.submit_args(), "pyspark-shell"]),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "output_dir": self.url(),
+            "endpoint": self.endpoint,
+            "server": "moto " + _version("moto"),
+        }
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
+@contextlib.contextmanager
+def output_store(kind: str, run_dir: Path) -> Iterator[OutputStore]:
+    """The run's output dir: ``<run>/out`` on disk, or ``s3a://<bucket>/out`` in a fresh
+    bucket of a moto server started for the run (the s3a jars resolved into
+    ``cluster.ivy_dir()`` first when one is missing)."""
+    if kind == "disk":
+        yield DiskStore(run_dir / "out")
+        return
+    seconds = resolve_packages(Path(sys.executable), S3_PACKAGES, ivy_dir(), S3_RESOLVE_TIMEOUT)
+    if seconds:
+        print(f"resolved {', '.join(S3_PACKAGES)} into {ivy_dir()} in {seconds:.0f} s")
+    with local_s3_server(run_dir / "logs" / "moto.log") as endpoint:
+        store = S3OutputStore(endpoint, f"flowers-scale-{os.getpid()}")
+        store.client.create_bucket(Bucket=store.bucket)
+        print(f"S3 server {endpoint}, output {store.url()}", flush=True)
+        yield store
 
 
 # --- the runs --------------------------------------------------------------------------
 
 
-def train_result(run: dict[str, Any], summary_path: Path) -> dict[str, Any]:
-    """A ``train`` run's numbers: its command's, plus the summary's."""
-    fresh = summary_path.exists() and summary_path.stat().st_mtime > run["started_at"]
-    summary = json.loads(summary_path.read_text()) if fresh else {}  # not a previous run's
+def train_result(run: dict[str, Any], store: OutputStore) -> dict[str, Any]:
+    """A ``train`` run's numbers: its command's, plus its ``summary.json``'s (read from the
+    output dir's store), ``bytes_written`` (the loader cache bytes it wrote, all splits)."""
+    modified = store.modified("summary.json")
+    fresh = modified is not None and modified > run["started_at"]  # not a previous run's
+    summary = json.loads(store.read_text("summary.json") or "{}") if fresh else {}
     history = summary.get("history") or [{}]
     first_step = run["markers"].get("first_step", run["markers"].get("ranks_banner"))
     ranks = {k: v for k, v in run["peak_rss_mib"].items() if k.startswith("rank")}
@@ -528,6 +769,48 @@ def train_result(run: dict[str, Any], summary_path: Path) -> dict[str, Any]:
         # a run stopped at its first step wrote no summary: its log says the same
         "loader_cache": summary.get("loader_cache") or run["loader_cache_log"] or None,
         "rank_peak_rss_mib": dict(sorted(ranks.items())),
+    }
+
+
+def cache_bytes_written(train: dict[str, Any]) -> dict[str, int] | None:
+    """Per split, the loader cache bytes a train wrote (``bytes_written`` of its
+    ``loader_cache``: summary.json's, or its log's for a run stopped early); None without."""
+    uses = train.get("loader_cache")
+    if not uses:
+        return None
+    return {split: int(use.get("bytes_written") or 0) for split, use in sorted(uses.items())}
+
+
+def day_result(
+    ingest: dict[str, Any], train: dict[str, Any], full_cache_bytes: int | None
+) -> dict[str, Any]:
+    """A day's cycle: the incremental ingest (``ingest``, the day's +1 % / -0.1 % photos)
+    and the first train on the new tables version after it (``train``): the day's seconds
+    (both walls), the train's preparation, the cache bytes it wrote per split and in total,
+    and those against ``full_cache_bytes`` (what the run's first train wrote from scratch)."""
+    per_split = cache_bytes_written(train)
+    total = sum(per_split.values()) if per_split is not None else None
+    walls = (ingest.get("wall_seconds"), train.get("wall_seconds"))
+    return {
+        "returncode": train["returncode"],
+        "stopped_at": None,
+        "ingest_step": "incremental_ingest",
+        "ingest_wall_seconds": walls[0],
+        "ingest_seconds": ingest.get("ingest_seconds"),
+        "ingest_bytes_written": ingest.get("bytes_written"),
+        "train_wall_seconds": walls[1],
+        "preparation_seconds": train.get("preparation_seconds"),
+        "cache_bytes_written": per_split,
+        "cache_bytes_written_total": total,
+        "bytes_written": total,
+        "full_cache_bytes": full_cache_bytes,
+        "cache_bytes_vs_full": (
+            round(total / full_cache_bytes, 3) if total is not None and full_cache_bytes else None
+        ),
+        "day_seconds": (
+            round(walls[0] + walls[1], 1) if walls[0] is not None and walls[1] is not None else None
+        ),
+        "train": train,
     }
 
 
@@ -551,7 +834,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
     work: Path = args.work
     tag = f"x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
     corpus_dir = args.corpus or work / f"corpus-{tag}"
-    run_dir = work / f"run-{tag}"
+    run_dir = work / (f"run-{tag}" + ("_s3" if args.store == "s3" else ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     facts = machine_facts("pyspark", "delta-spark", "torch", "pillow")
@@ -575,53 +858,104 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         f"{manifest['generation_seconds']:.0f} s",
         flush=True,
     )
-    images, out = run_dir / "images", run_dir / "out"
+    images = run_dir / "images"
     t0 = time.perf_counter()
     link_tree(corpus_dir / "images", images)
     link_seconds = time.perf_counter() - t0
+    head = {"machine": facts, "corpus": corpus_info, "link_seconds": round(link_seconds, 1)}
+    with output_store(args.store, run_dir) as store:
+        result = _measure_runs(args, save, store, run_dir, corpus_dir, images, head)
+    if not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def _measure_runs(
+    args: argparse.Namespace,
+    save: Callable[[dict[str, Any]], None],
+    store: OutputStore,
+    run_dir: Path,
+    corpus_dir: Path,
+    images: Path,
+    head: dict[str, Any],
+) -> dict[str, Any]:
+    """The commands of :func:`measure`, on the output dir ``store``; ``head``: the machine,
+    the corpus and the links' seconds, for the JSON."""
     logs = run_dir / "logs"
-    sets = [item for override in args.overrides for item in ("--set", override)]
-    train_args = ["train", "--output-dir", str(out), "--set", f"train.epochs={args.epochs}", *sets]
+    env = store.cli_env()
+    # the default sqlite store under --output-dir needs a disk: every command's, predict's too
+    store_sets = []
+    if store.kind != "disk":
+        store_sets = ["--set", f"tracking.tracking_uri=sqlite:///{run_dir}/mlflow.db"]
+    overrides = [*args.overrides, *store_sets[1::2]]
+    sets = [item for override in overrides for item in ("--set", override)]
+    out = store.url()
+    train_args = ["train", "--output-dir", out, "--set", f"train.epochs={args.epochs}", *sets]
+    day_args = ["train", "--output-dir", out, "--set", "train.epochs=1", *sets]
     result: dict[str, Any] = {
         "benchmark": "scale",
         "factor": args.factor,
         "fraction": args.fraction,
-        "machine": facts,
-        "corpus": corpus_info,
-        "link_seconds": round(link_seconds, 1),
+        "store": store.describe(),
+        **head,
         "settings": {
             "new_fraction": args.new_fraction,
             "delete_fraction": args.delete_fraction,
-            "overrides": args.overrides,
-            "train_overrides": [f"train.epochs={args.epochs}", *args.overrides],
+            "overrides": overrides,
+            "train_overrides": [f"train.epochs={args.epochs}", *overrides],
+            "day_train_overrides": ["train.epochs=1", *overrides],
             "memory_limit_mib": round(args.memory_limit / MIB) if args.memory_limit else None,
             "limited_overrides": args.limited_overrides,
             "limited_driver_memory": args.limited_driver_memory,
         },
     }
-    ingest_args = ["ingest", "--images", str(images), "--output-dir", str(out), *sets]
+    ingest_args = ["ingest", "--images", str(images), "--output-dir", out, *sets]
 
-    def step(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def step(name: str, kind: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run one step, record the growth of the store's tables and loader cache during
+        it and its ``bytes_written`` (``kind`` ingest: the tables' growth; train: the
+        loader cache bytes of its summary)."""
         print(f"{name} ...", flush=True)
+        before = {part: store_bytes(store, part) for part in STORE_PARTS}
         value = fn()
+        growth = {part: store_bytes(store, part) - before[part] for part in STORE_PARTS}
+        value["store_bytes_growth"] = growth
+        if kind == "ingest":
+            value["bytes_written"] = growth["tables"]
+        elif kind == "train":
+            written = cache_bytes_written(value)
+            value["bytes_written"] = sum(written.values()) if written is not None else None
         result[name] = value
         print(f"  {_brief(value)}", flush=True)
         save(result)
         return value
 
-    full = step("full_ingest", lambda: ingest_result(run_cli(ingest_args, logs / "ingest.log")))
-    result["train_split_bytes"] = delta_table_bytes(out / "tables" / "images", "train")
-    summary = out / "summary.json"
+    def ingest(log: str) -> dict[str, Any]:
+        return ingest_result(run_cli(ingest_args, logs / log, extra_env=env))
+
+    trains = not (args.only_limited or args.only_ingest)
+    full = step("full_ingest", "ingest", lambda: ingest("ingest.log"))
+    result["train_split_bytes"] = delta_table_bytes(store, "tables/images", "train")
+    if trains:  # the loader cache written from scratch, then reused: the version before the day
+        step(
+            "train_first",
+            "train",
+            lambda: train_result(run_cli(train_args, logs / "t1.log", extra_env=env), store),
+        )
+        stop_second = "first_step" if args.second_train == "preparation" else None
+        step(
+            "train_second",
+            "train",
+            lambda: train_result(
+                run_cli(train_args, logs / "t2.log", stop_at=stop_second, extra_env=env), store
+            ),
+        )
+        print(f"  second/first preparation {_ratio_of(result, 'loader_cache')}", flush=True)
+        result["loader_cache_bytes_after"] = store_bytes(store, "loader_cache")
     if not args.only_limited:
-        same = step(
-            "unchanged_ingest",
-            lambda: ingest_result(run_cli(ingest_args, logs / "ingest_unchanged.log")),
-        )
+        same = step("unchanged_ingest", "ingest", lambda: ingest("ingest_unchanged.log"))
         result["change"] = change_images(images, corpus_dir / "extra", args.delete_fraction)
-        incr = step(
-            "incremental_ingest",
-            lambda: ingest_result(run_cli(ingest_args, logs / "ingest_incremental.log")),
-        )
+        incr = step("incremental_ingest", "ingest", lambda: ingest("ingest_incremental.log"))
         if full["ingest_seconds"] and incr["ingest_seconds"]:
             incr["vs_full_ingest"] = round(incr["ingest_seconds"] / full["ingest_seconds"], 3)
             if same["ingest_seconds"] is not None:
@@ -630,28 +964,33 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
                     (incr["ingest_seconds"] - same["ingest_seconds"]) / full["ingest_seconds"], 3
                 )
             save(result)
-    if not (args.only_limited or args.only_ingest):
-        step("train_first", lambda: train_result(run_cli(train_args, logs / "t1.log"), summary))
-        stop_second = "first_step" if args.second_train == "preparation" else None
-        step(
-            "train_second",
-            lambda: train_result(
-                run_cli(train_args, logs / "t2.log", stop_at=stop_second), summary
-            ),
-        )
-        print(f"  second/first preparation {_ratio_of(result, 'loader_cache')}", flush=True)
-        result["loader_cache_bytes_after"] = dir_bytes(out / "loader_cache")
+    if trains:
+        full_cache = result["train_first"]["bytes_written"]
+
+        def day() -> dict[str, Any]:
+            train = train_result(run_cli(day_args, logs / "t_day.log", extra_env=env), store)
+            written = cache_bytes_written(train)
+            train["bytes_written"] = sum(written.values()) if written is not None else None
+            return day_result(incr, train, full_cache)
+
+        step("day", "day", day)
+        result["loader_cache_bytes_after_day"] = store_bytes(store, "loader_cache")
         predict_args = [
             "predict",
             "--output-dir",
-            str(out),
+            out,
             "--table",
-            str(out / "tables" / "images"),
+            store.url("tables/images"),
             *(["--split", args.predict_split] if args.predict_split != "all" else []),
             "--output-table",
             str(run_dir / "predictions"),
+            *store_sets,
         ]
-        step("predict", lambda: _predict_result(run_cli(predict_args, logs / "predict.log")))
+        step(
+            "predict",
+            "other",
+            lambda: _predict_result(run_cli(predict_args, logs / "predict.log", extra_env=env)),
+        )
     if args.memory_limit:
         group = MemoryCgroup(args.memory_limit)
         limited_args = train_args + [
@@ -659,13 +998,15 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         ]
         launcher = None
         if args.limited_driver_memory:  # `run` under spark-submit, as README's local example
-            launcher = spark_submit(args.limited_driver_memory)
+            launcher = spark_submit(args.limited_driver_memory, store)
             limited_args = ["--images", str(images), *limited_args[1:]]
         try:
             limited = step(
                 "train_limited",
+                "train",
                 lambda: train_result(
-                    run_cli(limited_args, logs / "t3.log", group, launcher=launcher), summary
+                    run_cli(limited_args, logs / "t3.log", group, launcher=launcher, extra_env=env),
+                    store,
                 ),
             )
             limited["cgroup"] = group.stats()
@@ -674,17 +1015,14 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         limited["larger_than_memory"] = result["train_split_bytes"] > args.memory_limit
         print(f"  {_brief(limited)}", flush=True)
         save(result)
-    if not args.keep:
-        shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
 
-def spark_submit(driver_memory: str) -> list[str]:
+def spark_submit(driver_memory: str, store: OutputStore) -> list[str]:
     """``spark-submit`` of this interpreter's pyspark, local mode, a driver JVM of
-    ``driver_memory``, Delta's jars, running ``jobs/train_flowers.py`` (``flowers-job run``:
+    ``driver_memory``, Delta's jars (and on S3 hadoop-aws and the ``fs.s3a.*`` settings:
+    :meth:`OutputStore.submit_args`), running ``jobs/train_flowers.py`` (``flowers-job run``:
     the ingest finds nothing changed and writes nothing, then trains)."""
-    from importlib.metadata import version
-
     submit = Path(sys.executable).parent / "spark-submit"
     return [
         str(submit),
@@ -692,8 +1030,7 @@ def spark_submit(driver_memory: str) -> list[str]:
         "local[*]",
         "--driver-memory",
         driver_memory,
-        "--packages",
-        f"io.delta:delta-spark_2.13:{version('delta-spark')}",
+        *store.submit_args(),
         str(REPO / "jobs" / "train_flowers.py"),
     ]
 
@@ -722,7 +1059,11 @@ def _brief(value: dict[str, Any]) -> str:
         "rank_peak_rss_mib",
         "images_per_second",
         "loader_cache",
+        "bytes_written",
         "cgroup",
+        "day_seconds",
+        "cache_bytes_written_total",
+        "cache_bytes_vs_full",
     )
     return ", ".join(f"{k} {value[k]}" for k in keys if value.get(k) is not None)
 
@@ -752,23 +1093,65 @@ def metrics(result: dict[str, Any]) -> dict[str, float | None]:
         "incremental_vs_full_ingest": get("incremental_ingest", "vs_full_ingest"),
         "second_vs_first_preparation": _ratio_of(result, "loader_cache"),
         "second_vs_first_start_to_first_step": _ratio_of(result, "preparation_seconds"),
+        "day_seconds": get("day", "day_seconds"),
+        "day_preparation_seconds": get("day", "preparation_seconds"),
+        "full_cache_mib": _mib(get("day", "full_cache_bytes")),
+        "day_cache_mib": _mib(get("day", "cache_bytes_written_total")),
+        "day_vs_full_cache_bytes": get("day", "cache_bytes_vs_full"),
     }
 
 
+def _mib(value: int | None) -> float | None:
+    return None if value is None else round(value / MIB, 1)
+
+
+def store_kind(result: dict[str, Any]) -> str:
+    """A result's store (``disk`` for a JSON from before ``--store``)."""
+    return str(result.get("store", {}).get("kind", "disk"))
+
+
+TABLE_ROWS = (
+    "ingest_files_per_second",
+    "driver_peak_rss_mib",
+    "train_images_per_second",
+    "rank_peak_rss_mib",
+    "predict_images_per_second",
+    "incremental_vs_full_ingest",
+    "second_vs_first_preparation",
+    "second_vs_first_start_to_first_step",
+    "day_seconds",
+    "day_preparation_seconds",
+    "full_cache_mib",
+    "day_cache_mib",
+    "day_vs_full_cache_bytes",
+)
+"""The table's rows (:func:`metrics`), in order."""
+OWN_RATIOS = {
+    "incremental_vs_full_ingest",
+    "second_vs_first_preparation",
+    "second_vs_first_start_to_first_step",
+    "day_vs_full_cache_bytes",
+}
+"""Rows that are already ratios within one run (no ratio to the 1x)."""
+
+
 def table(results_dir: Path) -> str:
-    """Every ``scale_x<N>*.json`` in ``results_dir`` against the 1x of its fraction."""
+    """Every ``scale_x<N>*.json`` in ``results_dir`` against the 1x of its fraction and
+    store: one column per run, headed by its factor and store (``disk``, ``s3``)."""
     runs = [json.loads(p.read_text()) for p in sorted(results_dir.glob("scale_x*.json"))]
-    runs.sort(key=lambda r: (r["fraction"], r["factor"]))
+    runs.sort(key=lambda r: (r["fraction"], store_kind(r) != "disk", store_kind(r), r["factor"]))
     lines = []
     for fraction in sorted({r["fraction"] for r in runs}):
         group = [r for r in runs if r["fraction"] == fraction]
-        base = next((r for r in group if r["factor"] == 1), None)
-        head = " | ".join(f"{r['factor']}x" for r in group)
-        ratio_head = " | ".join(f"{r['factor']}x/1x" for r in group if r["factor"] != 1)
+        bases = {store_kind(r): r for r in group if r["factor"] == 1}
+        head = " | ".join(f"{r['factor']}x {store_kind(r)}" for r in group)
+        ratio_head = " | ".join(
+            f"{r['factor']}x/1x {store_kind(r)}" for r in group if r["factor"] != 1
+        )
         lines += [
             f"Fraction {fraction:g} of the photos; "
             + "; ".join(
-                f"{r['factor']}x: {r.get('full_ingest', {}).get('files')} files, "
+                f"{r['factor']}x {store_kind(r)}: {r.get('full_ingest', {}).get('files')} files, "
                 f"{r['machine']['date']}, {r['machine']['nproc']} cores, "
                 f"{r['machine']['memory_gib']} GiB"
                 for r in group
@@ -777,36 +1160,30 @@ def table(results_dir: Path) -> str:
             f"| metric | {head} | {ratio_head} | target |".replace("|  |", "|"),
             "|---" * (2 + len(group) + sum(r["factor"] != 1 for r in group)) + "|",
         ]
-        for name in (
-            "ingest_files_per_second",
-            "driver_peak_rss_mib",
-            "train_images_per_second",
-            "rank_peak_rss_mib",
-            "predict_images_per_second",
-            "incremental_vs_full_ingest",
-            "second_vs_first_preparation",
-            "second_vs_first_start_to_first_step",
-        ):
+        for name in TABLE_ROWS:
             values = [metrics(r)[name] for r in group]
             cells = [_num(v) for v in values]
-            own_ratio = name.endswith("ingest") or name.startswith("second_vs_first")
             ratios = []
             for r, v in zip(group, values, strict=True):
                 if r["factor"] == 1:
                     continue
+                base = bases.get(store_kind(r))
                 b = metrics(base)[name] if base else None
-                ratios.append("-" if own_ratio else _ratio(v, b))
+                ratios.append("-" if name in OWN_RATIOS else _ratio(v, b))
             op, bound = TARGETS.get(name, ("", None))
             target = f"{op} {bound}x" if bound is not None else "-"
             row = [name, *cells, *ratios, target]
             lines.append("| " + " | ".join(row) + " |")
         lines += [
             "",
-            "The last three rows are ratios within one factor (incremental ingest of 1 % / the "
-            "full ingest; the second train's preparation (its loader caches, found and reused) "
-            "/ the first's (written); the same for the time from the command's start to its "
-            "first training step, Spark's and the ranks' start included): their target holds "
-            "for each factor's column.",
+            "incremental_vs_full_ingest, second_vs_first_* and day_vs_full_cache_bytes are "
+            "ratios within one run (incremental ingest of 1 % / the full ingest; the second "
+            "train's preparation (its loader caches, found and reused) / the first's "
+            "(written); the same for the time from the command's start to its first training "
+            "step, Spark's and the ranks' start included; the loader cache bytes the day's "
+            "train wrote for the new tables version / those the first train wrote from "
+            "scratch): their target holds for each column. day_seconds: the day's incremental "
+            "ingest and its train (train.epochs=1), wall seconds of both commands.",
             "",
         ]
     return "\n".join(lines)
@@ -910,6 +1287,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the ingests only: full, unchanged, incremental (ingest_x<N>.json)",
     )
+    parser.add_argument(
+        "--store",
+        choices=("disk", "s3"),
+        default="disk",
+        help="where --output-dir is (the tables, the loader cache, summary.json): disk (the "
+        "default, <work>/run-*/out) or s3 (s3a://<bucket>/out on a moto S3 server started "
+        "for the run; the images stay on the disk); the JSON's name gets _s3",
+    )
     parser.add_argument("--processes", type=int, default=2, help="corpus builder processes")
     parser.add_argument("--keep", action="store_true", help="keep the run's images and tables")
     parser.add_argument("--table", action="store_true", help="only print and save the table")
@@ -921,6 +1306,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--only-limited needs --memory-limit")
         kind = "limited" if args.only_limited else "ingest" if args.only_ingest else "scale"
         name = f"{kind}_x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
+        name += "_s3" if args.store == "s3" else ""
         path = args.results / f"{name}.json"
         args.results.mkdir(parents=True, exist_ok=True)
         result = measure(args, lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
@@ -928,7 +1314,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.only_limited:
             steps += ("unchanged_ingest", "incremental_ingest")
         if not (args.only_limited or args.only_ingest):
-            steps += ("train_first", "train_second", "predict")
+            steps += ("train_first", "train_second", "day", "predict")
         ok = all(
             result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None for k in steps
         )

@@ -78,7 +78,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -337,6 +337,54 @@ def s3_env(endpoint: str, credentials: tuple[str, str] = S3_CREDENTIALS) -> dict
         "AWS_DEFAULT_REGION": S3_REGION,
         "AWS_ENDPOINT_URL": endpoint,
     }
+
+
+LOCAL_S3_TIMEOUT = 30.0
+"""Bound on a local S3 server's start (seconds; about 2 s)."""
+
+
+@contextlib.contextmanager
+def local_s3_server(log_path: Path, timeout: float = LOCAL_S3_TIMEOUT) -> Iterator[str]:
+    """A moto S3 server (``python -m moto.server``, a process of its own, so that the
+    caller's own pyarrow and Spark calls never compete with it for a GIL) on 127.0.0.1 and
+    a free port, its output in ``log_path``; yields its endpoint URL, and stops it on the
+    way out whatever happens (SIGTERM, then SIGKILL after 30 s).
+
+    Raises:
+        RuntimeError: it did not answer within ``timeout`` seconds (with its log's tail).
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while not answers(f"{endpoint}/moto-api/"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the S3 server {endpoint} did not start:\n{tail}")
+            time.sleep(0.2)
+        yield endpoint
+    finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL after 30 s (bounded waits)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 @dataclass

@@ -8,6 +8,8 @@ import sys
 
 import psutil
 
+from tests.support import ROOT_DIR
+
 
 def run_cli(
     *args: str, timeout: float = 240, env: dict[str, str] | None = None
@@ -41,10 +43,11 @@ def marked_processes(mark: str) -> list[psutil.Process]:
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server a test started: SIGTERM, then SIGKILL after 30 s (bounded waits)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+    """Stop a server a test started: SIGTERM, then SIGKILL after 30 s (bounded waits;
+    ``tools/cluster.py``'s ``stop_process``)."""
+    tools = str(ROOT_DIR / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from cluster import stop_process
+
+    stop_process(proc)

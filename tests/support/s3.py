@@ -25,10 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,14 +40,12 @@ sys.path.insert(0, str(ROOT_DIR / "tools"))
 from cluster import (
     S3_CREDENTIALS,
     S3_PACKAGES,
-    answers,
     ivy_dir,
+    local_s3_server,
     resolve_packages,
     s3_env,
     s3a_conf,
 )
-
-from tests.support.processes import stop_server
 
 RESOLVE_TIMEOUT = 600.0
 """Bound on the jars' resolution into an empty Ivy cache (seconds; 55 to 96 s measured)."""
@@ -200,26 +195,16 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     Raises:
         pytest.fail: the server did not answer within :data:`SERVER_TIMEOUT` seconds.
     """
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("s3-server") / "moto.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     try:
-        deadline = time.monotonic() + SERVER_TIMEOUT
-        while not answers(f"{endpoint}/moto-api/"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the S3 server {endpoint} did not start:\n{log.read_text()[-2000:]}")
-            time.sleep(0.2)
+        server = local_s3_server(log, SERVER_TIMEOUT)
+        endpoint = server.__enter__()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
         yield endpoint
     finally:
-        stop_server(proc)
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture
