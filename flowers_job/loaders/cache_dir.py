@@ -582,6 +582,8 @@ class LoaderCache:
         """Entries this run reads."""
         self.written: list[Location] = []
         """Data folders this run wrote (removed at the end unless published)."""
+        self.superseded: list[Location] = []
+        """Entries that an entry this run published grew from (:meth:`unpublish_superseded`)."""
         self.publish_problem = self.root.create_problem()
         """Why entries cannot be published on this store (then written per run); None."""
         if self.publish_problem is not None:
@@ -822,6 +824,8 @@ class LoaderCache:
         if not won:
             with contextlib.suppress(OSError):
                 data.rmtree()
+        elif grown is not None:
+            self.superseded.append(self.root / ENTRIES / grown)
         return size, won, grown
 
     def _append(
@@ -895,6 +899,24 @@ class LoaderCache:
         )
         return replace(grown, deletions_url=deletions_url, stored_rows=stored)
 
+    def unpublish_superseded(self) -> list[str]:
+        """Unpublish the entries that this run's new entries grew from, once no live run
+        leases them (call after :meth:`release`): no run reads an older version of the
+        table, and each published entry keeps its version readable (retention,
+        :func:`cached_versions`), so without this a year of daily appends would keep a
+        year of Delta versions. Their segments stay, read by the newer entries.
+
+        Returns:
+            The names of the entries unpublished.
+        """
+        done = []
+        for entry in self.superseded:
+            info = _entry_info(entry)
+            if info is not None and _remove_entry(entry, info, self.run_id):
+                log.info("loader cache: %s is superseded by the entry grown from it", entry.name)
+                done.append(entry.name)
+        return done
+
     def release(self) -> None:
         """This run no longer reads its entries; its unpublished data folders are removed."""
         for entry in self.used:
@@ -925,4 +947,6 @@ def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
             for folder in [*folders, *([_folder] if _folder is not None else [])]:
                 loader.release(folder)
             if cache.publish_problem is None:
-                evict(cache.root, cfg.cache.max_bytes, {e.name for e in cache.used}, run_id)
+                cache.unpublish_superseded()
+                keep = {e.name for e in cache.used} - {e.name for e in cache.superseded}
+                evict(cache.root, cfg.cache.max_bytes, keep, run_id)

@@ -24,7 +24,8 @@ from flowers_job.driver.pipeline import run_ingest
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.base import ShardPlan, wrap_int64
-from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, evict
+from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, cached_versions, evict
+from flowers_job.tables.table_ref import table_ref
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
 from tests.support import LABELS, PHOTOS
 from tests.support.data import sample_photos
@@ -127,29 +128,35 @@ def test_a_day_appends_to_each_split_and_the_ranks_read_every_current_row_once(
         if split == "train":  # the ranks read it: every current row once, no removed one
             _check_epoch(plan, cfg, expected, before[split] - set(expected))
 
-    # the first entries may go: the segments the second entries read stay
-    kept = {u["entry"] for u in second.values()}
-    evicted = evict(entries.parent, 0, kept, "run-x")
-    assert sorted(evicted) == sorted(u["entry"] for u in first.values())
-    assert sorted(p.name for p in entries.iterdir() if (p / ENTRY_FILE).exists()) == sorted(kept)
+    # the first entries are superseded: unpublished (no run reads the older version, and
+    # retention need not keep it), their segments kept for the second entries
+    for split, use in first.items():
+        assert not (entries / use["entry"] / ENTRY_FILE).exists()
+        marker = json.loads((entries / second[split]["entry"] / ENTRY_FILE).read_text())
+        assert (entries / use["entry"] / marker["segments"][0][1]).is_dir()
+    versions = {
+        json.loads((entries / u["entry"] / ENTRY_FILE).read_text())["fields"]["version"]
+        for u in second.values()
+    }
+    assert len(versions) == 1
+    assert cached_versions(cfg, table_ref(cfg, "images").describe()) == versions
     again, third = _prepare(spark, cfg)
     assert all(u["reused"] and u["bytes_written"] == 0 for u in third.values()), third
     _check_epoch(again["train"], cfg, _current(spark, cfg, "train"), set())
 
+    # evicted in turn, the second entries take the segments no marker reads any more
+    assert sorted(evict(entries.parent, 0, set(), "run-x")) == sorted(
+        u["entry"] for u in second.values()
+    )
+    assert not [f for f in entries.rglob("*") if f.is_file() and f.suffix != ".json"]
+
 
 def test_past_the_dead_share_the_split_is_written_whole_again(
-    spark: SparkSession, tmp_path: Path
+    spark: SparkSession, loader: str, tmp_path: Path
 ) -> None:
     """``cache.compact_dead_fraction`` small: in a split where the day's change killed a
     row (removed, or rewritten in place), that passes it, and the split is written whole
     (one segment, no deletion list); the others still append (no row died there)."""
-    from flowers_job.loaders import LOADERS
-
-    loader = next(iter(LOADERS))
-    from tests.support.data import loader_skip_reason
-
-    if (reason := loader_skip_reason(loader)) is not None:
-        pytest.skip(reason)
     images = sample_photos(tmp_path / "images", per_label=PER_LABEL)
     cfg = _cfg(images, tmp_path / "out", loader, "cache.compact_dead_fraction=0.001")
     run_ingest(spark, cfg)
