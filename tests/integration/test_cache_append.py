@@ -11,7 +11,6 @@ segments a newer entry still reads.
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,12 @@ from flowers_job.loaders.base import ShardPlan, wrap_int64
 from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, cached_versions, evict
 from flowers_job.tables.table_ref import table_ref
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
-from tests.support import LABELS, PHOTOS
-from tests.support.data import sample_photos
+from tests.support.data import DAY_SAMPLE_PER_LABEL, day_change, sample_photos
 from tests.support.shards import read_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
 
-PER_LABEL = 40
-"""200 photos: a day's change of 4 files is 2% of them."""
+PER_LABEL = DAY_SAMPLE_PER_LABEL
 WORLD_SIZE = 2
 
 
@@ -85,20 +82,6 @@ def _check_epoch(plan: ShardPlan, cfg: JobConfig, expected: list[int], gone: set
     )
 
 
-def _day(images: Path, day: int) -> None:
-    """A day's change: two photos added (in two labels), one removed, one rewritten in
-    place with another photo's bytes (the same path and row id, new content)."""
-    for label in LABELS[:2]:
-        src = sorted((PHOTOS / label).glob("*.jpg"))[PER_LABEL + day]
-        shutil.copy(src, images / label / f"day{day}-{src.name}")
-    removed = sorted((images / LABELS[2]).glob("*.jpg"))[day]
-    removed.unlink()
-    rewritten = sorted((images / LABELS[3]).glob("*.jpg"))[day]
-    rewritten.write_bytes(
-        sorted((PHOTOS / LABELS[3]).glob("*.jpg"))[PER_LABEL + 10 + day].read_bytes()
-    )
-
-
 def test_a_day_appends_to_each_split_and_the_ranks_read_every_current_row_once(
     spark: SparkSession, loader: str, tmp_path: Path
 ) -> None:
@@ -109,7 +92,7 @@ def test_a_day_appends_to_each_split_and_the_ranks_read_every_current_row_once(
     assert all(not u["reused"] and u["appended_to"] is None for u in first.values()), first
     before = {s: set(_current(spark, cfg, s)) for s in first}
 
-    _day(images, 0)
+    day_change(images, 0)
     run_ingest(spark, cfg)
     plans, second = _prepare(spark, cfg)
     entries = tmp_path / "out" / "loader_cache" / ENTRIES
@@ -161,7 +144,7 @@ def test_past_the_dead_share_the_split_is_written_whole_again(
     cfg = _cfg(images, tmp_path / "out", loader, "cache.compact_dead_fraction=0.001")
     run_ingest(spark, cfg)
     _prepare(spark, cfg)
-    _day(images, 0)
+    day_change(images, 0)
     run_ingest(spark, cfg)
     plans, second = _prepare(spark, cfg)
     whole = [s for s, u in second.items() if u["appended_to"] is None]

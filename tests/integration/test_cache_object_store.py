@@ -1,7 +1,8 @@
 """The loader cache reused on an object store, as a user meets it: `flowers-job run` with its
 output (the tables, the loader cache, the summary) in a bucket of a real S3 API server
 (moto, with S3's conditional writes), then `flowers-job train` on the unchanged tables: the
-second writes no byte of cache and says it reused each split, in its summary and its log.
+second writes no byte of cache and says it reused each split, in its summary and its log;
+and (full tier) a day's change of the photos appended to the cache in the bucket.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE
-from tests.support.data import SELECTED_LOADERS
+from tests.support.data import DAY_SAMPLE_PER_LABEL, SELECTED_LOADERS, day_change, sample_photos
 from tests.support.processes import run_cli
 from tests.support.s3 import S3Store, fresh_bucket, s3_jars, s3_server  # noqa: F401 (fixtures)
 
@@ -71,3 +72,47 @@ def test_a_second_train_on_s3_reuses_every_split_and_writes_no_cache_byte(
     for split in ("train", "val", "test"):
         assert f"{split}: loader cache reused" in second.stderr
     assert [k for k in store.keys("out/loader_cache/") if "/data-run-" in k] == data_keys
+
+
+@pytest.mark.slow
+@pytest.mark.tier("full")  # three real runs: minutes on 2 cores
+def test_a_day_on_s3_appends_to_the_cache_and_the_ranks_read_every_current_row(
+    s3_server: str,  # noqa: F811
+    s3_jars: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The output in the bucket: `run`, then a day's change of the photos (two added, one
+    removed, one rewritten in place), `ingest`, `train`. The train appends to each split's
+    entry: at most 5% of the first run's cache bytes; its ranks check every epoch that they
+    read every current row once (count and checksum), and the run passes."""
+    images = sample_photos(tmp_path / "images", per_label=DAY_SAMPLE_PER_LABEL)
+    store: S3Store = fresh_bucket(s3_server)
+    output = store.url("out")
+    settings = _sets([*FAST, f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    env = store.cli_env()
+    first = run_cli(
+        "run", "--images", str(images), "--output-dir", output, *settings,
+        timeout=RUN_TIMEOUT, env=env,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-5000:]
+    written = json.loads(store.read("out/summary.json"))["loader_cache"]
+
+    day_change(images, 0)
+    ingest = run_cli(
+        "ingest", "--images", str(images), "--output-dir", output, *settings,
+        timeout=RUN_TIMEOUT, env=env,
+    )  # fmt: skip
+    assert ingest.returncode == 0, ingest.stderr[-5000:]
+    train = run_cli("train", "--output-dir", output, *settings, timeout=RUN_TIMEOUT, env=env)
+    assert train.returncode == 0, train.stderr[-5000:]
+    summary = json.loads(store.read("out/summary.json"))
+    day = summary["loader_cache"]
+    assert {s: u["appended_to"] for s, u in day.items()} == {
+        s: u["entry"] for s, u in written.items()
+    }
+    first_bytes = sum(u["bytes_written"] for u in written.values())
+    day_bytes = sum(u["bytes_written"] for u in day.values())
+    assert 0 < day_bytes <= 0.05 * first_bytes, (day_bytes, first_bytes)
+    assert summary["epochs_completed"] == 1  # the ranks' row checks passed every epoch
+    markers = [k for k in store.keys("out/loader_cache/entries/") if k.endswith(ENTRY_FILE)]
+    assert sorted(k.split("/")[-2] for k in markers) == sorted(u["entry"] for u in day.values())

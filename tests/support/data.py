@@ -50,3 +50,22 @@ def loader_skip_reason(name: str) -> str | None:
     if name not in SELECTED_LOADERS:
         return f"FLOWERS_TEST_LOADERS={','.join(SELECTED_LOADERS)} leaves out {name}"
     return None
+
+
+DAY_SAMPLE_PER_LABEL = 40
+"""Photos per label of the sample a day's change is made to (:func:`day_change`): 200 in
+all, so that its 4 files are 2% of them."""
+
+
+def day_change(images: Path, day: int) -> None:
+    """A day's change: two photos added (in two labels), one removed, one rewritten in
+    place with another photo's bytes (the same path and row id, new content)."""
+    for label in LABELS[:2]:
+        src = sorted((PHOTOS / label).glob("*.jpg"))[DAY_SAMPLE_PER_LABEL + day]
+        shutil.copy(src, images / label / f"day{day}-{src.name}")
+    removed = sorted((images / LABELS[2]).glob("*.jpg"))[day]
+    removed.unlink()
+    rewritten = sorted((images / LABELS[3]).glob("*.jpg"))[day]
+    rewritten.write_bytes(
+        sorted((PHOTOS / LABELS[3]).glob("*.jpg"))[DAY_SAMPLE_PER_LABEL + 10 + day].read_bytes()
+    )
