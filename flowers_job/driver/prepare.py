@@ -192,7 +192,7 @@ def split_changes(
     added_ids = [int(r["row_id"]) for r in fresh.collect()]
     removed_ids = np.array([int(r["row_id"]) for r in gone.collect()], dtype=np.int64)
     ids = spark.createDataFrame([(i,) for i in added_ids], schema="row_id long")
-    added = now.join(F.broadcast(ids), "row_id", "left_semi")
+    added = now.join(ids.hint("broadcast"), "row_id", "left_semi")  # a method Connect has
     return Changes(
         _loader_rows(now, version), _loader_rows(added, version), len(added_ids), removed_ids, rows
     )
