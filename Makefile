@@ -120,7 +120,7 @@ DBR_ONLY_TESTS ?= unit/ingest/test_ingest.py::test_an_interrupted_ingest_is_refu
 # Tests test-local deselects (`make test` sets it to DBR_ONLY_TESTS).
 LOCAL_DESELECT ?=
 # The test files that run in the DBR 17.3 environment.
-DBR_TESTS ?= unit/config/test_config.py unit/ingest/test_ingest.py unit/loaders/test_shards.py unit/loaders/test_loaders.py integration/test_job_e2e.py \
+DBR_TESTS ?= unit/config/test_config.py unit/ingest/test_ingest.py unit/loaders/test_shards.py unit/loaders/test_loaders.py integration/test_job_e2e.py integration/test_cache_append.py \
 	faults/test_faults.py faults/test_restart.py faults/test_recovery.py project/test_bundle.py integration/test_fail_fast.py project/test_stack.py \
 	unit/tracking/test_packages.py unit/driver/test_promotion.py unit/serving/test_serving.py $(DBR_ONLY)
 # Test files test-local leaves out (`make test` sets it to DBR_ONLY).

@@ -225,7 +225,8 @@ def read_deletions(url: str | None) -> Deletions | None:
     except (OSError, ValueError) as exc:
         raise DataError(f"the loader cache's deletion list {url} cannot be read: {exc}") from exc
     ids = array[0] if array.ndim == 2 and len(array) == 2 else None
-    if array.dtype != np.int64 or ids is None or (len(ids) > 1 and not (np.diff(ids) > 0).all()):
+    # ids[1:] > ids[:-1], not np.diff: row ids span int64, and their differences overflow
+    if array.dtype != np.int64 or ids is None or not (ids[1:] > ids[:-1]).all():
         raise DataError(
             f"the loader cache's deletion list {url} is not an int64 [2, D] array of sorted "
             "unique row ids; remove the cache entry so that it is written again"

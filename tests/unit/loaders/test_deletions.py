@@ -36,12 +36,15 @@ def test_a_copy_is_dead_only_in_a_segment_before_its_rows_mark() -> None:
 
 
 def test_the_list_round_trips_and_anything_else_is_refused(tmp_path: Path) -> None:
-    deletions = Deletions(np.array([-2, 5, 2**62], np.int64), np.array([1, 3, 4], np.int64))
+    # xxhash64 row ids span int64: their differences overflow it
+    deletions = Deletions(
+        np.array([-(2**63), -2, 5, 2**63 - 1], np.int64), np.array([1, 1, 3, 4], np.int64)
+    )
     url = (tmp_path / "deletions.npy").as_uri()
-    assert write_deletions(url, deletions) == 128 + 16 * 3
+    assert write_deletions(url, deletions) == 128 + 16 * 4
     back = read_deletions(url)
-    assert back is not None and back.row_ids.tolist() == [-2, 5, 2**62]
-    assert back.before.tolist() == [1, 3, 4]
+    assert back is not None and back.row_ids.tolist() == [-(2**63), -2, 5, 2**63 - 1]
+    assert back.before.tolist() == [1, 1, 3, 4]
     assert read_deletions(None) is None
 
     bad = {
