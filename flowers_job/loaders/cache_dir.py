@@ -583,7 +583,8 @@ class LoaderCache:
         self.written: list[Location] = []
         """Data folders this run wrote (removed at the end unless published)."""
         self.superseded: list[Location] = []
-        """Entries that an entry this run published grew from (:meth:`unpublish_superseded`)."""
+        """Older entries of the lineages of the entries this run published, appended to or
+        compacted (:meth:`unpublish_superseded`)."""
         self.publish_problem = self.root.create_problem()
         """Why entries cannot be published on this store (then written per run); None."""
         if self.publish_problem is not None:
@@ -824,8 +825,8 @@ class LoaderCache:
         if not won:
             with contextlib.suppress(OSError):
                 data.rmtree()
-        elif grown is not None:
-            self.superseded.append(self.root / ENTRIES / grown)
+        elif base is not None:  # appended to, or compacted: a newer entry of its lineage
+            self.superseded.append(base[0])
         return size, won, grown
 
     def _append(
@@ -900,11 +901,11 @@ class LoaderCache:
         return replace(grown, deletions_url=deletions_url, stored_rows=stored)
 
     def unpublish_superseded(self) -> list[str]:
-        """Unpublish the entries that this run's new entries grew from, once no live run
-        leases them (call after :meth:`release`): no run reads an older version of the
-        table, and each published entry keeps its version readable (retention,
-        :func:`cached_versions`), so without this a year of daily appends would keep a
-        year of Delta versions. Their segments stay, read by the newer entries.
+        """Unpublish the entries that this run's new entries grew from (or compacted), once
+        no live run leases them (call after :meth:`release`): no run reads an older version
+        of the table, and each published entry keeps its version readable (retention,
+        :func:`cached_versions`), so without this a year of daily appends would keep a year
+        of Delta versions. Their segments stay as long as a newer entry reads them.
 
         Returns:
             The names of the entries unpublished.
@@ -913,7 +914,9 @@ class LoaderCache:
         for entry in self.superseded:
             info = _entry_info(entry)
             if info is not None and _remove_entry(entry, info, self.run_id):
-                log.info("loader cache: %s is superseded by the entry grown from it", entry.name)
+                log.info(
+                    "loader cache: %s is superseded by a newer entry of its lineage", entry.name
+                )
                 done.append(entry.name)
         return done
 

@@ -143,12 +143,15 @@ def test_past_the_dead_share_the_split_is_written_whole_again(
     images = sample_photos(tmp_path / "images", per_label=PER_LABEL)
     cfg = _cfg(images, tmp_path / "out", loader, "cache.compact_dead_fraction=0.001")
     run_ingest(spark, cfg)
-    _prepare(spark, cfg)
+    _, first = _prepare(spark, cfg)
     day_change(images, 0)
     run_ingest(spark, cfg)
     plans, second = _prepare(spark, cfg)
     whole = [s for s, u in second.items() if u["appended_to"] is None]
     assert whole and all(not second[s]["reused"] for s in whole), second  # the removal's split
+    entries = tmp_path / "out" / "loader_cache" / ENTRIES
+    for use in first.values():  # superseded, compacted or appended to: unpublished
+        assert not (entries / use["entry"] / ENTRY_FILE).exists()
     for split, plan in plans.items():
         assert plan.deletions_url is None  # appended only where no row died
         assert not plan.segment_dirs if split in whole else plan.stored_rows == plan.dataset_size
