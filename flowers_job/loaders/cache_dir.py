@@ -53,7 +53,6 @@ Entries of the layout before :data:`CACHE_FORMAT` 3 (published by a rename, with
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -72,14 +71,20 @@ from pyspark.sql import DataFrame, SparkSession
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.loaders import registered_loaders
-from flowers_job.loaders.base import (
-    DELETIONS_FILE,
-    Deletions,
-    Loader,
-    ShardPlan,
-    local_dir,
-    read_deletions,
-    write_deletions,
+from flowers_job.loaders.base import Loader, ShardPlan, local_dir
+from flowers_job.loaders.cache_growth import Changes, Growth, grow
+from flowers_job.loaders.cache_marker import (
+    DATA_PREFIX,
+    ENTRIES,
+    ENTRY_FILE,
+    ROOT_MARK,
+    check_entry,
+    entry_info,
+    entry_key,
+    entry_segments,
+    read_json,
+    rebase,
+    referenced_segments,
 )
 from flowers_job.location import Location
 from flowers_job.runtime.parent_watch import driver_identity, process_alive
@@ -95,9 +100,7 @@ __all__ = [
     "OWNER_FILE",
     "USERS",
     "CacheUse",
-    "Changes",
     "LoaderCache",
-    "MergedDeletions",
     "cache_bytes_needed",
     "cached_versions",
     "check_cache_space",
@@ -105,7 +108,6 @@ __all__ = [
     "entry_key",
     "evict",
     "loader_cache",
-    "merged_deletions",
     "run_cache",
     "sweep_orphaned_caches",
 ]
@@ -125,17 +127,9 @@ CACHE_FORMAT = 4
 a writer's own data folder and the segments of older entries it grew from, rows carrying
 their segment (2 and before: a folder published by a rename)."""
 
-ENTRIES = "entries"
 LOCKS = "locks"
-ENTRY_FILE = "entry.json"
-"""The marker of a published entry (module doc)."""
-LEGACY_PLAN_FILE = "plan.json"
-"""An entry of layout 2 was published when this existed."""
 LAST_USED = "last_used"
 USERS = "users"
-DATA_PREFIX = "data-"
-_ROOT = "{cache}"
-"""Stands for the cache root in a stored plan: its paths are inside the entry's segments."""
 
 
 def _alive(owner: dict[str, Any]) -> bool:
@@ -144,14 +138,6 @@ def _alive(owner: dict[str, Any]) -> bool:
     if owner.get("host") == socket.gethostname():
         return process_alive(owner)
     return time.time() - float(owner.get("create_time", 0.0)) < ORPHAN_AGE_SECONDS
-
-
-def _read_json(loc: Location) -> Any:
-    """``loc``'s JSON, or None when it is missing or unreadable."""
-    try:
-        return json.loads(loc.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
@@ -173,7 +159,7 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
             trash.rmtree()
     removed = []
     for folder in parent.glob("run-*"):
-        owner = _read_json(folder / OWNER_FILE)
+        owner = read_json(folder / OWNER_FILE)
         if not isinstance(owner, dict) or _alive(owner):
             continue
         log.warning(
@@ -182,7 +168,7 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
             owner.get("pid"),
             owner.get("host"),
         )
-        referenced = _referenced(parent)
+        referenced = referenced_segments(parent)
         for entry in (parent / ENTRIES).iterdir():
             data = entry / f"{DATA_PREFIX}{folder.name}"
             if (entry.name, data.name) not in referenced:
@@ -250,24 +236,6 @@ def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
             log.warning("could not remove this run's loader cache %s: %s", cache_url, exc)
 
 
-def entry_key(fields: dict[str, Any]) -> str:
-    """The key of an entry: the first 20 hex digits of the SHA-256 of ``fields`` as sorted
-    JSON (80 bits: a collision among a million entries has probability ~1e-12)."""
-    text = json.dumps(fields, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def _rebase(obj: Any, old: str, new: str) -> Any:
-    """``obj`` (plain data) with every string that starts with ``old`` starting with ``new``."""
-    if isinstance(obj, str):
-        return new + obj[len(old) :] if obj.startswith(old) else obj
-    if isinstance(obj, list):
-        return [_rebase(x, old, new) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _rebase(v, old, new) for k, v in obj.items()}
-    return obj
-
-
 @dataclass
 class CacheUse:
     """How a run got one split's cache: for ``summary.json`` (``loader_cache``)."""
@@ -293,65 +261,6 @@ class CacheUse:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Changes:
-    """A split's changes since an older version of the ``images`` table (what
-    :meth:`LoaderCache.split` appends; :func:`flowers_job.driver.prepare.split_changes`
-    makes it from the two versions' ``(row_id, content_sha256)``)."""
-
-    current: DataFrame
-    """The split now: ``row_id``, ``image``, ``label_index``, ``segment`` (this version)."""
-    added: DataFrame
-    """The rows of ``current`` the older version did not hold as they are (new, or changed
-    since), same columns."""
-    added_rows: int
-    """Rows of ``added``."""
-    removed_ids: Any
-    """int64 ``[R]``: ``row_id`` of the older version's rows that ``current`` does not hold
-    as they were (removed, or changed since)."""
-    rows: int
-    """Rows of ``current``."""
-
-
-@dataclass(frozen=True)
-class MergedDeletions:
-    """An entry's deletion list: its older entry's and this version's removals."""
-
-    rows: Deletions
-    """On the driver (numpy), for :func:`~flowers_job.loaders.base.write_deletions`."""
-    frame: DataFrame
-    """The same as a Spark DataFrame: ``row_id`` long, ``before`` long."""
-
-
-def merged_deletions(
-    spark: SparkSession, base_url: str | None, removed_ids: Any, version: int
-) -> MergedDeletions:
-    """The deletion list of an entry grown to ``version``: the older entry's
-    (``base_url``), and every id of ``removed_ids`` (int64 ``[R]``) dead in segments before
-    ``version``; where a row id is in both, the later segment wins (copies written before
-    it are dead). The list stays below ``cache.compact_dead_fraction`` of the rows, 16
-    bytes each.
-    """
-    import numpy as np
-    import pandas as pd
-
-    base = read_deletions(base_url)
-    new = np.asarray(removed_ids, dtype=np.int64)
-    ids = np.concatenate([base.row_ids if base else np.empty(0, np.int64), new])
-    before = np.concatenate(
-        [base.before if base else np.empty(0, np.int64), np.full(len(new), version, np.int64)]
-    )
-    order = np.lexsort((before, ids))
-    ids, before = ids[order], before[order]
-    last = np.r_[ids[1:] != ids[:-1], True] if len(ids) else np.empty(0, bool)
-    rows = Deletions(ids[last], before[last])
-    frame = spark.createDataFrame(
-        pd.DataFrame({"row_id": rows.row_ids, "before": rows.before}),
-        schema="row_id long, before long",
-    )
-    return MergedDeletions(rows, frame)
-
-
 def _users_alive(entry: Location, skip: str) -> list[str]:
     """The runs other than ``skip`` whose drivers read ``entry`` and still run
     (:func:`_alive`); the leases of dead ones are removed."""
@@ -360,7 +269,7 @@ def _users_alive(entry: Location, skip: str) -> list[str]:
         name = f.name.removesuffix(".json")
         if name == skip:
             continue
-        owner = _read_json(f)
+        owner = read_json(f)
         if not isinstance(owner, dict):
             continue
         if _alive(owner):
@@ -369,36 +278,6 @@ def _users_alive(entry: Location, skip: str) -> list[str]:
             with contextlib.suppress(OSError):
                 f.unlink()  # a reader that died: it no longer holds the entry
     return alive
-
-
-def _entry_info(entry: Location) -> dict[str, Any] | None:
-    """A published entry's marker; None when the entry is not published. Layout 2 entries
-    (``plan.json`` beside ``entry.json``) count, for eviction."""
-    info = _read_json(entry / ENTRY_FILE)
-    if not isinstance(info, dict):
-        return None
-    if "data" in info or (entry / LEGACY_PLAN_FILE).is_file():
-        return info
-    return None
-
-
-def _segments(info: dict[str, Any]) -> list[tuple[str, str]]:
-    """The ``(entry, data folder)`` pairs whose files a marker's plan reads, oldest first
-    (the entry's own data folder last)."""
-    pairs = info.get("segments")
-    if not isinstance(pairs, list):
-        return []
-    return [(str(p[0]), str(p[1])) for p in pairs if isinstance(p, list) and len(p) == 2]
-
-
-def _referenced(root: Location) -> set[tuple[str, str]]:
-    """Every ``(entry, data folder)`` that a published marker under ``root`` reads."""
-    used: set[tuple[str, str]] = set()
-    for entry in (root / ENTRIES).iterdir():
-        info = _entry_info(entry)
-        if info is not None:
-            used.update(_segments(info))
-    return used
 
 
 def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
@@ -424,8 +303,8 @@ def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
             entry.rmtree()
         return True
     root = entry.parent.parent
-    still = _referenced(root)
-    for owner, data in _segments(info):
+    still = referenced_segments(root)
+    for owner, data in entry_segments(info):
         if (owner, data) not in still:
             with contextlib.suppress(OSError):
                 (root / ENTRIES / owner / data).rmtree()
@@ -438,85 +317,6 @@ def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
     return True
 
 
-def check_entry(
-    entry: Location, info: dict[str, Any], loader: Loader, fields: dict[str, Any]
-) -> None:
-    """Refuse a published entry that this job did not write for ``fields``, before any of
-    its files is read.
-
-    The job's marker holds the ``fields`` the entry's name is the key of, the name of a data
-    folder of this entry, the segments it reads (data folders of entries of the root), and
-    a plan whose every path is inside one of them (written from :data:`_ROOT`). A marker
-    that names other fields, another loader's plan, a data folder elsewhere or any path
-    outside its segments was put there by someone else (a cache root on a shared path such
-    as ``/dbfs/tmp``) and is not read. Someone who can write the cache root can
-    forge it: what the loaders open is checked again where they open it (the Petastorm ranks
-    open only the plan's own files, never a folder whose metadata Petastorm would unpickle:
-    :func:`~flowers_job.loaders.petastorm.petastorm_loader.check_cache_files`).
-
-    Raises:
-        DataError: naming the entry and what is wrong; the entry is left as it is.
-    """
-    expected = json.loads(json.dumps(fields, default=str))
-    stored = info.get("plan")
-    data = info.get("data")
-    segments = _segments(info)
-    problem = None
-    if info.get("fields") != expected:
-        problem = f"its {ENTRY_FILE} does not describe the key {entry_key(fields)}"
-    elif not (isinstance(data, str) and _is_name(data) and data.startswith(DATA_PREFIX)):
-        problem = f"its {ENTRY_FILE} names no data folder of its own"
-    elif (
-        not segments
-        or segments[-1] != (entry.name, data)
-        or not all(_is_name(e) and _is_name(d) and d.startswith(DATA_PREFIX) for e, d in segments)
-    ):
-        problem = f"its {ENTRY_FILE} names segments that are not data folders of the cache"
-    elif not isinstance(stored, dict) or stored.get("loader") != loader.name:
-        problem = f"its {ENTRY_FILE} holds no {loader.name} plan"
-    else:
-        prefixes = [f"{_ROOT}/{ENTRIES}/{e}/{d}" for e, d in segments]
-        outside = [
-            p
-            for k, v in stored.items()
-            if k != "loader"
-            for p in _strings(v)
-            if not _inside(p, prefixes)
-        ]
-        if outside:
-            problem = f"its plan names {outside[0]!r}, outside the entry's segments"
-    if problem:
-        raise DataError(
-            f"the loader cache entry {entry} was not written by this job: {problem}; "
-            "remove it (it is written again), and keep the cache root (paths.cache_url) "
-            "where only this job writes"
-        )
-
-
-def _strings(obj: Any) -> list[str]:
-    """Every string in ``obj`` (plain data)."""
-    if isinstance(obj, str):
-        return [obj]
-    if isinstance(obj, list):
-        return [s for x in obj for s in _strings(x)]
-    if isinstance(obj, dict):
-        return [s for x in obj.values() for s in _strings(x)]
-    return []
-
-
-def _is_name(text: str) -> bool:
-    """A plain file name: no separator, not ``.`` or ``..``, not empty."""
-    return bool(text) and "/" not in text and text not in (".", "..")
-
-
-def _inside(text: str, prefixes: list[str]) -> bool:
-    """Whether a stored plan's string is one of ``prefixes`` or a path below one (no
-    ``..``)."""
-    if ".." in text.split("/"):
-        return False
-    return any(text == p or text.startswith(p + "/") for p in prefixes)
-
-
 def evict(root: Location | Path | str, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
     """Evict entries under ``root`` least-recently-used first until they hold at most
     ``max_bytes``; never those named in ``keep`` nor those a live driver reads.
@@ -527,7 +327,7 @@ def evict(root: Location | Path | str, max_bytes: int, keep: set[str], run_id: s
     root = Location.of(root)
     entries = []
     for entry in (root / ENTRIES).iterdir():
-        info = _entry_info(entry)
+        info = entry_info(entry)
         if info is None:
             continue
         try:
@@ -563,7 +363,7 @@ def cached_versions(cfg: JobConfig, table: str) -> set[int]:
     root = Location.of(cfg.paths.cache_parent_url)
     versions = set()
     for entry in (root / ENTRIES).iterdir():
-        info = _entry_info(entry)
+        info = entry_info(entry)
         if info is not None and info.get("fields", {}).get("table") == table:
             versions.add(int(info["fields"]["version"]))
     return versions
@@ -707,10 +507,10 @@ class LoaderCache:
     def _leased_info(self, entry: Location) -> dict[str, Any] | None:
         """``entry``'s marker, with this run leased as its reader; None (and no lease) when
         it is not published."""
-        if not isinstance(_read_json(entry / ENTRY_FILE), dict):
+        if not isinstance(read_json(entry / ENTRY_FILE), dict):
             return None
         self._lease(entry)
-        info = _read_json(entry / ENTRY_FILE)  # read again after the lease: still published
+        info = read_json(entry / ENTRY_FILE)  # read again after the lease: still published
         if not isinstance(info, dict):  # evicted meanwhile
             with contextlib.suppress(OSError):
                 (entry / USERS / f"{self.run_id}.json").unlink()
@@ -721,7 +521,7 @@ class LoaderCache:
 
     def _plan(self, info: dict[str, Any], loader: Loader) -> ShardPlan:
         """A checked marker's plan, its paths made absolute."""
-        return loader.plan_type(**_rebase(info["plan"], _ROOT, self.root.as_uri()))
+        return loader.plan_type(**rebase(info["plan"], ROOT_MARK, self.root.as_uri()))
 
     def _use(self, entry: Location, loader: Loader, fields: dict[str, Any]) -> ShardPlan | None:
         """The entry's plan, with this run leased as a reader; None if not published.
@@ -750,7 +550,7 @@ class LoaderCache:
                 older.append((int(digits), entry))
         for number, entry in sorted(older, key=lambda e: -e[0]):
             candidate = {**fields, "version": number}
-            info = _read_json(entry / ENTRY_FILE)
+            info = read_json(entry / ENTRY_FILE)
             if not isinstance(info, dict) or info.get("fields") != json.loads(
                 json.dumps(candidate, default=str)
             ):
@@ -784,9 +584,9 @@ class LoaderCache:
         written whole)."""
         data = entry / f"{DATA_PREFIX}{self.run_id}"
         self.written.append(data)
-        referenced = _referenced(self.root)
+        referenced = referenced_segments(self.root)
         for stale in entry.glob(f"{DATA_PREFIX}*"):  # unpublished: whose writer is gone?
-            owner = _read_json(self.root / stale.name.removeprefix(DATA_PREFIX) / OWNER_FILE)
+            owner = read_json(self.root / stale.name.removeprefix(DATA_PREFIX) / OWNER_FILE)
             alive = isinstance(owner, dict) and _alive(owner)
             if stale == data or not (alive or (entry.name, stale.name) in referenced):
                 with contextlib.suppress(OSError):
@@ -800,7 +600,7 @@ class LoaderCache:
         if base is not None and changes is not None:
             plan = self._append(spark, loader, split, int(fields["version"]), base, changes, data)
             if plan is not None:
-                segments, grown = _segments(base[1]), base[0].name
+                segments, grown = entry_segments(base[1]), base[0].name
         if plan is None:
             with contextlib.suppress(OSError):
                 data.rmtree()  # what a failed append left
@@ -816,7 +616,7 @@ class LoaderCache:
             "data": data.name,
             "segments": [[e, d] for e, d in [*segments, (entry.name, data.name)]],
             "grown_from": grown,
-            "plan": _rebase(plan.to_dict(), self.root.as_uri(), _ROOT),
+            "plan": rebase(plan.to_dict(), self.root.as_uri(), ROOT_MARK),
         }
         self._lease(entry)  # before it is published: no evictor takes it from under us
         won = (entry / ENTRY_FILE).create_bytes(
@@ -839,66 +639,20 @@ class LoaderCache:
         changes: Callable[[int], Changes],
         data: Location,
     ) -> ShardPlan | None:
-        """The plan of ``base`` grown to ``version`` (:meth:`Loader.append`), its new
-        segment and deletion list written under ``data``; None when the split should be
-        written whole instead (too many dead rows or segments, or a plan the loader
-        refuses), said in the log."""
-        from dataclasses import replace
-
+        """The plan of ``base`` grown to ``version``, its new segment and deletion list
+        written under ``data`` (:func:`~flowers_job.loaders.cache_growth.grow`); None when
+        the split should be written whole instead."""
         entry, info, plan = base
-        base_version = int(info["fields"]["version"])
-        try:
-            change = changes(base_version)
-            added, removed = change.added_rows, len(change.removed_ids)
-        except Exception as exc:  # the older version vacuumed, say: the split is written whole
-            log.warning("%s: not appending to %s: %s", split, entry.name, exc)
-            return None
-        stored = (plan.stored_rows or plan.dataset_size) + added
-        dead = stored - change.rows
-        segments = len(_segments(info)) + 1
-        why = None
-        if dead > self.cfg.cache.compact_dead_fraction * stored:
-            why = (
-                f"{dead} of its {stored} rows would be dead, more than "
-                f"cache.compact_dead_fraction={self.cfg.cache.compact_dead_fraction}"
-            )
-        elif segments > self.cfg.cache.max_segments:
-            why = f"it would have {segments} segments, more than cache.max_segments"
-        if why:
-            log.info(
-                "%s: compacting: writing the split whole instead of %s: %s", split, entry.name, why
-            )
-            return None
-        deletions = merged_deletions(spark, plan.deletions_url, change.removed_ids, version)
-        t0 = time.perf_counter()
-        try:
-            grown = loader.append(
-                spark, plan, change.current, change.added, deletions.frame, data.as_uri(), split
-            )
-        except DataError as exc:
-            log.warning(
-                "%s: not appending to %s: %s; writing the split whole", split, entry.name, exc
-            )
-            return None
-        deletions_url = None
-        if len(deletions.rows):
-            deletions_url = (data / DELETIONS_FILE).as_uri()
-            write_deletions(deletions_url, deletions.rows)
-        log.info(
-            "%s: appended to %s (v%d -> v%d): +%d rows, -%d rows, %d dead of %d stored, %d "
-            "segments (%.1f s)",
+        return grow(
+            self.cfg,
+            spark,
+            loader,
             split,
-            entry.name,
-            base_version,
+            Growth(entry.name, int(info["fields"]["version"]), plan, len(entry_segments(info))),
             version,
-            added,
-            removed,
-            dead,
-            stored,
-            segments,
-            time.perf_counter() - t0,
+            changes,
+            data,
         )
-        return replace(grown, deletions_url=deletions_url, stored_rows=stored)
 
     def unpublish_superseded(self) -> list[str]:
         """Unpublish the entries that this run's new entries grew from (or compacted), once
@@ -912,7 +666,7 @@ class LoaderCache:
         """
         done = []
         for entry in self.superseded:
-            info = _entry_info(entry)
+            info = entry_info(entry)
             if info is not None and _remove_entry(entry, info, self.run_id):
                 log.info(
                     "loader cache: %s is superseded by a newer entry of its lineage", entry.name
@@ -925,7 +679,7 @@ class LoaderCache:
         for entry in self.used:
             with contextlib.suppress(OSError):
                 (entry / USERS / f"{self.run_id}.json").unlink()
-        referenced = _referenced(self.root) if self.written else set()
+        referenced = referenced_segments(self.root) if self.written else set()
         for data in self.written:
             if (data.parent.name, data.name) not in referenced:
                 with contextlib.suppress(OSError):
