@@ -12,10 +12,13 @@ the entry and writes no byte of it.
 Layout of the root (a local or mounted directory, or an ``s3a://`` prefix)::
 
     entries/<loader>-<split>-v<version>-<key>/
-        entry.json          the marker: what it was built from, its bytes, its plan, and
-                            which data folder is the entry's; written last, by one
-                            put-if-absent (the entry is published when it exists)
-        data-run-<id>/      one writer's files (the marker names the winner's)
+        entry.json          the marker: what it was built from, its bytes, its plan,
+                            which data folder is the entry's and the segments it reads
+                            (its own and, grown by appending, older entries' data
+                            folders); written last, by one put-if-absent (the entry is
+                            published when it exists)
+        data-run-<id>/      one writer's files (the marker names the winner's): the
+                            loader's files, and an appended entry's deletions.npy
         last_used           rewritten by every run that uses it: the LRU order
         users/run-<id>.json the drivers reading it now (host, pid, start time): leases
     locks/<key>.lock        a disk only: held while an entry is written (saves duplicate work)
@@ -48,6 +51,9 @@ under the run's folder for that run only, and removed when it ends.
 
 Entries of the layout before :data:`CACHE_FORMAT` 3 (published by a rename, with a separate
 ``plan.json``) have other keys: they are never read again, and are evicted by age.
+
+The marker's layout and checks are :mod:`flowers_job.loaders.cache_marker`; an entry grown by
+appending to an older one is :mod:`flowers_job.loaders.cache_growth`.
 """
 
 from __future__ import annotations
