@@ -266,7 +266,7 @@ class PetastormLoader(Loader):
         """
         from pyspark.sql import functions as F
 
-        from flowers_job.loaders.base import SEGMENT_COLUMN, row_stats
+        from flowers_job.loaders.base import row_stats
 
         assert isinstance(base, PetastormPlan), base
         cfg = self.cfg
