@@ -14,6 +14,10 @@ rows and int64 row checksum from metadata (footers via Petastorm's own row-group
 Spark aggregation of ``row_id`` per file) and fixes ``steps_per_epoch`` so that every rank
 runs the same number of steps and reads every row of its shard once per epoch.
 
+**An entry grown by appending** (:meth:`PetastormLoader.append`): the older files and the new
+segment's, planned together with each file's dead rows subtracted; the ranks drop the
+deletion list's dead rows before the re-cut (:func:`live_rows`).
+
 **Rank side.** :class:`PetastormReader` reads shard ``rank`` of ``world_size``; a
 ``TransformSpec`` decodes and augments in the loader; Petastorm's ``BatchedDataLoader``
 assembles batches from whole row groups as arrays (its row-by-row ``DataLoader`` is not

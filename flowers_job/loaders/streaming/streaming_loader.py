@@ -10,6 +10,12 @@ with ``valid = 0``), so Streaming repeats nothing; the training loop masks them 
 loss, every metric and the row checksum. Every real row is read exactly once per epoch,
 checked on the ranks against the count and checksum computed here.
 
+**An entry grown by appending** (:meth:`StreamingLoader.append`) holds several MDS folders,
+one per segment; the new one is padded so that all samples divide by ``world_size``. The
+ranks read them as one ``StreamingDataset`` of several ``Stream``s and mask the deletion
+list's dead rows like padding (``valid = 0``): every rank still reads the same number of
+rows, every live row once.
+
 **Rank side.** :class:`StreamingReader`: ``StreamingDataset`` and ``StreamingDataLoader``;
 Streaming splits (and, for training, shuffles) the whole split across the ranks every
 epoch. It needs the same number of ranks on every host
