@@ -106,7 +106,9 @@ def write_shards(
     ids = [hash((i, len(j))) & (2**62 - 1) for i, j in enumerate(jpegs)]
     with MDSWriter(out=str(out), columns=MDS_COLUMNS, compression=None) as writer:
         for row_id, jpeg, label in zip(ids, jpegs, labels, strict=True):
-            writer.write({"row_id": row_id, "image": jpeg, "label_index": label, "valid": 1})
+            writer.write(
+                {"row_id": row_id, "image": jpeg, "label_index": label, "valid": 1, "segment": 0}
+            )
     n = len(jpegs)
     return StreamingPlan(
         loader="streaming",
