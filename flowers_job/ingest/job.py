@@ -87,6 +87,7 @@ from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig
+from flowers_job.ingest.counts import TableCounts, scan_counts
 from flowers_job.ingest.write import (
     Changes,
     IngestError,
@@ -281,7 +282,9 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
         full = _full_rebuild_reason(cfg, metas, settings, labels)
         if full is None and stored.get("fingerprint") == fingerprint:
             log.info("tables are up to date with %s (fingerprint %s…)", root, fingerprint[:12])
-            changes = Changes("unchanged")
+            changes = Changes(
+                "unchanged", counts=TableCounts.from_meta(stored.get("counts"), n_files)
+            )
         else:
             meta: dict[str, object] = {
                 "fingerprint": fingerprint,
@@ -341,18 +344,11 @@ def _report(
     changes: Changes,
     start: float,
 ) -> IngestReport:
-    """The row counts of the tables as they are now (Delta's file statistics and the split
-    partitions: no image is read)."""
-    images = tables["images"].read(spark)
-    split_counts: dict[str, dict[str, int]] = {}
-    per_split: dict[str, int] = {}
-    for r in images.groupBy("label", "split").count().collect():
-        split_counts.setdefault(r["label"], {})[r["split"]] = int(r["count"])
-        per_split[r["split"]] = per_split.get(r["split"], 0) + int(r["count"])
-    q = tables["quarantine"].read(spark)
-    reasons = {
-        r["reason_code"]: int(r["count"]) for r in q.groupBy("reason_code").count().collect()
-    }
+    """The report, with the row counts of the tables as they are now: those this ingest
+    computed before its commits, or found in the latest commit's metadata
+    (:mod:`flowers_job.ingest.counts`); read from the tables only when neither has them."""
+    counts = changes.counts or scan_counts(spark, tables)
+    reasons = counts.quarantine
     hidden = sum(reasons.get(code, 0) for code in SKIPPED_REASONS)
     if hidden:
         log.info(
@@ -362,11 +358,11 @@ def _report(
         )
     return IngestReport(
         files=n_files,
-        images_rows=sum(per_split.values()),
-        train_rows=per_split.get("train", 0),
-        val_rows=per_split.get("val", 0),
-        test_rows=per_split.get("test", 0),
-        quarantined_rows=sum(reasons.values()),
+        images_rows=counts.images_rows,
+        train_rows=counts.split_rows("train"),
+        val_rows=counts.split_rows("val"),
+        test_rows=counts.split_rows("test"),
+        quarantined_rows=counts.quarantined_rows,
         quarantine_reasons=reasons,
         label_names=labels,
         tables={name: t.describe() for name, t in tables.items()},
@@ -381,5 +377,5 @@ def _report(
         rows_quarantined=changes.quarantined,
         seconds=round(time.perf_counter() - start, 3),
         hidden_skipped=hidden,
-        split_counts=dict(sorted(split_counts.items())),
+        split_counts=counts.splits,
     )

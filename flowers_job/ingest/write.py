@@ -18,6 +18,7 @@ from pyspark.sql.window import Window
 from flowers_job.cluster.connect import default_parallelism
 from flowers_job.config import JobConfig
 from flowers_job.errors import IngestError
+from flowers_job.ingest.counts import TableCounts, split_counts
 from flowers_job.location import Location
 from flowers_job.photos.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.photos.listing import LISTING_REASONS, images_root
@@ -29,8 +30,10 @@ from flowers_job.tables.delta_tables import (
     TABLE_SCHEMAS,
     is_ingest_metadata,
     latest_commit,
+    merge_changes,
     merge_table,
     null_safe_differs,
+    read_table_metadata,
     write_table,
 )
 from flowers_job.tables.table_ref import TableRef
@@ -80,9 +83,13 @@ class Changes:
     updated: int = 0
     deleted: int = 0
     quarantined: int = 0
+    counts: TableCounts | None = None
+    """The tables' rows after this ingest; None: read them (:mod:`flowers_job.ingest.counts`)."""
 
 
-def _check_after(cfg: JobConfig, after: DataFrame, labels: list[str], n_files: int) -> None:
+def _check_after(
+    cfg: JobConfig, after: DataFrame, labels: list[str], n_files: int
+) -> dict[str, int]:
     """The set-level checks on the tables as they would be after this ingest: one row per
     listed entry (``label``, ``reason_code``, ``relative_path``, ``reason``).
 
@@ -90,6 +97,9 @@ def _check_after(cfg: JobConfig, after: DataFrame, labels: list[str], n_files: i
     ``.DS_Store``, macOS's ``._x.jpg``) are skipped, not bad: they stay in quarantine with
     their reason but count neither in the bad files nor in the total that
     ``data.max_bad_fraction`` is a fraction of.
+
+    Returns:
+        The entries that go to quarantine, per ``reason_code`` (hidden ones included).
 
     Raises:
         IngestError: a label without a decodable image, or too many bad files.
@@ -113,6 +123,7 @@ def _check_after(cfg: JobConfig, after: DataFrame, labels: list[str], n_files: i
             f"data.images: label folder(s) {no_image} under {cfg.data.images} contain no "
             "decodable image; nothing was written"
         )
+    reasons = dict(bad_by_reason)
     skipped = sum(bad_by_reason.pop(code, 0) for code in SKIPPED_REASONS)
     considered = total - skipped
     bad = sum(bad_by_reason.values())
@@ -138,6 +149,7 @@ def _check_after(cfg: JobConfig, after: DataFrame, labels: list[str], n_files: i
             + ". Nothing was written: fix or remove the files, or raise data.max_bad_fraction "
             "(the quarantine table then lists every one with its reason)"
         )
+    return reasons
 
 
 def _decode(spark: SparkSession, cfg: JobConfig, entries: DataFrame, n: int) -> DataFrame:
@@ -363,11 +375,13 @@ def write_full(
     )
     try:
         t0 = time.perf_counter()
-        _check_after(cfg, decoded, labels, n_files)
+        reasons = _check_after(cfg, decoded, labels, n_files)
         log.info("decoded %d files in %.1f s", n_files, time.perf_counter() - t0)
         good = decoded.where(F.col("reason_code").isNull())
         images = good.join(_full_splits(cfg, good), "content_sha256")
         quarantine = decoded.where(F.col("reason_code").isNotNull())
+        counts = TableCounts.from_rows(split_counts(images), reasons)
+        meta["counts"] = counts.to_meta()
         t0 = time.perf_counter()
         write_table(
             spark,
@@ -386,15 +400,11 @@ def write_full(
             properties=TABLE_PROPERTIES,
         )
         hook("ingest_table_written", table="images")
-        counts = {
-            bool(r["good"]): int(r["count"])
-            for r in decoded.groupBy(F.col("reason_code").isNull().alias("good")).count().collect()
-        }
         log.info(
             "wrote 2 Delta tables in %.1f s: %d images, %d quarantined",
             time.perf_counter() - t0,
-            counts.get(True, 0),
-            counts.get(False, 0),
+            counts.images_rows,
+            counts.quarantined_rows,
         )
     finally:
         decoded.unpersist()
@@ -402,9 +412,10 @@ def write_full(
     return Changes(
         mode=f"full: {why}",
         files_decoded=n_files,
-        inserted=counts.get(True, 0),
+        inserted=counts.images_rows,
         deleted=before,
-        quarantined=counts.get(False, 0),
+        quarantined=counts.quarantined_rows,
+        counts=counts,
     )
 
 
@@ -450,7 +461,7 @@ def write_incremental(
             .select(*columns)
             .unionByName(decoded.select(*columns))
         )
-        _check_after(cfg, after, labels, n_files)
+        reasons = _check_after(cfg, after, labels, n_files)
         kept = (
             tables["images"]
             .read(spark)
@@ -464,20 +475,31 @@ def write_incremental(
         n_decoded = decoded.where(
             F.col("reason_code").isNull() | ~F.col("reason_code").isin(*LISTING_REASONS)
         ).count()
+        counts = TableCounts.from_rows(
+            split_counts(
+                kept.select("label", "split").unionByName(
+                    decoded.where(F.col("reason_code").isNull()).select("label", "split")
+                )
+            ),
+            reasons,
+        )
+        meta["counts"] = counts.to_meta()
         log.info("decoded %d new or changed files in %.1f s", n_decoded, time.perf_counter() - t0)
         t0 = time.perf_counter()
         keep = "NOT s._gone"  # SQL text: the same MERGE on classic Spark and Connect
-        q = merge_table(
-            spark,
-            _source(decoded, gone, "quarantine"),
-            tables["quarantine"],
-            meta,
-            keep=keep,
-            changed=f"{keep} AND ("
-            + null_safe_differs("reason_code", "reason", "num_bytes", "mtime_ns", "content_sha256")
-            + ")",
-        )
-        hook("ingest_table_written", table="quarantine")
+        q_source = _source(decoded, gone, "quarantine")
+        q_changed = f"{keep} AND (" + null_safe_differs(*QUARANTINE_COMPARED) + ")"
+        quarantine = tables["quarantine"].read(spark).select("relative_path", *QUARANTINE_COMPARED)
+        if merge_changes(q_source, quarantine, keep=keep, changed=q_changed):
+            q = merge_table(
+                spark, q_source, tables["quarantine"], meta, keep=keep, changed=q_changed
+            )
+            hook("ingest_table_written", table="quarantine")
+        else:  # nothing to change there: keep its commit, named in the images commit
+            kept_run = (read_table_metadata(spark, tables["quarantine"]) or {}).get("run_id")
+            meta["kept"] = {"quarantine": kept_run}
+            q = {"inserted": 0, "updated": 0, "deleted": 0}
+            log.info("quarantine: no entry changed, no MERGE (its commit of run %s kept)", kept_run)
         i = merge_table(
             spark,
             _source(decoded, gone, "images"),
@@ -507,9 +529,12 @@ def write_incremental(
         updated=i["updated"],
         deleted=i["deleted"],
         quarantined=q["inserted"] + q["updated"],
+        counts=counts,
     )
 
 
+QUARANTINE_COMPARED = ("reason_code", "reason", "num_bytes", "mtime_ns", "content_sha256")
+"""A quarantined entry is replaced when one of these differs (the MERGE's ``changed``)."""
 DIFF_COLUMNS = ("label", "num_bytes", "mtime_ns", "reason_code", "reason")
 """The columns of an incremental ingest's comparison besides ``relative_path`` and
 ``_status``: the listing's for entries to decode, the tables' for the others."""

@@ -99,7 +99,7 @@ def listing_units(root: str, labels: list[str], others: list[str]) -> list[str]:
     if is_remote(root):
         from flowers_job.photos.object_listing import object_units
 
-        return object_units(labels, others)
+        return object_units(root, labels, others)
     return labels + others
 
 

@@ -30,15 +30,19 @@ cannot be read under that name and is quarantined as ``unreadable``.
 **Where the listing runs.** On the executors, like a local root's, and for the same reason:
 neither the listing nor any image passes through the driver, which collects only counts per
 label and reason. The driver makes one LIST of the root's first level (with a delimiter:
-:func:`object_label_folders`) to find the label folders; each listing unit is then one
-recursive LIST of one top-level prefix (:func:`list_object_unit`), one unit per prefix, in
-parallel across the executors. Units are not split further as a local folder's are
-(:func:`~flowers_job.photos.listing.entry_shard`): a LIST returns a prefix's keys in key order,
-1,000 per page, one page after the other, so a unit that keeps a hash share of the keys would
-still LIST them all, and ``shards`` units of one folder would make ``shards`` times the
-requests for no gain. One recursive LIST on the driver instead would be as many requests,
-but would bring the whole listing to the driver.
-
+:func:`object_label_folders`) to find the label folders, then splits each label's keys into
+**key ranges** (:func:`object_units`), which the executors LIST in parallel
+(:func:`list_object_unit`). A LIST returns a prefix's keys in key order, 1,000 per page, one
+page after the other, so one LIST per label folder is a serial walk of pages: at 10 million
+photos in 5 folders, 2,000 pages of one folder in a row. So on S3 (with boto3), each label's
+keys are split by their first character after ``<label>/``: the driver finds the characters
+that occur with one ``ListObjectsV2`` of one key per character (``StartAfter`` just past the
+keys that start with the previous one, ``MaxKeys=1``: a skip scan, in threads, one per label),
+and each range is one LIST of the prefix ``<label>/<character>``. Names that start with
+digits, as cameras and Flickr give them, make about 10 ranges a folder; more than
+:data:`MAX_RANGES` characters end in one last range of the keys after them. Other object
+stores (``gs://``, ``abfss://``, through pyarrow and fsspec), and S3 without boto3, are listed
+one recursive LIST per top-level prefix, as before.
 The decode reads each object on the executors with :func:`read_object` (one GET through
 pyarrow).
 """
@@ -46,15 +50,19 @@ pyarrow).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlparse
 
 from flowers_job.errors import ObjectStoreError
-from flowers_job.location import filesystem
+from flowers_job.location import S3_SCHEMES, filesystem
 from flowers_job.photos.verdicts import ListedFile, is_hidden, path_verdict
 from flowers_job.vision.images import ImageRejected
 
 __all__ = [
+    "MAX_RANGES",
     "ObjectStoreError",
+    "key_ranges",
     "list_object_unit",
     "object_label_folders",
     "object_units",
@@ -63,6 +71,18 @@ __all__ = [
 
 ROOT_FILES = ""
 """The listing unit of the keys directly under the root (one LIST without recursion)."""
+PREFIX_RANGE = "\x00"
+"""In a listing unit, ``<label>/`` + this + ``c``: the keys that start with ``<label>/c``
+(one LIST of that prefix). No S3 key holds U+0000 (the API's XML 1.0 cannot carry it)."""
+TAIL_RANGE = "\x01"
+"""In a listing unit, ``<label>/`` + this + ``after``: the keys of ``<label>/`` after the key
+``<label>/after`` that do not start with its first character (the last range, past
+:data:`MAX_RANGES`)."""
+MAX_RANGES = 64
+"""Key ranges per label folder at most: the driver's skip scan costs one request per range."""
+_PAST = "\U0010ffff"
+"""After every key that starts with a given prefix (the largest code point, so the largest
+UTF-8 bytes: S3 orders keys by their UTF-8 bytes, as Python orders ``str`` by code point)."""
 
 
 def _selector(path: str, recursive: bool) -> Any:
@@ -102,14 +122,81 @@ def object_label_folders(root: str) -> tuple[list[str], list[str]]:
     return labels, others
 
 
-def object_units(labels: list[str], others: list[str]) -> list[str]:
-    """The listing units of a root with these top-level entries
-    (:func:`object_label_folders`): ``<prefix>/`` for each prefix (every key under it) and
-    :data:`ROOT_FILES` once for the keys directly under the root."""
-    units = [f"{label}/" for label in labels] + [o for o in others if o.endswith("/")]
+def object_units(root: str, labels: list[str], others: list[str]) -> list[str]:
+    """The listing units of the root ``root`` with these top-level entries
+    (:func:`object_label_folders`): each label folder's key ranges (:func:`key_ranges`) on
+    S3 with boto3, else ``<prefix>/`` (every key under it); ``<prefix>/`` for each hidden
+    prefix; :data:`ROOT_FILES` once for the keys directly under the root.
+
+    Raises:
+        ObjectStoreError: a LIST of the skip scan failed (naming ``data.images``).
+    """
+    client = _s3_client(root)
+    if client is None:
+        units = [f"{label}/" for label in labels]
+    else:
+        bucket, base = _bucket_key(root)
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(labels)))) as pool:
+            ranges = pool.map(lambda label: key_ranges(client, bucket, f"{base}{label}/"), labels)
+            units = [f"{label}/{r}" for label, rs in zip(labels, ranges, strict=True) for r in rs]
+    units += [o for o in others if o.endswith("/")]
     if any(not o.endswith("/") for o in others):
         units.append(ROOT_FILES)
     return units
+
+
+def key_ranges(client: Any, bucket: str, prefix: str) -> list[str]:
+    """The key ranges of the keys under ``prefix`` (``<root key>/<label>/``), each a unit
+    suffix: :data:`PREFIX_RANGE` + ``c`` for each first character ``c`` after ``prefix``
+    (in order), and past :data:`MAX_RANGES` of them one :data:`TAIL_RANGE` + the rest.
+    A skip scan: one ``ListObjectsV2`` (``MaxKeys=1``) per range, plus one that finds no key.
+    The key ``prefix`` itself (a folder marker) is in no range, as pyarrow lists it as the
+    folder.
+
+    Raises:
+        ObjectStoreError: a LIST failed.
+    """
+    ranges: list[str] = []
+    after = prefix
+    while True:
+        try:
+            listed = client.list_objects_v2(
+                Bucket=bucket, Prefix=prefix, StartAfter=after, MaxKeys=1
+            ).get("Contents", [])
+        except Exception as exc:  # botocore's errors: credentials, network, no bucket
+            raise ObjectStoreError(
+                f"data.images: cannot list s3://{bucket}/{prefix}: {exc}"
+            ) from None
+        if not listed:
+            return ranges
+        key = str(listed[0]["Key"])
+        first = key[len(prefix)]
+        if ranges and ranges[-1] == PREFIX_RANGE + first:  # a key past _PAST: the same range
+            after = key
+            continue
+        if len(ranges) == MAX_RANGES:
+            return [*ranges, TAIL_RANGE + after[len(prefix) :]]
+        ranges.append(PREFIX_RANGE + first)
+        after = prefix + first + _PAST
+
+
+def _s3_client(root: str) -> Any:
+    """A boto3 S3 client for ``root`` (standard credential chain, ``AWS_ENDPOINT_URL``), or
+    None: not an S3 URI, or no boto3 here."""
+    if urlparse(root).scheme not in S3_SCHEMES:
+        return None
+    try:
+        import boto3
+    except ImportError:
+        return None
+    return boto3.client("s3")
+
+
+def _bucket_key(root: str) -> tuple[str, str]:
+    """``(bucket, key prefix with a trailing /)`` of the root URI ``root``."""
+    parsed = urlparse(root)
+    path = parsed.path.strip("/")
+    return parsed.netloc, f"{path}/" if path else ""
 
 
 def list_object_unit(
@@ -130,6 +217,12 @@ def list_object_unit(
     """
     import pyarrow.fs as pafs
 
+    label, mark, rest = unit.partition(f"/{PREFIX_RANGE}")
+    if not mark:
+        label, mark, rest = unit.partition(f"/{TAIL_RANGE}")
+    if mark:
+        yield from _list_range(root, label, mark[1:], rest, labels)
+        return
     fs, base = filesystem(root)
     prefix = unit[:-1] if unit.endswith("/") else ""
     path = f"{base}/{prefix}" if unit else base
@@ -146,8 +239,50 @@ def list_object_unit(
             continue
         code, reason = _verdict(rel)
         parts = rel.split("/")
-        label = parts[0] if len(parts) > 1 and parts[0] in labels else None
-        yield ListedFile(rel, label, "file", int(info.size), info.mtime_ns, code, reason)
+        owner = parts[0] if len(parts) > 1 and parts[0] in labels else None
+        yield ListedFile(rel, owner, "file", int(info.size), info.mtime_ns, code, reason)
+
+
+def _list_range(
+    root: str, label: str, kind: str, rest: str, labels: frozenset[str] | set[str]
+) -> Iterator[ListedFile]:
+    """The keys of one key range of ``<label>/`` (:func:`key_ranges`), sorted: one paginated
+    ``ListObjectsV2``. As pyarrow lists them: an empty key ending in ``/`` is a folder marker
+    (skipped), a non-empty one is the file named without its ``/``; ``LastModified`` to the
+    millisecond in ns."""
+    client = _s3_client(root)
+    bucket, base = _bucket_key(root)
+    folder = f"{base}{label}/"
+    if kind == PREFIX_RANGE:
+        pages = {"Prefix": folder + rest}
+        skip = None
+    else:
+        pages = {"Prefix": folder, "StartAfter": folder + rest}
+        skip = folder + rest[:1]
+    found = []
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, **pages):
+            for obj in page.get("Contents", []):
+                key, size = str(obj["Key"]), int(obj["Size"])
+                if (skip is not None and key.startswith(skip)) or key == folder:
+                    continue
+                if key.endswith("/"):
+                    if size == 0:
+                        continue
+                    key = key[:-1]
+                modified = obj["LastModified"]
+                found.append(
+                    (key[len(base) :], size, round(modified.timestamp() * 1000) * 1_000_000)
+                )
+    except Exception as exc:  # botocore's errors: credentials, network, no bucket
+        raise ObjectStoreError(
+            f"data.images: cannot list {root}/{label}/ (the keys from {rest!r}): {exc}"
+        ) from None
+    for rel, size, mtime_ns in sorted(found):
+        code, reason = _verdict(rel)
+        yield ListedFile(
+            rel, label if label in labels else None, "file", size, mtime_ns, code, reason
+        )
 
 
 def _verdict(rel: str) -> tuple[str | None, str | None]:

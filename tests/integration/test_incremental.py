@@ -203,3 +203,64 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     run_ingest(spark, rebuild)
     assert not readable(kept)
     assert readable(checked_tables(spark, cfg).versions["images"])
+
+
+def test_counts_travel_with_the_commit_and_a_merge_with_nothing_to_change_is_skipped(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, part 3. A new photo changes only ``images``: the quarantine keeps its
+    commit (named under ``kept`` in the images commit; hidden and broken entries, whose
+    verdicts come again, count as no change) and training accepts the pair. Each report's
+    counts are those of the tables, and an unchanged ingest reads neither table for them.
+    A fixed broken file changes the quarantine again: it is MERGEd, and ``kept`` is gone."""
+    from flowers_job.ingest import job
+    from flowers_job.ingest.counts import scan_counts
+    from flowers_job.tables.table_ref import table_ref
+
+    images = sample_photos(tmp_path / "images", per_label=4)
+    broken = images / "tulips" / "broken.jpg"
+    broken.write_bytes(b"not an image\n")
+    (images / "daisy" / ".DS_Store").write_bytes(b"\0")
+    cfg = _cfg(images, tmp_path / "out")
+    tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
+
+    def version(name: str) -> int:
+        return int(tables[name].history(spark, 1).first()["version"])  # type: ignore[index]
+
+    def scanned(report: object) -> None:
+        counts = scan_counts(spark, tables)
+        assert report.split_counts == counts.splits  # type: ignore[attr-defined]
+        assert report.quarantine_reasons == counts.quarantine  # type: ignore[attr-defined]
+
+    first = ingest(spark, cfg)
+    assert first.quarantine_reasons == {"not_an_image": 1, "hidden_path": 1}
+    scanned(first)
+    q_version, first_run = version("quarantine"), checked_tables(spark, cfg).meta["run_id"]
+
+    (images / "daisy" / "added.jpg").write_bytes(_photo("daisy", 11))
+    second = ingest(spark, cfg)
+    assert (second.mode, second.rows_inserted, second.rows_quarantined) == ("incremental", 1, 0)
+    assert version("quarantine") == q_version  # no MERGE, no commit
+    meta = checked_tables(spark, cfg).meta  # training accepts the pair
+    assert meta["fingerprint"] == second.fingerprint and meta["kept"] == {"quarantine": first_run}
+    scanned(second)
+
+    def no_scan(*args: object) -> None:
+        raise AssertionError("an unchanged ingest read the tables for its counts")
+
+    monkeypatch.setattr(job, "scan_counts", no_scan)
+    third = ingest(spark, cfg)
+    assert (third.mode, third.images_rows, third.quarantined_rows) == ("unchanged", 21, 2)
+    assert (third.split_counts, third.quarantine_reasons) == (
+        second.split_counts,
+        second.quarantine_reasons,
+    )
+    monkeypatch.undo()
+
+    broken.write_bytes(_photo("tulips", 10))
+    fourth = ingest(spark, cfg)
+    assert fourth.mode == "incremental" and fourth.quarantine_reasons == {"hidden_path": 1}
+    assert version("quarantine") > q_version
+    meta = checked_tables(spark, cfg).meta
+    assert meta["fingerprint"] == fourth.fingerprint and "kept" not in meta
+    scanned(fourth)

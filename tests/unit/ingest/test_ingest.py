@@ -245,8 +245,9 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """`flowers-job ingest` is killed with SIGKILL (with its JVM) after MERGEing the changes of
-    the input into the quarantine table: the images table is unchanged, training refuses
-    the mix, and a re-run writes the same tables as a fresh ingest."""
+    the input into the quarantine table (a new bad file: a quarantine with nothing to change
+    is not MERGEd): the images table is unchanged, training refuses the mix, and a re-run
+    writes the same tables as a fresh ingest."""
     from flowers_job.errors import DataError
     from flowers_job.tables.delta_tables import checked_tables
 
@@ -260,6 +261,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         _contents(spark, first.tables["images"]),
     )
     sample_photos(images, per_label=1, offset=3)  # the input changes: one more photo per label
+    (images / "tulips" / "notes.jpg").write_text("not an image either\n")  # and one bad file
 
     repo = ROOT_DIR
     env = {
@@ -298,7 +300,7 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
         checked_tables(spark, cfg)
 
     again = ingest(spark, cfg)
-    assert again.written and (again.images_rows, again.quarantined_rows) == (20, 1)
+    assert again.written and (again.images_rows, again.quarantined_rows) == (20, 2)
     assert again.mode.startswith("full: the tables are not one complete ingest")
     assert checked_tables(spark, cfg).label_names == sorted(LABELS)
     fresh = ingest(spark, _cfg(images, tmp_path / "fresh", *overrides))

@@ -207,6 +207,36 @@ def test_odd_keys_are_listed_once_each_with_a_verdict(s3: S3) -> None:
     assert err.value.code == "unreadable"
 
 
+def test_a_label_folder_is_listed_in_key_ranges_each_key_once(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, part 3: on S3 a label folder is split by the first character of its keys'
+    names (a skip scan of one-key LISTs), one unit per range, and past ``MAX_RANGES`` one
+    last range takes the rest (non-ASCII names too). Every key is in exactly one range; an
+    empty folder marker is in none."""
+    from flowers_job.photos import object_listing
+
+    names = ["0.jpg", "05.jpg", "1a/x.jpg", "1b.jpg", "9.jpg", "a.jpg", "é.jpg", "ü/b.jpg"]
+    for name in names:
+        s3.put(f"ranges/daisy/{name}", b"jpeg?")
+    s3.put("ranges/daisy/z/", b"")  # a folder marker
+    root = f"s3a://{BUCKET}/ranges"
+    labels, others = label_folders(root)
+    assert (labels, others) == (["daisy"], [])
+
+    def listed(units: list[str]) -> list[str]:
+        return [e.relative_path for u in units for e in list_entry(root, u, {"daisy"})]
+
+    units = listing_units(root, labels, others)
+    assert [u.removeprefix("daisy/\x00") for u in units] == ["0", "1", "9", "a", "z", "é", "ü"]
+    assert sorted(listed(units)) == sorted(f"daisy/{n}" for n in names)
+    monkeypatch.setattr(object_listing, "MAX_RANGES", 3)
+    units = listing_units(root, labels, others)
+    assert len(units) == 4 and units[-1].startswith("daisy/\x01")
+    found = listed(units)
+    assert sorted(found) == sorted(f"daisy/{n}" for n in names) and len(set(found)) == len(found)
+
+
 def test_the_setting_keeps_a_uri_as_given_and_refuses_credentials_in_it(tmp_path: Path) -> None:
     """``data.images``: a URI stays a string (a ``Path`` would fold its ``//``), less its
     trailing ``/``; a local path stays a ``Path``; a URI with credentials is a config error

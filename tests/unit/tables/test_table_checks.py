@@ -21,6 +21,7 @@ from flowers_job.tables.delta_tables import (
     TABLE_NAMES,
     checked_tables,
     read_table_metadata,
+    tables_mismatch,
 )
 from flowers_job.tables.table_ref import table_ref
 from tests.support.data import sample_photos
@@ -173,3 +174,18 @@ def test_prepare_fails_before_writing_any_cache(spark: SparkSession, tables: Job
         pass
     cache = Path(tables.paths.output_dir / "loader_cache")
     assert not cache.exists() or not any(cache.rglob("*.parquet"))
+
+
+def test_a_kept_commit_matches_only_while_it_is_the_latest() -> None:
+    """An ingest that had nothing to change in ``quarantine`` names the run whose commit it
+    kept there (``kept``); a later run's commit there (stopped before ``images``) is a
+    mismatch, as is a ``kept`` that names another run."""
+    a = {"fingerprint": "f1", "run_id": "a"}
+    b = {"fingerprint": "f2", "run_id": "b", "kept": {"quarantine": "a"}}
+    assert tables_mismatch({"images": a, "quarantine": a}) is None
+    assert tables_mismatch({"images": b, "quarantine": a}) is None
+    c = {"fingerprint": "f3", "run_id": "c"}
+    assert tables_mismatch({"images": b, "quarantine": c}) is not None  # stopped after it
+    assert tables_mismatch({"images": {**b, "kept": {"quarantine": "z"}}, "quarantine": a})
+    assert tables_mismatch({"images": {**b, "kept": "a"}, "quarantine": a})
+    assert tables_mismatch({"images": a, "quarantine": c}) is not None
