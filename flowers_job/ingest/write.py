@@ -1,5 +1,5 @@
 """Ingest's writes (driver side): decode on the executors, check the set, and write both
-tables in full or MERGE the changes (:mod:`flowers_job.ingest.job` decides which)."""
+tables in full or apply the changes (:mod:`flowers_job.ingest.job` decides which)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from flowers_job.tables.delta_tables import (
     PARTITION_COLUMNS,
     TABLE_PROPERTIES,
     TABLE_SCHEMAS,
+    delete_then_append,
     is_ingest_metadata,
     latest_commit,
     merge_changes,
@@ -428,8 +429,9 @@ def write_incremental(
     meta: dict[str, object],
     n_files: int,
 ) -> Changes:
-    """Decode the new and changed files and MERGE them, with the deletions, into both
-    tables (module docstring). Stored photos keep their split; new ones fill their class's
+    """Decode the new and changed files and bring both tables up to date with them and the
+    deletions: the quarantine by a MERGE (skipped when nothing there changes), ``images`` by
+    :func:`_write_images` (:mod:`flowers_job.ingest.job`'s docstring). Stored photos keep their split; new ones fill their class's
     quotas (:func:`_incremental_splits`).
 
     Raises:
@@ -437,10 +439,10 @@ def write_incremental(
         Resplit: a class would miss a split unless stored photos moved; nothing written.
     """
     t0 = time.perf_counter()
-    # Written out, not cached: the first MERGE changes a table these plans read, and Delta's
+    # Written out, not cached: the first commit changes a table these plans read, and Delta's
     # commit refreshes cached plans that read it (a cached ``decoded`` would be recomputed
-    # without the rows that MERGE just wrote). The comparison is written too: the decode,
-    # the checks and both MERGEs read it instead of the tables.
+    # without the rows that commit just wrote). The comparison is written too: the decode,
+    # the checks and both writes read it instead of the tables.
     staging = cfg.paths.tables_dir / f"_staging-{meta['run_id']}"
     diff_path, decoded_path = staging / "diff", staging / "decoded"
     splits_path = staging / "splits"
@@ -469,7 +471,7 @@ def write_incremental(
             .join(diff.where(F.col("_status") == "keep").select("relative_path"), "relative_path")
         )
         good = decoded.where(F.col("reason_code").isNull())
-        # written out: the images MERGE must not read the table it changes
+        # written out: the images write must not read the table it changes
         _incremental_splits(cfg, kept, good).write.parquet(str(splits_path))
         decoded = decoded.join(spark.read.parquet(str(splits_path)), "content_sha256", "left")
         n_decoded = decoded.where(
@@ -500,14 +502,7 @@ def write_incremental(
             meta["kept"] = {"quarantine": kept_run}
             q = {"inserted": 0, "updated": 0, "deleted": 0}
             log.info("quarantine: no entry changed, no MERGE (its commit of run %s kept)", kept_run)
-        i = merge_table(
-            spark,
-            _source(decoded, gone, "images"),
-            tables["images"],
-            meta,
-            keep=keep,
-            changed=f"{keep} AND ({null_safe_differs('content_sha256', 'num_bytes', 'mtime_ns')})",
-        )
+        i = _write_images(spark, tables["images"], diff, decoded, gone, meta)
         hook("ingest_table_written", table="images")
         log.info(
             "merged in %.1f s: images +%d ~%d -%d, quarantine +%d ~%d -%d",
@@ -540,6 +535,56 @@ DIFF_COLUMNS = ("label", "num_bytes", "mtime_ns", "reason_code", "reason")
 ``_status``: the listing's for entries to decode, the tables' for the others."""
 
 
+MAX_DELETE_PATHS = 50_000
+"""An incremental ingest that removes or replaces more ``images`` rows than this MERGEs
+them in one commit instead of :func:`~flowers_job.tables.delta_tables.delete_then_append`,
+whose paths pass through the driver (about 100 bytes each)."""
+
+
+def _write_images(
+    spark: SparkSession,
+    table: TableRef,
+    diff: DataFrame,
+    decoded: DataFrame,
+    gone: DataFrame,
+    meta: dict[str, object],
+) -> dict[str, int]:
+    """Bring ``images`` up to date: delete the rows of the paths it holds that are gone or
+    were decoded again (changed, or now quarantined) and append the decoded images
+    (:func:`~flowers_job.tables.delta_tables.delete_then_append`: deletion vectors, no
+    stored row read but the paths); past :data:`MAX_DELETE_PATHS` such paths, one MERGE.
+
+    Returns:
+        ``inserted``, ``updated`` (a path deleted and appended again), ``deleted``, as a
+        MERGE's metrics count them.
+    """
+    held = diff.where((F.col("_held_in") == "images") & (F.col("_status") != "keep"))
+    good = decoded.where(F.col("reason_code").isNull())
+    n_paths = held.count()
+    if n_paths > MAX_DELETE_PATHS:
+        keep = "NOT s._gone"
+        return merge_table(
+            spark,
+            _source(decoded, gone, "images"),
+            table,
+            meta,
+            keep=keep,
+            changed=f"{keep} AND ({null_safe_differs('content_sha256', 'num_bytes', 'mtime_ns')})",
+        )
+    paths = [r["relative_path"] for r in held.select("relative_path").collect()]
+    appended = good.count()
+    replaced = good.join(held.select("relative_path"), "relative_path").count()
+    delete_then_append(
+        spark,
+        table,
+        paths,
+        _conform(good, "images"),
+        meta,
+        after_deletes=lambda: hook("ingest_table_written", table="images_deletes"),
+    )
+    return {"inserted": appended - replaced, "updated": replaced, "deleted": n_paths - replaced}
+
+
 def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, TableRef]) -> DataFrame:
     """The listing against what both tables hold, in one full outer join on
     ``relative_path`` that reads only the tables' small columns (no image bytes).
@@ -551,17 +596,23 @@ def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, TableRef]) 
     - ``todo``: a new or changed file, a file refused at listing (its verdict comes again, at
       no cost) or one stored with a listing verdict that is now readable (the listing's
       columns): to decode;
-    - ``gone``: a stored row whose file is no longer listed (the stored columns): to delete.
+    - ``gone``: a stored row whose file is no longer listed (the stored columns): to delete;
+
+    and ``_held_in``: the table that holds the path (``images``, ``quarantine``; null: new).
     """
     images = tables["images"].read(spark)
     quarantine = tables["quarantine"].read(spark)
     none = F.lit(None).cast("string")
     stored = images.select(
         "relative_path", "label", "num_bytes", "mtime_ns",
-        none.alias("reason_code"), none.alias("reason"),
-    ).unionByName(quarantine.select("relative_path", *DIFF_COLUMNS))  # fmt: skip
+        none.alias("reason_code"), none.alias("reason"), F.lit("images").alias("_held_in"),
+    ).unionByName(
+        quarantine.select("relative_path", *DIFF_COLUMNS, F.lit("quarantine").alias("_held_in"))
+    )  # fmt: skip
     listed = listing.select("relative_path", *DIFF_COLUMNS, F.lit(True).alias("_listed")).alias("l")
-    held = stored.select("relative_path", *DIFF_COLUMNS, F.lit(True).alias("_held")).alias("s")
+    held = stored.select(
+        "relative_path", *DIFF_COLUMNS, "_held_in", F.lit(True).alias("_held")
+    ).alias("s")
     same = (
         F.col("_listed").isNotNull()
         & F.col("_held").isNotNull()
@@ -576,6 +627,7 @@ def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, TableRef]) 
         "relative_path",
         *[F.when(todo, F.col(f"l.{c}")).otherwise(F.col(f"s.{c}")).alias(c) for c in DIFF_COLUMNS],
         status.alias("_status"),
+        F.col("s._held_in").alias("_held_in"),
     )
 
 

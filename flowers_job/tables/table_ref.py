@@ -274,6 +274,15 @@ class TableRef:
         else:
             writer.save(str(self.path))
 
+    def append(self, df: DataFrame) -> None:
+        """Append ``df`` (the table's columns) to the existing table: one commit, new files
+        only (partitioned as the table is)."""
+        writer = df.write.format("delta").mode("append")
+        if self.parts:
+            writer.saveAsTable(self.quoted)
+        else:
+            writer.save(str(self.path))
+
 
 def table_ref(cfg: JobConfig, name: str) -> TableRef:
     """The job's table ``name`` (``images``, ``quarantine``): ``<namespace>.<name>`` when

@@ -121,8 +121,8 @@ def test_missing_and_foreign_tables_are_named(spark: SparkSession, tmp_path: Pat
 @pytest.mark.tier("full")
 def test_ingest_merge_and_training_by_name(spark: SparkSession, tmp_path: Path) -> None:
     """Ingest into ``spark_catalog.<schema>`` (created by the job), change one photo and
-    ingest again (one MERGE by name, the version advances, the old one still readable by
-    time travel), train one epoch from the tables by name: the lineage, the MLflow run's
+    ingest again (a DELETE and an append by name, the version advances by two, the old one
+    still readable by time travel), train one epoch from the tables by name: the lineage, the MLflow run's
     dataset inputs and tags name the tables and their versions; VACUUM by name keeps the
     version the run's loader cache was built from."""
     images = sample_photos(tmp_path / "images", per_label=12)
@@ -159,10 +159,10 @@ def test_ingest_merge_and_training_by_name(spark: SparkSession, tmp_path: Path) 
     assert (second.mode, second.files_decoded, second.rows_updated) == ("incremental", 1, 1)
     images_ref = table_ref(cfg, "images")
     v1 = latest_commit(spark, images_ref)
-    assert v1 is not None and v1[0] == v0[0] + 1
+    assert v1 is not None and v1[0] == v0[0] + 2  # the DELETE, then the append
     assert v1[1] is not None and v0[1] is not None and v1[1]["run_id"] != v0[1]["run_id"]
-    last = images_ref.history(spark, 1).select("operation").first()
-    assert last is not None and last["operation"] == "MERGE"
+    last = images_ref.history(spark, 2).select("operation").collect()
+    assert [r["operation"] for r in last] == ["WRITE", "DELETE"]
     relative = f"roses/{changed.name}"
     sha = {
         v: images_ref.read(spark, v).where(F.col("relative_path") == relative).first()

@@ -106,13 +106,15 @@ def test_an_incremental_ingest_equals_a_fresh_full_one_row_by_row(
     assert second.rows_quarantined == 1 and second.quarantine_reasons == {"corrupt": 1}
     assert (second.images_rows, second.quarantined_rows, second.files) == (20, 1, 21)
     assert checked_tables(spark, cfg).meta["fingerprint"] == second.fingerprint
-    # the MERGE marked the deleted and replaced rows in deletion vectors: it copied no row
-    # of the files those rows shared with unchanged photos
-    merge = DeltaTable.forPath(spark, second.tables["images"]).history(1).first()
-    assert merge is not None and merge["operation"] == "MERGE"
-    metrics = merge["operationMetrics"]
-    assert int(metrics["numTargetDeletionVectorsAdded"]) > 0, metrics
-    assert int(metrics["numTargetRowsCopied"]) == 0, metrics
+    # the DELETE marked the deleted and replaced rows in deletion vectors: it copied no row
+    # of the files those rows shared with unchanged photos; then one append
+    append, delete = DeltaTable.forPath(spark, second.tables["images"]).history(2).collect()
+    assert (append["operation"], delete["operation"]) == ("WRITE", "DELETE")
+    metrics = delete["operationMetrics"]
+    assert int(metrics["numDeletionVectorsAdded"]) > 0, metrics
+    assert int(metrics["numCopiedRows"]) == 0, metrics
+    assert int(metrics["numDeletedRows"]) == 4, metrics  # 3 deleted, 1 replaced
+    assert json.loads(delete["userMetadata"])["flowers_job"]["partial"] == "delete"
     # photos that did not change stayed in their split, and every class is in every split
     after = _splits(spark, second.tables["images"])
     gone = {str(p.relative_to(images)) for p in (daisy, dandelion, sunflowers, breaks)}
@@ -264,3 +266,44 @@ def test_counts_travel_with_the_commit_and_a_merge_with_nothing_to_change_is_ski
     meta = checked_tables(spark, cfg).meta
     assert meta["fingerprint"] == fourth.fingerprint and "kept" not in meta
     scanned(fourth)
+
+
+def test_an_ingest_stopped_between_its_images_commits_is_resumed_incrementally(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """`flowers-job ingest` is killed (SIGKILL, with its JVM) after its DELETE of the gone
+    and changed rows and before its append: training refuses the tables, naming the run,
+    and the next ingest resumes incrementally (no full rebuild) to the tables a fresh ingest
+    writes, but for the split."""
+    from flowers_job.errors import DataError
+    from tests.support.faults import kill_ingest_at_pause
+
+    images = sample_photos(tmp_path / "images", per_label=4)
+    cfg = _cfg(images, tmp_path / "out")
+    first = ingest(spark, cfg)
+    split_before = _splits(spark, first.tables["images"])
+    daisy = sorted((images / "daisy").glob("*.jpg"))[0]
+    daisy.write_bytes(_photo("daisy", 12))  # changed
+    gone = min(p for p, s in split_before.items() if s == "train" and p.startswith("roses/"))
+    (images / gone).unlink()
+    (images / "tulips" / "added.jpg").write_bytes(_photo("tulips", 11))
+
+    kill_ingest_at_pause(images, cfg.paths.output_dir, "images_deletes", SETTINGS)
+    assert len(_splits(spark, first.tables["images"])) == 18  # the two rows deleted, no append
+    with pytest.raises(DataError, match="stopped between its commits"):
+        checked_tables(spark, cfg)
+
+    again = ingest(spark, cfg)
+    assert again.mode == "incremental" and again.files_decoded == 2, again
+    assert (again.images_rows, again.rows_inserted, again.rows_deleted) == (20, 2, 0)
+    assert checked_tables(spark, cfg).meta["fingerprint"] == again.fingerprint
+    unchanged = {
+        p: s for p, s in split_before.items() if p not in (gone, str(daisy.relative_to(images)))
+    }
+    after = _splits(spark, again.tables["images"])
+    assert {p: after[p] for p in unchanged} == unchanged
+    fresh = ingest(spark, _cfg(images, tmp_path / "fresh"))
+    for name in TABLE_NAMES:
+        assert _contents(spark, again.tables[name], ("split",)) == _contents(
+            spark, fresh.tables[name], ("split",)
+        ), name

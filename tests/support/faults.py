@@ -283,3 +283,47 @@ def ingest_pause(table: str) -> None:
     if os.environ.get(INGEST_FAULT_ENV) == f"pause_after:{table}":
         log.warning("%s: ingest paused after writing the %s table", INGEST_FAULT_ENV, table)
         time.sleep(INGEST_PAUSE_SECONDS)
+
+
+def kill_ingest_at_pause(
+    images: Path, output_dir: os.PathLike[str], table: str, settings: Iterable[str]
+) -> None:
+    """Run ``flowers-job ingest`` (with ``--set`` each of ``settings``) in its own process
+    group, paused after it writes ``table`` (:func:`ingest_pause`), and kill the group there
+    (SIGKILL: the JVM and the Python workers too).
+
+    Raises:
+        AssertionError: the ingest ended without pausing, or was not killed.
+    """
+    import subprocess
+    import sys
+
+    from tests.support import ROOT_DIR
+
+    env = {
+        **os.environ,
+        **fault_env(ingest=f"pause_after:{table}"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = ["--images", str(images), "--output-dir", str(output_dir)]
+    for item in settings:
+        args += ["--set", item]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowers_job", "ingest", *args],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:
+            if f"ingest paused after writing the {table} table" in line:
+                break
+        else:
+            raise AssertionError(f"ingest ended (status {proc.wait()}) without pausing")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.returncode

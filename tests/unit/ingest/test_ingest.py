@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +14,9 @@ from flowers_job.config import JobConfig, load_config
 from flowers_job.ingest import write as ingest_write
 from flowers_job.ingest.job import IngestError, ingest
 from flowers_job.tables.delta_tables import SPLITS, TABLE_NAMES
-from tests.support import LABELS, PHOTOS, ROOT_DIR
+from tests.support import LABELS, PHOTOS
 from tests.support.data import sample_photos
-from tests.support.faults import fault_env
+from tests.support.faults import kill_ingest_at_pause
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]
 
@@ -263,34 +259,9 @@ def test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun(
     sample_photos(images, per_label=1, offset=3)  # the input changes: one more photo per label
     (images / "tulips" / "notes.jpg").write_text("not an image either\n")  # and one bad file
 
-    repo = ROOT_DIR
-    env = {
-        **os.environ,
-        **fault_env(ingest="pause_after:quarantine"),
-        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-    }
-    args = ["--images", str(images), "--output-dir", str(cfg.paths.output_dir)]
-    for item in ("data.image_size=64", *overrides):
-        args += ["--set", item]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flowers_job", "ingest", *args],
-        env=env,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,  # its own process group: the JVM and Python workers too
+    kill_ingest_at_pause(
+        images, cfg.paths.output_dir, "quarantine", ("data.image_size=64", *overrides)
     )
-    assert proc.stderr is not None
-    try:
-        for line in proc.stderr:
-            if "ingest paused after writing the quarantine table" in line:
-                break
-        else:
-            pytest.fail(f"ingest ended (status {proc.wait()}) without pausing")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
 
     assert (
         _version(spark, first.tables["images"]),
