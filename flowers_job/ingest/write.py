@@ -560,8 +560,8 @@ def _write_images(
     """
     held = diff.where((F.col("_held_in") == "images") & (F.col("_status") != "keep"))
     good = decoded.where(F.col("reason_code").isNull())
-    n_paths = held.count()
-    if n_paths > MAX_DELETE_PATHS:
+    rows = held.select("relative_path").limit(MAX_DELETE_PATHS + 1).collect()
+    if len(rows) > MAX_DELETE_PATHS:
         keep = "NOT s._gone"
         return merge_table(
             spark,
@@ -571,9 +571,13 @@ def _write_images(
             keep=keep,
             changed=f"{keep} AND ({null_safe_differs('content_sha256', 'num_bytes', 'mtime_ns')})",
         )
-    paths = [r["relative_path"] for r in held.select("relative_path").collect()]
-    appended = good.count()
-    replaced = good.join(held.select("relative_path"), "relative_path").count()
+    paths = [str(r["relative_path"]) for r in rows]
+    # the rows appended, and of them those that replace a deleted one: one aggregation
+    flagged = good.join(
+        held.select("relative_path", F.lit(1).alias("_replaces")), "relative_path", "left"
+    )
+    row = flagged.agg(F.count("*").alias("n"), F.count("_replaces").alias("r")).first()
+    appended, replaced = (int(row["n"]), int(row["r"])) if row is not None else (0, 0)
     delete_then_append(
         spark,
         table,
@@ -582,7 +586,7 @@ def _write_images(
         meta,
         after_deletes=lambda: hook("ingest_table_written", table="images_deletes"),
     )
-    return {"inserted": appended - replaced, "updated": replaced, "deleted": n_paths - replaced}
+    return {"inserted": appended - replaced, "updated": replaced, "deleted": len(paths) - replaced}
 
 
 def _diff(spark: SparkSession, listing: DataFrame, tables: dict[str, TableRef]) -> DataFrame:

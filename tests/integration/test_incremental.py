@@ -214,8 +214,10 @@ def test_counts_travel_with_the_commit_and_a_merge_with_nothing_to_change_is_ski
     commit (named under ``kept`` in the images commit; hidden and broken entries, whose
     verdicts come again, count as no change) and training accepts the pair. Each report's
     counts are those of the tables, and an unchanged ingest reads neither table for them.
-    A fixed broken file changes the quarantine again: it is MERGEd, and ``kept`` is gone."""
+    A fixed broken file changes the quarantine again: it is MERGEd, and ``kept`` is gone;
+    ``images`` too, past ``MAX_DELETE_PATHS``."""
     from flowers_job.ingest import job
+    from flowers_job.ingest import write as ingest_write
     from flowers_job.ingest.counts import scan_counts
     from flowers_job.tables.table_ref import table_ref
 
@@ -260,8 +262,14 @@ def test_counts_travel_with_the_commit_and_a_merge_with_nothing_to_change_is_ski
     monkeypatch.undo()
 
     broken.write_bytes(_photo("tulips", 10))
+    (images / "daisy" / "added.jpg").unlink()
+    # past MAX_DELETE_PATHS (here 0) images' deletions are one MERGE, as before issue 38
+    monkeypatch.setattr(ingest_write, "MAX_DELETE_PATHS", 0)
     fourth = ingest(spark, cfg)
     assert fourth.mode == "incremental" and fourth.quarantine_reasons == {"hidden_path": 1}
+    assert (fourth.rows_inserted, fourth.rows_deleted, fourth.images_rows) == (1, 1, 21)
+    last = tables["images"].history(spark, 1).first()
+    assert last is not None and last["operation"] == "MERGE"
     assert version("quarantine") > q_version
     meta = checked_tables(spark, cfg).meta
     assert meta["fingerprint"] == fourth.fingerprint and "kept" not in meta
