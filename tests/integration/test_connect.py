@@ -25,7 +25,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import load_config
 from flowers_job.driver.pipeline import run_ingest
 from tests.integration.test_job_e2e import FAST as E2E_FAST
-from tests.support import ROOT_DIR
+from tests.support import PHOTOS, ROOT_DIR
 from tests.support.connect import (
     SPARK_HOME,
     client_env,
@@ -153,9 +153,22 @@ def test_library_ingest_with_a_connect_session(
     connect_url: str, photos: Path, tmp_path: Path
 ) -> None:
     """``run_ingest`` handed a Connect session (as Databricks serverless hands ``spark``):
-    the photos listed and decoded by the server's tasks, the tables written through SQL."""
+    the photos listed and decoded by the server's tasks, the tables written through SQL;
+    then a change, ingested incrementally over Connect too (the quarantine's no-op check,
+    the parameterized DELETE and the append of issue 38), and training's checks accept the
+    tables."""
+    import shutil
+
+    from flowers_job.tables.delta_tables import checked_tables
+
+    images = tmp_path / "photos"
+    shutil.copytree(photos, images)
+    quoted = images / "daisy" / "o'neil.jpg"  # a quote in the path: the DELETE's parameters
+    sorted((images / "daisy").glob("*.jpg"))[0].rename(quoted)
     cfg = load_config(
-        None, ["data.image_size=32"], **{"data.images": photos, "paths.output_dir": tmp_path}
+        None,
+        ["data.image_size=32"],
+        **{"data.images": images, "paths.output_dir": tmp_path / "out"},
     )
     with connect_session(connect_url) as session:
         spark = cast(SparkSession, session)
@@ -164,6 +177,13 @@ def test_library_ingest_with_a_connect_session(
         assert report.train_rows + report.val_rows + report.test_rows == 60
         again = run_ingest(spark, cfg)  # nothing changed: nothing written
         assert again.files_decoded == 0 and again.rows_inserted == 0
+        quoted.unlink()
+        new = sorted((PHOTOS / "daisy").glob("*.jpg"))[30].read_bytes()
+        (images / "daisy" / "new.jpg").write_bytes(new)
+        third = run_ingest(spark, cfg)
+        assert (third.mode, third.rows_inserted, third.rows_deleted) == ("incremental", 1, 1)
+        assert third.images_rows == 60 and third.quarantined_rows == 0
+        assert checked_tables(spark, cfg).meta["fingerprint"] == third.fingerprint
     assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ  # later tests' Spark stays classic
 
 
