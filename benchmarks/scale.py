@@ -18,7 +18,9 @@ For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default) i
      line of epoch 1); of the first, its training images/s (``train_images_per_second`` of
      the epoch), ``loader_cache`` and the rows per shard of ``summary.json``, and the peak
      RSS of each rank. The second is stopped at its first step (``--second-train full``
-     runs it to its end): its preparation is what it measures;
+     runs it to its end): its preparation is what it measures. With ``--train-steps N``
+     the first (and the day's) train is stopped once epoch 1 has done N steps, its
+     images/s taken from the progress lines (:func:`progress_rate`), and predict skipped;
    - ``ingest`` again with nothing changed (it lists and compares, writes nothing);
    - ``ingest`` again after 1 % new photos (spare variants) were added and 0.1 % deleted: its
      seconds against the full ingest's, the same above the unchanged run's (what the change
@@ -146,6 +148,11 @@ MARKERS = {
 after the command started: the loader plans of the splits (driver), the ranks' banner
 (model built, readers open), and the first progress line of epoch 1 (tqdm prints it as the
 first batch is asked for: the start of the first training step)."""
+PROGRESS_LINE = re.compile(r"epoch 1(?:/\d+)?:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
+"""A progress line of epoch 1 (rank 0's tqdm, one every 15 s): its steps done and the
+epoch's steps."""
+GLOBAL_BATCH = re.compile(r"global_batch_size (\d+)")
+"""The ranks' banner: images per step."""
 TARGETS = {
     "ingest_files_per_second": (">=", 0.9),
     "driver_peak_rss_mib": ("<=", 1.25),
@@ -342,13 +349,13 @@ def _pump(
     sink: list[tuple[float, str]],
     t0: float,
     lock: threading.Lock,
-    stop_at: re.Pattern[str] | None = None,
+    stop_when: Callable[[str], bool] | None = None,
     seen: threading.Event | None = None,
 ) -> None:
     for line in stream:
         with lock:
             sink.append((time.perf_counter() - t0, line.rstrip("\n")))
-        if stop_at is not None and seen is not None and stop_at.search(line):
+        if stop_when is not None and seen is not None and stop_when(line):
             seen.set()
 
 
@@ -359,6 +366,7 @@ def run_cli(
     stop_at: str | None = None,
     launcher: list[str] | None = None,
     extra_env: dict[str, str] | None = None,
+    stop_after_steps: int | None = None,
 ) -> dict[str, Any]:
     """``python -m flowers_job <args>`` as a user runs it, its tree sampled.
 
@@ -368,6 +376,8 @@ def run_cli(
     With ``stop_at`` (a name of :data:`MARKERS`), the command's process group is stopped
     (SIGTERM, then SIGKILL after 30 s) once that line arrives: a run measured up to its first
     training step only. ``stopped_at`` then says so, and its exit status is the signal's.
+    With ``stop_after_steps``, the same once a progress line of epoch 1 reports that many
+    steps done (:data:`PROGRESS_LINE`): a train measured over its first steps only.
 
     Returns:
         ``command``, ``returncode``, ``wall_seconds``, ``peak_rss_mib``
@@ -403,9 +413,14 @@ def run_cli(
     sampler.start()
     assert proc.stdout is not None and proc.stderr is not None
     seen = threading.Event()
-    pattern = MARKERS[stop_at] if stop_at else None
+    stop_when: Callable[[str], bool] | None = None
+    if stop_at:
+        pattern = MARKERS[stop_at]
+        stop_when = lambda line: pattern.search(line) is not None  # noqa: E731
+    elif stop_after_steps:
+        stop_when = lambda line: _steps_done(line) >= stop_after_steps  # noqa: E731
     pumps = [
-        threading.Thread(target=_pump, args=(stream, sink, t0, lock, pattern, seen), daemon=True)
+        threading.Thread(target=_pump, args=(stream, sink, t0, lock, stop_when, seen), daemon=True)
         for stream, sink in ((proc.stdout, out_lines), (proc.stderr, lines))
     ]
     for pump in pumps:
@@ -454,6 +469,7 @@ def run_cli(
                 "seconds": float(match.group(4)),
             }
     result = {
+        **progress_rate(every),
         "command": [*(launcher or ["python", "-m", "flowers_job"]), *args],
         "returncode": returncode,
         "started_at": started_at,
@@ -470,6 +486,31 @@ def run_cli(
         tail = "\n".join(text for _, text in every[-15:])
         print(f"  {' '.join(args[:1])} exited {returncode}; last lines:\n{tail}", flush=True)
     return result
+
+
+def _steps_done(line: str) -> int:
+    """The steps done that a progress line of epoch 1 reports; -1 for another line."""
+    match = PROGRESS_LINE.search(line)
+    return int(match.group(1)) if match else -1
+
+
+def progress_rate(lines: list[tuple[float, str]]) -> dict[str, Any]:
+    """Training images/s from epoch 1's progress lines (``(seconds, text)``, in order): the
+    steps between the first line past step 0 and the last, times ``global_batch_size`` (the
+    ranks' banner), over the seconds between those lines. The first step (compilation,
+    the readers' first row groups) is left out. None where fewer than two such lines came
+    (a train shorter than 15 s)."""
+    batch = next((int(m.group(1)) for _, text in lines if (m := GLOBAL_BATCH.search(text))), None)
+    points = [(t, _steps_done(text)) for t, text in lines if _steps_done(text) > 0]
+    rate = None
+    if batch and len(points) >= 2 and points[-1][0] > points[0][0]:
+        (t0, s0), (t1, s1) = points[0], points[-1]
+        rate = round((s1 - s0) * batch / (t1 - t0), 1)
+    return {
+        "progress_images_per_second": rate,
+        "progress_steps": points[-1][1] if points else 0,
+        "global_batch_size": batch,
+    }
 
 
 def _last_json(lines: list[str]) -> dict[str, Any] | None:
@@ -759,7 +800,10 @@ def train_result(run: dict[str, Any], store: OutputStore) -> dict[str, Any]:
         **run,
         "preparation_seconds": first_step,
         "preparation_from": "first_step" if "first_step" in run["markers"] else "ranks_banner",
-        "train_images_per_second": history[0].get("train_images_per_second"),
+        # a train stopped after --train-steps wrote no summary: its progress lines' rate
+        "train_images_per_second": history[0].get("train_images_per_second")
+        or run.get("progress_images_per_second"),
+        "images_per_second_from": "summary" if history[0] else "progress",
         "epoch_seconds": history[0].get("epoch_seconds"),
         "train_seconds": summary.get("train_seconds"),
         "steps_per_epoch": summary.get("steps_per_epoch"),
@@ -907,6 +951,7 @@ def _measure_runs(
             "memory_limit_mib": round(args.memory_limit / MIB) if args.memory_limit else None,
             "limited_overrides": args.limited_overrides,
             "limited_driver_memory": args.limited_driver_memory,
+            "train_steps": args.train_steps,
         },
     }
     ingest_args = ["ingest", "--images", str(images), "--output-dir", out, *sets]
@@ -940,7 +985,12 @@ def _measure_runs(
         step(
             "train_first",
             "train",
-            lambda: train_result(run_cli(train_args, logs / "t1.log", extra_env=env), store),
+            lambda: train_result(
+                run_cli(
+                    train_args, logs / "t1.log", extra_env=env, stop_after_steps=args.train_steps
+                ),
+                store,
+            ),
         )
         stop_second = "first_step" if args.second_train == "preparation" else None
         step(
@@ -968,13 +1018,19 @@ def _measure_runs(
         full_cache = result["train_first"]["bytes_written"]
 
         def day() -> dict[str, Any]:
-            train = train_result(run_cli(day_args, logs / "t_day.log", extra_env=env), store)
+            train = train_result(
+                run_cli(
+                    day_args, logs / "t_day.log", extra_env=env, stop_after_steps=args.train_steps
+                ),
+                store,
+            )
             written = cache_bytes_written(train)
             train["bytes_written"] = sum(written.values()) if written is not None else None
             return day_result(incr, train, full_cache)
 
         step("day", "day", day)
         result["loader_cache_bytes_after_day"] = store_bytes(store, "loader_cache")
+    if trains and not args.train_steps:  # a train stopped early registers no model
         predict_args = [
             "predict",
             "--output-dir",
@@ -1271,6 +1327,13 @@ def main(argv: list[str] | None = None) -> int:
         default="test",
         help="the split of the images table predict scores (test, the default: 10 %% of the "
         "rows; all: the whole table)",
+    )
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        help="stop the first and the day's train once epoch 1 has done this many steps, and "
+        "take their images/s from the progress lines (one every 15 s): a large factor "
+        "measured without two whole epochs (their preparation and cache bytes are whole)",
     )
     parser.add_argument("--new-fraction", type=float, default=0.01, help="photos added")
     parser.add_argument("--delete-fraction", type=float, default=0.001, help="photos deleted")
