@@ -136,9 +136,11 @@ INCREMENTAL_KEYS = (
 """Counts an incremental ingest reports (recorded when the CLI prints them)."""
 INGEST_LINE = re.compile(r"ingest: (\d+) files -> .* in ([\d.]+) s")
 CACHE_LINE = re.compile(
-    r"\b(train|val|test): loader cache (reused|written:) \S+ \(([\d.]+) MiB written, ([\d.]+) s\)"
+    r"\b(train|val|test): loader cache (reused|written:) \S+ \(([\d.]+) MiB written, "
+    r"(?:appended to \S+, )?([\d.]+) s\)"
 )
-"""The job's log line of each split's loader cache entry (flowers_job.loaders.cache_dir)."""
+"""The job's log line of each split's loader cache entry (flowers_job.loaders.cache_dir),
+written whole, grown by appending (``appended to <entry>``) or reused."""
 MARKERS = {
     "split_prepared": re.compile(r"\b(train|val|test): \d+ rows"),
     "ranks_banner": re.compile(r"world_size \d+ \("),
