@@ -251,6 +251,11 @@ def _list_range(
     (skipped), a non-empty one is the file named without its ``/``; ``LastModified`` to the
     millisecond in ns."""
     client = _s3_client(root)
+    if client is None:  # the driver had boto3 and planned key ranges; this executor has not
+        raise ObjectStoreError(
+            f"data.images: {root}: the driver listed key ranges with boto3, which this "
+            "executor lacks: install flowers-job[s3] on every node"
+        )
     bucket, base = _bucket_key(root)
     folder = f"{base}{label}/"
     if kind == PREFIX_RANGE:
