@@ -208,11 +208,7 @@ def tables_mismatch(
                 f"images: ingest run {images.get('run_id')} was stopped between its commits "
                 f"to that table ({images.get('partial')} committed, not its append)"
             )
-        metas = {**metas, "images": {**images, "fingerprint": None}}
-        metas = {
-            name: m if name == "images" else {**(m or {}), "fingerprint": None}
-            for name, m in metas.items()
-        }
+        metas = {name: {**(m or {}), "fingerprint": None} for name, m in metas.items()}
     runs = {name: (str(m.get("fingerprint")), str(m.get("run_id"))) for name, m in metas.items()}  # type: ignore[union-attr]
     kept = images.get("kept")
     kept = kept if isinstance(kept, Mapping) else {}
@@ -356,7 +352,7 @@ def merge_changes(source: DataFrame, target: DataFrame, *, keep: str, changed: s
     joined = s.join(t, F.col("s.relative_path") == F.col("t.relative_path"), "left")
     return int(
         joined.where(
-            (matched & (F.col("s._gone") | ~keeps | (keeps & F.expr(changed))))
+            (matched & (F.col("s._gone") | ~keeps | F.expr(changed)))
             | (~matched & keeps & ~F.col("s._gone"))
         ).count()
     )
