@@ -20,10 +20,17 @@ Layout of a corpus directory::
 ``manifest.json`` holds the settings, the generation time and one entry per file (path,
 label, source, variant, bytes, sha256). A corpus whose manifest exists with the same settings
 is reused as it is (:func:`build_corpus`): generating 110,000 files is done once.
+
+Variant ``k`` of a photo is the same file in every corpus of the same photos, fraction and
+generator version (its seed depends on the path and ``k`` only), whatever the factor. A
+corpus is built from the files of complete *donor* corpora where they have them (hard links,
+checked against the donor's manifest hash): the 1x, 10x and 30x corpora of a run that built
+100x first cost links, not encodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,7 +38,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from io import BytesIO
@@ -142,16 +149,33 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_variants(task: tuple[str, str, str, list[tuple[str, int]]]) -> list[CorpusFile]:
+VariantTask = tuple[str, str, str, list[tuple[str, int]], dict[int, tuple[str, str]]]
+"""``(photos, corpus, photo, [(folder, variant)], {variant: (donor file, its sha256)})``."""
+
+
+def _write_variants(task: VariantTask) -> list[CorpusFile]:
     """Process-pool task: the variants of one photo (``(folder, variant)`` pairs), each
-    written atomically; a file already there (an interrupted build) is kept and hashed."""
-    photos, corpus, relative, wanted = task
+    written atomically; a file already there (an interrupted build) is kept and hashed; a
+    variant a donor corpus has is hard-linked from it (task[4]) and checked against the
+    donor's manifest hash.
+
+    Raises:
+        ValueError: a donor's file is not the bytes its manifest records.
+    """
+    photos, corpus, relative, wanted, donors = task
     made: list[CorpusFile] = []
     image: Image.Image | None = None
     for folder, variant in wanted:
         target = Path(corpus) / folder / _variant_name(relative, variant)
+        donor = donors.get(variant)
+        if not target.exists() and donor is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # another file system: made below instead
+                os.link(donor[0], target)
         if target.exists():
             data = target.read_bytes()
+            if donor is not None and hashlib.sha256(data).hexdigest() != donor[1]:
+                raise ValueError(f"{donor[0]}: not the bytes its corpus's manifest records")
         else:
             if image is None:
                 with Image.open(Path(photos) / relative) as src:
@@ -220,6 +244,28 @@ def read_manifest(corpus: Path) -> dict[str, Any] | None:
     return manifest
 
 
+def donor_index(
+    settings: dict[str, Any], donors: Sequence[Path]
+) -> tuple[dict[str, dict[int, tuple[str, str]]], list[str]]:
+    """The variants (``k >= 1``) that complete donor corpora of the same photos, fraction
+    and generator version hold: ``{photo: {k: (file, sha256)}}``, and those donors' paths."""
+    index: dict[str, dict[int, tuple[str, str]]] = {}
+    used: list[str] = []
+    same = ("photos", "fraction", "generator_version")
+    for donor in donors:
+        manifest = read_manifest(donor)
+        if manifest is None or any(manifest["settings"][k] != settings[k] for k in same):
+            continue
+        used.append(str(donor))
+        for f in manifest["files"]:
+            if f["variant"] >= 1:
+                index.setdefault(f["source"], {})[f["variant"]] = (
+                    str(donor / f["path"]),
+                    f["sha256"],
+                )
+    return index, used
+
+
 def build_corpus(
     photos: Path,
     corpus: Path,
@@ -229,6 +275,7 @@ def build_corpus(
     extra: int = 0,
     processes: int = 2,
     chunksize: int = 8,
+    donors: Sequence[Path] = (),
 ) -> dict[str, Any]:
     """Build (or reuse) a corpus of ``factor`` variants of each selected photo, plus
     ``extra`` spare variants under ``extra/`` (the new photos of an incremental ingest).
@@ -241,6 +288,9 @@ def build_corpus(
         extra: spare variants, >= 0.
         processes: worker processes that decode, transform and encode.
         chunksize: photos per task sent to a worker.
+        donors: other corpus directories whose files are linked where they hold the same
+            variant: those complete and of the same photos, fraction and generator version
+            (others are passed over).
 
     Returns:
         The manifest: ``settings``, ``files`` (list of :class:`CorpusFile` as dicts),
@@ -249,7 +299,8 @@ def build_corpus(
         (True when this call found it complete).
 
     Raises:
-        ValueError: ``corpus`` holds a complete corpus with other settings.
+        ValueError: ``corpus`` holds a complete corpus with other settings, or a donor's
+            file is not the bytes its manifest records.
     """
     if factor < 1 or not 0 < fraction <= 1 or extra < 0:
         raise ValueError(f"factor {factor} >= 1, 0 < fraction {fraction} <= 1, extra {extra} >= 0")
@@ -270,8 +321,11 @@ def build_corpus(
     }
     for rel, k in extra_plan(sources, factor, extra):
         wanted[rel].append(("extra", k))
-    tasks: Iterable[tuple[str, str, str, list[tuple[str, int]]]] = (
-        (str(photos), str(corpus), rel, pairs) for rel, pairs in wanted.items() if pairs
+    donated, used = donor_index(settings, donors)
+    tasks: Iterable[VariantTask] = (
+        (str(photos), str(corpus), rel, pairs, donated.get(rel, {}))
+        for rel, pairs in wanted.items()
+        if pairs
     )
     with ProcessPoolExecutor(max_workers=processes) as pool:
         for made in pool.map(_write_variants, tasks, chunksize=chunksize):
@@ -282,6 +336,7 @@ def build_corpus(
         "settings": settings,
         "generation_seconds": round(seconds, 1),
         "processes": processes,
+        "donors": used,
         "images_files": len(in_images),
         "extra_files": len(files) - len(in_images),
         "images_bytes": sum(f.bytes for f in in_images),

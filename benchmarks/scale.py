@@ -839,7 +839,7 @@ def day_result(
     walls = (ingest.get("wall_seconds"), train.get("wall_seconds"))
     return {
         "returncode": train["returncode"],
-        "stopped_at": None,
+        "stopped_at": train.get("stopped_at"),
         "ingest_step": "incremental_ingest",
         "ingest_wall_seconds": walls[0],
         "ingest_seconds": ingest.get("ingest_seconds"),
@@ -888,6 +888,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
     photos = len(select_photos(args.photos, args.fraction))
     extra = math.ceil(args.new_fraction * photos * args.factor)
     print(f"corpus {corpus_dir}: {args.factor} x {photos} photos + {extra} spare", flush=True)
+    donors = sorted(p for p in work.glob("corpus-*") if p.is_dir() and p != corpus_dir)
     manifest = build_corpus(
         args.photos,
         corpus_dir,
@@ -895,6 +896,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         fraction=args.fraction,
         extra=extra,
         processes=args.processes,
+        donors=donors,
     )
     corpus_info = {k: v for k, v in manifest.items() if k != "files"}
     corpus_info["path"] = str(corpus_dir)
@@ -1271,13 +1273,41 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.2f}x"
 
 
+def run_factor(args: argparse.Namespace) -> bool:
+    """The runs of ``args.factor`` (:func:`measure`), saved after each step to
+    ``<results>/<kind>_x<N>[_f<F>][_s3].json``; True when every command succeeded or was
+    stopped on purpose."""
+    kind = "limited" if args.only_limited else "ingest" if args.only_ingest else "scale"
+    name = f"{kind}_x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
+    name += "_s3" if args.store == "s3" else ""
+    path = args.results / f"{name}.json"
+    result = measure(args, lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
+    steps: tuple[str, ...] = ("full_ingest",)
+    if not args.only_limited:
+        steps += ("unchanged_ingest", "incremental_ingest")
+    if not (args.only_limited or args.only_ingest):
+        steps += ("train_first", "train_second", "day")
+        steps += () if args.train_steps else ("predict",)
+    return all(
+        k in result and (result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None)
+        for k in steps
+    )
+
+
 def _stop(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--factor", type=int, default=1, help="variants per photo (1)")
+    parser.add_argument(
+        "--factor",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="variants per photo (1); several: one run of each, in this order (largest first: "
+        "the smaller corpora are then links to its files)",
+    )
     parser.add_argument("--fraction", type=float, default=1.0, help="of each label's photos")
     parser.add_argument("--photos", type=Path, default=DEFAULT_PHOTOS, help="the real photos")
     parser.add_argument(
@@ -1369,20 +1399,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _stop)
         if args.only_limited and not args.memory_limit:
             parser.error("--only-limited needs --memory-limit")
-        kind = "limited" if args.only_limited else "ingest" if args.only_ingest else "scale"
-        name = f"{kind}_x{args.factor}" + (f"_f{args.fraction:g}" if args.fraction < 1 else "")
-        name += "_s3" if args.store == "s3" else ""
-        path = args.results / f"{name}.json"
+        if args.corpus and len(args.factor) > 1:
+            parser.error("--corpus names one factor's corpus: give one --factor with it")
         args.results.mkdir(parents=True, exist_ok=True)
-        result = measure(args, lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
-        steps: tuple[str, ...] = ("full_ingest",)
-        if not args.only_limited:
-            steps += ("unchanged_ingest", "incremental_ingest")
-        if not (args.only_limited or args.only_ingest):
-            steps += ("train_first", "train_second", "day", "predict")
-        ok = all(
-            result[k]["returncode"] == 0 or result[k].get("stopped_at") is not None for k in steps
-        )
+        factors = args.factor
+        for factor in factors:
+            args.factor = factor
+            ok = run_factor(args) and ok
     text = table(args.results)
     (args.results / "scale.md").write_text(text + "\n")
     print(text)

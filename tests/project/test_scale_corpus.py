@@ -64,3 +64,29 @@ def test_corpus_distinct_labelled_and_deterministic(photos: Path, tmp_path: Path
     assert again["reused"] and not first["reused"]
     with pytest.raises(ValueError, match="another --corpus"):
         corpus.build_corpus(photos, tmp_path / "a", 2, extra=4)
+
+
+def test_smaller_corpus_links_a_donors_files(photos: Path, tmp_path: Path) -> None:
+    """A 2x corpus built beside a complete 3x one links its variants (the same inode) and
+    records the same hashes as a build from nothing; a donor whose file was changed after its
+    manifest was written is refused by name."""
+    big = corpus.build_corpus(photos, tmp_path / "x3", 3, extra=4, processes=1)
+    fresh = corpus.build_corpus(photos, tmp_path / "fresh", 2, extra=2, processes=1)
+    small = corpus.build_corpus(
+        photos, tmp_path / "x2", 2, extra=2, processes=1, donors=[tmp_path / "x3", tmp_path / "no"]
+    )
+    assert small["donors"] == [str(tmp_path / "x3")] and fresh["donors"] == []
+    assert [f["sha256"] for f in small["files"]] == [f["sha256"] for f in fresh["files"]]
+    in_big = {(f["source"], f["variant"]): tmp_path / "x3" / f["path"] for f in big["files"]}
+    linked = [
+        f
+        for f in small["files"]
+        if (tmp_path / "x2" / f["path"]).stat().st_ino
+        == in_big[(f["source"], f["variant"])].stat().st_ino
+    ]
+    assert len(linked) == len(small["files"])  # variant 2 (x2's extra) is in x3's images
+
+    victim = next(f for f in big["files"] if f["variant"] == 1)
+    (tmp_path / "x3" / victim["path"]).write_bytes(b"changed")
+    with pytest.raises(ValueError, match=victim["path"].split("/")[-1]):
+        corpus.build_corpus(photos, tmp_path / "x2b", 2, extra=2, donors=[tmp_path / "x3"])
