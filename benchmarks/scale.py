@@ -1,10 +1,13 @@
 """Data that grows: the whole job on N times the photos, as a user runs it, against 1x.
 
-For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default) it
+For ``--factor N`` (and ``--fraction F`` of each label's photos, 1 by default; several
+factors, ``--factor 100 30 10 1``: each in turn, largest first so that the smaller corpora
+are links to its files) it
 
 1. builds, or reuses, a corpus of N distinct variants of every photo in its true label
-   folder (:mod:`corpus`; ``<work>/corpus-x<N>``, or ``--corpus DIR``), and hard-links it
-   into a fresh images folder for this run (the corpus itself is never changed);
+   folder (:mod:`corpus`; ``<work>/corpus-x<N>``, or ``--corpus DIR``; the variants that
+   the other corpora in ``<work>`` hold are linked from them), and hard-links it into a
+   fresh images folder for this run (the corpus itself is never changed);
 2. runs the job's own CLI in subprocesses (``python -m flowers_job ...``, this checkout on
    ``PYTHONPATH``), each with its process tree sampled every 0.5 s (RSS and ``VmHWM`` of the
    driver Python, the driver JVM, Spark's Python workers and each training rank), in this
@@ -76,6 +79,8 @@ folder (a column per factor and store) against the 1x run of the same fraction a
         --set data.val_fraction=0.05 --set data.test_fraction=0.05 --memory-limit 4.5G \
         --limited-driver-memory 1g --limited-set distributed.num_processes=1
     python benchmarks/scale.py --table                        # the table only, from the JSONs
+    python benchmarks/scale.py --factor 100 30 10 1 --train-steps 60  # a day at 4 sizes
+    python benchmarks/day_model.py benchmarks/results/<date>  # its fit (day_model.md)
 
 Exit status: 0 when every command succeeded (an out-of-memory kill under ``--memory-limit``
 is a result, not a failure), 1 otherwise.
