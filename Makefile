@@ -142,7 +142,26 @@ LOCAL_LOADERS ?= petastorm
 
 .PHONY: setup setup-dbr setup-dbr18 run test test-full tier test-local test-dbr test-dbr18 \
 	dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars \
-	setup-connect
+	setup-connect container-deps test-container
+
+# The container image (docker/Dockerfile) built from a base made of Debian's packages and run
+# with podman (tools/container.py): the tests of tests/container, in the full tier only, on
+# the DBR side after its suites (the local suite is the longer one; docs/testing.md).
+# container-deps installs, as root, what they need from Debian's packages.
+CONTAINER_PACKAGES := podman mmdebstrap runc
+container-deps:
+	@missing=""; for tool in $(CONTAINER_PACKAGES); do command -v $$tool >/dev/null || \
+		missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ]; then \
+		t0=$$(date +%s); echo "the container tests need:$$missing: installing $(CONTAINER_PACKAGES)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			$(CONTAINER_PACKAGES) >/dev/null; $(call took,install container tools); fi
+
+test-container: setup container-deps
+	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
+	$(SUITE_TIMEOUT) $(BIN)/python -m pytest --tier $(TIER) --maxfail $(MAXFAIL) --durations=0 \
+		--junitxml=$(REPORTS)/junit-container.xml tests/container || rc=$$?; \
+	set +x; $(call took,tests container); $(call pytest_status); $(call suite_timeout); exit $$rc
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
 # master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
@@ -277,21 +296,23 @@ test-full:
 tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O test-local dbr-side LOCAL_IGNORE="$(DBR_ONLY)" \
+	@$(MAKE) --no-print-directory -j2 -O test-local dbr-side LOCAL_IGNORE="$(DBR_ONLY) container" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
-	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY)" \
+	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY) container" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 	@$(MAKE) --no-print-directory dbr-side
 endif
 
 # The DBR side of `make test`: the 17.3 suite, then the 18 smoke job (SMOKE_DBR18) with the
-# wheel that wheel-dbr built; what it costs CI: docs/testing.md. Both run whatever the
-# other's result; the side fails if either does.
+# wheel that wheel-dbr built, then (the full tier) the container tests; what it costs CI:
+# docs/testing.md. Each runs whatever the others' results; the side fails if any does.
 dbr-side:
 	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
 	if [ "$(SMOKE_DBR18)" = 1 ]; then \
-		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; exit $$rc
+		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; \
+	if [ "$(TIER)" = full ]; then \
+		$(MAKE) --no-print-directory test-container || rc=$$?; fi; exit $$rc
 
 test-local: setup
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \

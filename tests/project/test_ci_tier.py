@@ -112,7 +112,7 @@ def test_a_record_of_a_commit_that_is_not_an_ancestor_runs_the_full_tier(repo: P
 @pytest.mark.parametrize(
     "changed",
     ["Makefile", "requirements/lock.txt", "pyproject.toml", ".ci/run", "tests/conftest.py",
-     "tools/cluster.py"],
+     "tools/cluster.py", "docker/Dockerfile", "tools/container.py"],
 )  # fmt: skip
 def test_a_change_to_the_stack_runs_the_full_tier(repo: Path, changed: str) -> None:
     _record(repo, NOW - dt.timedelta(hours=1))
