@@ -1007,9 +1007,13 @@ def _instructions() -> list[tuple[str, str]]:
 
 
 def _run_steps() -> list[str]:
-    """Every shell command of every RUN, in order (split on ``&&``)."""
+    """Every shell command of every RUN, in order (split on ``&&``; a RUN's own flags,
+    ``--mount=...``, dropped)."""
     return [
-        step.strip() for name, args in _instructions() if name == "RUN" for step in args.split("&&")
+        step.strip()
+        for name, args in _instructions()
+        if name == "RUN"
+        for step in re.sub(r"^(--\S+ )+", "", args).split("&&")
     ]
 
 
