@@ -45,6 +45,7 @@ from container import (
     image_size,
     make_base,
     run,
+    run_args,
     unavailable_reason,
 )
 from report import machine_facts, write_report
@@ -76,11 +77,7 @@ def part_bytes(tag: str) -> dict[str, int]:
         f"echo {name} $(du -sbc {' '.join(paths)} 2>/dev/null | tail -1 | cut -f1)"
         for name, paths in PARTS.items()
     )
-    out = check(
-        ["podman", "run", "--rm", "--runtime", "runc", "--network", "none", "--entrypoint",
-         "sh", tag, "-c", script],
-        300,
-    )  # fmt: skip
+    out = check(run_args(tag, ["-c", script], entrypoint="sh"), 300)
     return {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.strip()}
 
 
@@ -102,8 +99,8 @@ def compressed_bytes(tag: str) -> dict[str, int]:
 
 
 def layer_sizes(tag: str) -> list[dict[str, Any]]:
-    out = check(["podman", "history", "--format", "{{json .}}", tag], 60)
-    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    out = check(["podman", "history", "--format", "json", tag], 60)
+    rows = json.loads(out)
     return [
         {"bytes": int(r.get("size", 0)), "step": str(r.get("CreatedBy", ""))[:120]}
         for r in reversed(rows)
@@ -211,6 +208,7 @@ def main() -> int:
     report["build_nothing_changed_seconds"] = round(
         build_image(base, TAG, log=ns.work / "build-same.log", context=ns.work / "context"), 1
     )
+    print(json.dumps({k: v for k, v in report.items() if k.endswith("seconds")}), flush=True)
     report["image_bytes"] = image_size(TAG)
     report["layers"] = layer_sizes(TAG)
     parts = part_bytes(TAG)
