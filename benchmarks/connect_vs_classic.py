@@ -39,6 +39,9 @@ sys.path.insert(0, str(REPO))
 from tests.support.connect import connect_server  # noqa: E402
 from tests.support.data import sample_photos  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from report import cpu_model  # noqa: E402
+
 RUN_TIMEOUT_SECONDS = 3600
 SETTINGS = [
     "data.loader=streaming",
@@ -94,7 +97,7 @@ def main() -> None:
     report = {
         "photos": args.per_label * 5,
         "settings": sets,
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "classic": classic,
         "connect": connect,
@@ -105,13 +108,6 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

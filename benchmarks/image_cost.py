@@ -50,8 +50,10 @@ from container import (
 )
 from report import machine_facts, write_report
 
-PHOTOS = REPO.parent / "shared" / "data" / "flower_photos"
-LABELS = ("daisy", "dandelion", "roses", "sunflowers", "tulips")
+sys.path.insert(0, str(REPO))
+from tests.support import LABELS
+from tests.support.data import sample_photos
+
 TAG = "localhost/flowers-job:bench"
 CONTEXT = ("requirements/lock.txt", "pyproject.toml", "README.md", "flowers_job", "jobs",
            "docker", ".dockerignore")  # fmt: skip
@@ -72,13 +74,15 @@ CUDA_ONLY = ("nvidia_cuda_libraries", "triton", "torch_cuda_libraries")
 
 
 def part_bytes(tag: str) -> dict[str, int]:
-    """Bytes on disk of each of :data:`PARTS` in the image (``du -sbc``)."""
+    """Bytes on disk of each of :data:`PARTS` in the image (``du -sbc``), and of the
+    CUDA-only ones together (``cuda_only``)."""
     script = "; ".join(
         f"echo {name} $(du -sbc {' '.join(paths)} 2>/dev/null | tail -1 | cut -f1)"
         for name, paths in PARTS.items()
     )
     out = check(run_args(tag, ["-c", script], entrypoint="sh"), 300)
-    return {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.strip()}
+    parts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.strip()}
+    return {**parts, "cuda_only": sum(parts[k] for k in CUDA_ONLY)}
 
 
 def compressed_bytes(tag: str) -> dict[str, int]:
@@ -122,15 +126,6 @@ def changed_context(work: Path) -> Path:
     init = ctx / "flowers_job" / "__init__.py"
     init.write_text(init.read_text() + f"\n# changed for benchmarks/image_cost.py {time.time()}\n")
     return ctx
-
-
-def sample(dest: Path, per_label: int) -> Path:
-    shutil.rmtree(dest, ignore_errors=True)
-    for label in LABELS:
-        (dest / label).mkdir(parents=True)
-        for src in sorted((PHOTOS / label).glob("*.jpg"))[:per_label]:
-            shutil.copy2(src, dest / label / src.name)
-    return dest
 
 
 def job(
@@ -185,15 +180,10 @@ def main() -> int:
         print(f"cannot: {reason}", file=sys.stderr)
         return 2
     ns.work.mkdir(parents=True, exist_ok=True)
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")), "unknown",
-    )  # fmt: skip
-    report: dict[str, Any] = {"machine": {**machine_facts(), "cpu": cpu}, "sets": ns.sets}
+    report: dict[str, Any] = {"machine": machine_facts(), "sets": ns.sets}
     if ns.sizes_only:
         report["image_bytes"] = image_size(TAG)
-        parts = part_bytes(TAG)
-        report["parts_bytes"] = {**parts, "cuda_only": sum(parts[k] for k in CUDA_ONLY)}
+        report["parts_bytes"] = part_bytes(TAG)
         report["gzip_bytes"] = compressed_bytes(TAG)
         write_report(report, ns.report)
         return 0
@@ -211,11 +201,10 @@ def main() -> int:
     print(json.dumps({k: v for k, v in report.items() if k.endswith("seconds")}), flush=True)
     report["image_bytes"] = image_size(TAG)
     report["layers"] = layer_sizes(TAG)
-    parts = part_bytes(TAG)
-    parts["cuda_only"] = sum(parts[k] for k in CUDA_ONLY)
-    report["parts_bytes"] = parts
-    report["cuda_only_share"] = round(parts["cuda_only"] / report["image_bytes"], 3)
-    photos = sample(ns.work / "photos", ns.per_label)
+    report["parts_bytes"] = part_bytes(TAG)
+    report["cuda_only_share"] = round(report["parts_bytes"]["cuda_only"] / report["image_bytes"], 3)
+    shutil.rmtree(ns.work / "photos", ignore_errors=True)
+    photos = sample_photos(ns.work / "photos", ns.per_label)
     runs = []
     for i in range(ns.repeat):
         for where in ("container", "outside"):

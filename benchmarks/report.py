@@ -16,9 +16,18 @@ def write_report(report: dict[str, Any], path: Path | None) -> None:
         path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), which every number of a benchmark names:
+    machines of one kind differ up to 3x from one session to the next."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def machine_facts(*packages: str) -> dict[str, Any]:
-    """Date, usable cores, load averages at the start, the Python version and the
-    installed versions of ``packages``, for a benchmark's JSON."""
+    """Date, the CPU's model name, usable cores, load averages at the start, the Python
+    version and the installed versions of ``packages``, for a benchmark's JSON."""
     import datetime as dt
     import os
     import sys
@@ -26,6 +35,7 @@ def machine_facts(*packages: str) -> dict[str, Any]:
 
     return {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
         "nproc": len(os.sched_getaffinity(0)),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
         "python": sys.version.split()[0],
