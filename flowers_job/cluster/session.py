@@ -236,7 +236,10 @@ def task_slots(
     sees only its own GPUs in ``TaskContext.resources()``, not its executor's), Connect cannot
     tell GPU slots from CPU slots, and a barrier stage that asks for more fails at its start.
 
-    Barrier mode (``local_mode=false``) needs one slot per training process.
+    The count is of tasks, not processes: barrier mode (``local_mode=false``) needs one slot
+    per barrier task, which is one per training process, or, on pyspark 4.2+ with
+    ``spark.task.resource.gpu.amount`` > 1, one per that many processes (a task holding 2
+    GPUs runs 2 in its one slot: :func:`flowers_job.cluster.placement.barrier_stage`).
 
     Args:
         fresh: on Connect, count the executors' cores again (polling, :func:`wait_for_slots`).

@@ -163,7 +163,10 @@ def refusal(
 def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
     """The number of processes a restart runs: ``wanted`` (the configured
     ``distributed.num_processes``), or in barrier mode as many as the task slots left allow,
-    down to ``distributed.min_processes``.
+    down to ``distributed.min_processes``. A slot runs one barrier task, which holds
+    ``processes_per_task`` ranks where a task holds several GPUs on pyspark 4.2+
+    (:func:`~flowers_job.cluster.placement.barrier_stage`): fewer processes are a multiple
+    of that.
 
     On Spark Connect the slots are a fresh count of the executors' cores
     (:func:`~flowers_job.cluster.session.live_task_slots`); the client can neither list nor
@@ -172,30 +175,36 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
     Raises:
         ClusterError: fewer slots than that remain, naming the slots needed and left.
     """
+    from flowers_job.cluster.placement import TASK_GPUS, barrier_stage, use_gpu
     from flowers_job.cluster.session import live_task_slots, remove_executors, wait_for_slots
     from flowers_job.errors import ClusterError
 
     d = cfg.distributed
     if d.local_mode:
         return wanted
-    wait_for_slots(spark, wanted, d.executor_wait_seconds)
+    task_gpus = spark.conf.get(TASK_GPUS, "0") or "0"
+    per_task = barrier_stage(wanted, task_gpus if use_gpu(spark, cfg) else None).processes_per_task
+    tasks = wanted // per_task
+    least = None if d.min_processes is None else -(-d.min_processes // per_task)  # tasks
+    wait_for_slots(spark, tasks, d.executor_wait_seconds)
     slots, silent = live_task_slots(spark)
-    if slots >= wanted or (d.min_processes is not None and slots >= d.min_processes):
+    if slots >= tasks or (least is not None and slots >= least):
         remove_executors(spark, silent)  # no barrier task may go to a silent executor
-    if slots >= wanted:
+    if slots >= tasks:
         return wanted
-    if d.min_processes is not None and slots >= d.min_processes:
+    if least is not None and slots >= least:
+        fewer = slots * per_task
         log.warning(
             "the restart finds %d live task slots for the %d processes asked: continuing "
             "with %d (distributed.min_processes=%d)",
             slots,
             wanted,
-            slots,
+            fewer,
             d.min_processes,
         )
-        return slots
+        return fewer
     raise ClusterError(
-        f"distributed.num_processes: the restart needs {wanted} task slots and "
+        f"distributed.num_processes: the restart needs {tasks} task slots and "
         f"{slots} remain on this cluster's live executors"
         + (f" (executors {', '.join(silent)} do not answer)" if silent else "")
         + "; set distributed.min_processes to continue with fewer processes, or resume "

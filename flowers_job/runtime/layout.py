@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["HostLayout", "ranks_by_host"]
+__all__ = ["HostLayout", "rank_hosts", "ranks_by_host"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,10 @@ class HostLayout:
     host (hosts in the order of their lowest rank, ranks ascending within a host). Rank 0
     always reads shard 0, and where the ranks already are consecutive per host, every
     rank's shard is its rank. DDP's process group keeps the global ranks.
+
+    One barrier task may run several ranks, one per GPU of the task (pyspark 4.2+, where
+    ``spark.task.resource.gpu.amount`` is above 1): they are consecutive ranks on the task's
+    host (:func:`rank_hosts`), and grouping by host keeps them together.
 
     Attributes:
         hosts: the host of each global rank (index = rank).
@@ -76,6 +80,26 @@ class HostLayout:
             f"{host}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
             for host, ranks in ranks_by_host(self.hosts).items()
         )
+
+
+def rank_hosts(task_hosts: Sequence[str], processes_per_task: int = 1) -> list[str]:
+    """The host of each global rank (index = ``RANK``) of a barrier stage whose tasks
+    (index = partition id) ran on ``task_hosts``, each running ``processes_per_task`` ranks.
+
+    TorchDistributor starts one ``torchrun`` per task with ``--node_rank`` = the task's
+    partition id and ``--nproc_per_node`` = ``processes_per_task`` (pyspark 4.2+: the GPUs in
+    the task's ``CUDA_VISIBLE_DEVICES``; before, 1), and torchrun's static rendezvous numbers
+    a node's workers from ``node_rank * nproc_per_node`` (``RANK = node_rank * nproc_per_node
+    + LOCAL_RANK``), so task ``i`` runs ranks ``i * processes_per_task`` to
+    ``(i + 1) * processes_per_task - 1``, all on its host. Rule: SPARK-41916,
+    https://github.com/apache/spark/pull/53501.
+
+    Raises:
+        ValueError: ``processes_per_task`` is below 1.
+    """
+    if processes_per_task < 1:
+        raise ValueError(f"processes_per_task must be at least 1, not {processes_per_task}")
+    return [host for host in task_hosts for _ in range(processes_per_task)]
 
 
 def ranks_by_host(hosts: Sequence[str]) -> dict[str, list[int]]:
