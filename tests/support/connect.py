@@ -28,7 +28,7 @@ import pytest
 
 from tests.support import REPO
 from tests.support.packaging import clean_env, project_wheel, run, uv_bin, uv_failure
-from tests.support.processes import stop_server
+from tests.support.processes import stop_group
 
 SPARK_HOME = Path(pyspark.__file__).parent
 """The pyspark wheel is a Spark distribution: bin/spark-submit and the jars, Connect's too."""
@@ -52,7 +52,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 def delta_package() -> str:
     """Delta's Maven coordinate for the installed delta-spark (as
     ``configure_spark_with_delta_pip`` computes it)."""
-    return f"io.delta:delta-spark_2.13:{metadata.version('delta-spark')}"
+    from packaging.version import Version
+
+    delta = metadata.version("delta-spark")
+    if Version(delta) < Version("4.1"):
+        return f"io.delta:delta-spark_2.13:{delta}"
+    spark = ".".join(metadata.version("pyspark").split(".")[:2])
+    return f"io.delta:delta-spark_{spark}_2.13:{delta}"  # from 4.1 the artifact names Spark
 
 
 def spark_env(**extra: str) -> dict[str, str]:
@@ -139,7 +145,9 @@ def connect_server(
     env: Mapping[str, str] | None = None,
     driver_memory: str = "1g",
 ) -> Iterator[ConnectServer]:
-    """A local Spark Connect server (:func:`server_command`) for the block; stopped after."""
+    """A local Spark Connect server (:func:`server_command`) for the block, in a process group
+    of its own; the group stopped after (SIGTERM, SIGKILL after 30 s:
+    :func:`tests.support.processes.stop_group`)."""
     port = free_port()
     log = workdir / f"connect-server-{port}.log"
     with log.open("w") as out:
@@ -149,12 +157,13 @@ def connect_server(
             stderr=subprocess.STDOUT,
             env=spark_env(**(env or {})),
             cwd=workdir,
+            start_new_session=True,  # the JVM and its Python workers: one group
         )
     try:
         wait_for_port("127.0.0.1", port, process, log)
         yield ConnectServer(f"sc://127.0.0.1:{port}", log, process)
     finally:
-        stop_server(process)
+        stop_group(process)
 
 
 @contextmanager

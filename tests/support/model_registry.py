@@ -11,9 +11,7 @@ transform and model path are exactly a trained model's.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +28,7 @@ import requests
 import torch
 
 from tests.support import REPO
+from tests.support.processes import stop_group
 
 sys.path.insert(0, str(REPO / "tools"))
 from cluster import mlflow_server
@@ -44,7 +43,7 @@ LABELS = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
 START_SECONDS = 120
 """Longest wait for the server's /ping, seconds."""
 STOP_SECONDS = 20
-"""Longest wait for the server to exit after SIGTERM (then SIGKILL), seconds."""
+"""Longest wait for a server's process group to exit after SIGTERM (then SIGKILL), seconds."""
 
 
 def register_model(
@@ -105,7 +104,9 @@ def tracking_server(store: Path, auth: tuple[str, str] | None = None) -> Iterato
     loopback port: a sqlite store and proxied artifacts under ``store``
     (``--artifacts-destination``: runs get ``mlflow-artifacts:`` URIs), with ``auth`` (user,
     password) MLflow's basic-auth app (``tools/cluster.py``, ``mlflow_server``). Yields its
-    URL once ``/health`` answers; stopped on exit (SIGTERM, then SIGKILL).
+    URL once ``/health`` answers. The server runs in a process group of its own (``mlflow
+    server`` and the uvicorn it starts), stopped as a group on exit: SIGTERM, then SIGKILL
+    after :data:`STOP_SECONDS` (:func:`tests.support.processes.stop_group`).
 
     Raises:
         RuntimeError: the server exited or did not answer within
@@ -115,7 +116,9 @@ def tracking_server(store: Path, auth: tuple[str, str] | None = None) -> Iterato
     argv, env = mlflow_server(Path(sys.executable), "127.0.0.1", port, store, auth)
     url = f"http://127.0.0.1:{port}"
     with open(store / "server.log", "wb") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            argv, env={**os.environ, **env}, stdout=out, stderr=out, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + SERVER_START_SECONDS
         while True:
@@ -129,12 +132,7 @@ def tracking_server(store: Path, auth: tuple[str, str] | None = None) -> Iterato
                 time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=STOP_SECONDS)
+        stop_group(proc, STOP_SECONDS)
 
 
 def free_port() -> int:
@@ -149,7 +147,8 @@ def serve(model_uri: str, tracking_uri: str, log_path: Path) -> Iterator[str]:
     """``mlflow models serve -m MODEL_URI --env-manager local`` on a free loopback port.
 
     Yields the base URL once ``/ping`` answers 200 (within :data:`START_SECONDS`); on exit the
-    server's process group gets SIGTERM, then SIGKILL after :data:`STOP_SECONDS`.
+    server's process group gets SIGTERM, then SIGKILL after :data:`STOP_SECONDS`
+    (:func:`tests.support.processes.stop_group`).
 
     Raises:
         RuntimeError: the server exited or did not answer in time (the log's tail attached).
@@ -190,10 +189,4 @@ def serve(model_uri: str, tracking_uri: str, log_path: Path) -> Iterator[str]:
                 time.sleep(0.5)
             yield url
         finally:
-            with contextlib.suppress(ProcessLookupError):  # the group may be gone already
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(STOP_SECONDS)
+            stop_group(proc, STOP_SECONDS)

@@ -1,14 +1,18 @@
-"""Processes a test starts and finds: the CLI as a user runs it, servers, and every process a
-run leaves behind (by a mark in their environment)."""
+"""Processes a test starts and finds: the CLI as a user runs it, servers (each in a process
+group of its own, stopped as a group: :func:`stop_group`), and every process a run leaves
+behind (by a mark in their environment)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from typing import Any
 
 import psutil
-
-from tests.support import ROOT_DIR
 
 
 def run_cli(
@@ -30,24 +34,103 @@ MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 JVM, Spark's Python workers, the ranks), whatever their parent, can be found."""
 
 
-def marked_processes(mark: str) -> list[psutil.Process]:
-    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
+def marked_processes(mark: str, name: str = MARK_ENV) -> list[psutil.Process]:
+    """Every process (any parent) whose environment variable ``name`` carries ``mark``: equal
+    to it, or one of its space-separated words. Processes whose environment cannot be read
+    (another user's) are left out."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(MARK_ENV) == mark:
+            if mark in proc.environ().get(name, "").split():
                 found.append(proc)
         except psutil.Error:
             continue
     return found
 
 
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server a test started: SIGTERM, then SIGKILL after 30 s (bounded waits;
-    ``tools/cluster.py``'s ``stop_process``)."""
-    tools = str(ROOT_DIR / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    from cluster import stop_process
+STOP_SECONDS = 30.0
+"""Default wait of :func:`stop_group` for a group to exit after SIGTERM, seconds."""
+KILL_SECONDS = 10.0
+"""Wait of :func:`stop_group` for a group to exit after SIGKILL, seconds."""
+POLL_SECONDS = 0.1
+"""How often :func:`stop_group` looks at the group, seconds."""
 
-    stop_process(proc)
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The live processes (zombies left out) of process group ``pgid``, any parent."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (OSError, psutil.Error):  # gone meanwhile
+            continue
+    return found
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # no process left in the group
+        os.killpg(pgid, sig)
+
+
+def _wait_group(pgid: int, seconds: float) -> list[psutil.Process]:
+    """Until group ``pgid`` has no live member or ``seconds`` have passed; what is left."""
+    deadline = time.monotonic() + seconds
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+    return left
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout: float = STOP_SECONDS) -> int:
+    """Stop a server a test started in a process group of its own (``start_new_session=True``)
+    and everything in that group, whatever its parent now: SIGTERM to the group, up to
+    ``timeout`` seconds for every member to exit, then SIGKILL to the group and up to
+    :data:`KILL_SECONDS` more, then the leader reaped. The leader stays unreaped (a zombie)
+    until the group is empty, so that its pid, the group's id, cannot be reused meanwhile.
+    Safe to call on a server that has exited, or been reaped, already.
+
+    Args:
+        proc: the group's leader, as ``subprocess.Popen`` started it.
+        timeout: seconds the group is given to exit after SIGTERM.
+
+    Returns:
+        The leader's exit status (``-signal`` when a signal ended it).
+
+    Raises:
+        ValueError: ``proc`` does not lead a process group of its own (it was stopped
+            alone, SIGTERM then SIGKILL, before this is raised).
+        RuntimeError: members of the group still live :data:`KILL_SECONDS` after SIGKILL
+            (a process in uninterruptible sleep), naming them.
+    """
+    if proc.returncode is None and os.getpgid(proc.pid) != proc.pid:  # a zombie keeps its group
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(KILL_SECONDS)
+        raise ValueError(
+            f"pid {proc.pid} ({proc.args!r}) leads no process group of its own: start it with "
+            "start_new_session=True"
+        )
+    _signal_group(proc.pid, signal.SIGTERM)
+    if _wait_group(proc.pid, timeout):
+        _signal_group(proc.pid, signal.SIGKILL)
+        if left := _wait_group(proc.pid, KILL_SECONDS):
+            names = "; ".join(f"pid {p.pid}: {describe(p)}" for p in left)
+            raise RuntimeError(
+                f"process group {proc.pid} still has {names} {KILL_SECONDS} s after SIGKILL"
+            )
+    return proc.wait(KILL_SECONDS)
+
+
+def describe(proc: psutil.Process) -> str:
+    """``proc``'s command line, or its name where that cannot be read ("?" once it is gone)."""
+    try:
+        return " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        return "?"
+
+
+stop_server = stop_group
+"""The name the Connect server's helpers use (:mod:`tests.support.connect`)."""
