@@ -292,7 +292,7 @@ def null_safe_differs(*columns: str) -> str:
 
 
 DELETE_CHUNK = 5_000
-"""Paths per ``DELETE`` statement of :func:`delete_then_append` (one SQL parameter each)."""
+"""Paths per ``DELETE`` statement of :func:`delete_then_append` (one literal each)."""
 
 
 def _string_literal(text: str) -> str:

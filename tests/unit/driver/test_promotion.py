@@ -124,6 +124,8 @@ def test_the_champion_moves_only_to_an_equal_or_better_score_on_the_same_split(
     mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # MLflow's own reset
 
 
+# full: a second scoring job on the executors (about 80 s); the gate keeps the other promotions
+@pytest.mark.tier("full")
 def test_a_champion_scored_on_another_split_is_rescored_on_this_one(
     spark: SparkSession, tmp_path: Path
 ) -> None:

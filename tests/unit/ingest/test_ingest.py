@@ -213,6 +213,8 @@ SMALL_SPLITS = ("data.val_fraction=0.3", "data.test_fraction=0.3")
 """Splits of a sample of 3-4 photos per class (each class needs 3: one per split)."""
 
 
+# full: two more ingests (about 40 s); the gate's incremental tests (DBR suite) cover changes
+@pytest.mark.tier("full")
 def test_changed_clean_input_is_reingested_consistently(
     spark: SparkSession, tmp_path: Path
 ) -> None:
