@@ -34,14 +34,12 @@ MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 JVM, Spark's Python workers, the ranks), whatever their parent, can be found."""
 
 
-def marked_processes(mark: str, name: str = MARK_ENV) -> list[psutil.Process]:
-    """Every process (any parent) whose environment variable ``name`` carries ``mark``: equal
-    to it, or one of its space-separated words. Processes whose environment cannot be read
-    (another user's) are left out."""
+def marked_processes(mark: str) -> list[psutil.Process]:
+    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if mark in proc.environ().get(name, "").split():
+            if proc.environ().get(MARK_ENV) == mark:
                 found.append(proc)
         except psutil.Error:
             continue
@@ -130,7 +128,3 @@ def describe(proc: psutil.Process) -> str:
         return " ".join(proc.cmdline()) or proc.name()
     except psutil.Error:
         return "?"
-
-
-stop_server = stop_group
-"""The name the Connect server's helpers use (:mod:`tests.support.connect`)."""
