@@ -138,7 +138,7 @@ def get_spark(
             if not submitted.contains(key):
                 builder = builder.config(key, value)
         return builder.getOrCreate()
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # STACK.md trap 11
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # docs/known-issues.md, "Spark"
     # Python workers must run this interpreter (with torch, Pillow...), not the system one.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from delta import configure_spark_with_delta_pip

@@ -112,16 +112,16 @@ class DataConfig(Section):
     """Long side / short side at most; a more elongated image is quarantined
     (``extreme_aspect``), read from its header, never decoded: resizing the short side of a
     4000x1 image to 256 px makes it 1,024,000x256 (about 1 GB). The 3,670 real photos reach
-    5.48 (1024x187, tulips/6905876618_12732b74de_b.jpg; measured 2026-11-28); 20 keeps
+    5.48 (1024x187, tulips/6905876618_12732b74de_b.jpg); 20 keeps
     wide panoramas."""
     max_long_side_pixels: int = Field(16_384, ge=1)
     """Pixels of the longer side at most; a longer image is quarantined
     (``long_side_too_large``), read from its header. The real photos' longest side is 1,024
-    px (measured 2026-11-28); 16,384 keeps a 200-megapixel camera's 16,320x12,240."""
+    px; 16,384 keeps a 200-megapixel camera's 16,320x12,240."""
     max_file_bytes: int = Field(128 * 2**20, ge=1)
     """Bytes of one image file at most (128 MiB); a larger file is quarantined
     (``file_too_large``) from its listed size, without being read. The real photos' largest
-    is 281,953 bytes (measured 2026-11-28); a 100-megapixel camera JPEG is about 40 MB."""
+    is 281,953 bytes; a 100-megapixel camera JPEG is about 40 MB."""
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Ingest fails, writing nothing, when more than this fraction of files is quarantined
     (counted over the whole table after the change, for an incremental ingest too)."""
@@ -205,8 +205,8 @@ class PetastormConfig(Section):
     """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm.petastorm_loader`)."""
 
     reader_pool_type: Literal["dummy", "process"] = "dummy"
-    """Petastorm reader pool. 'thread' is not offered: it can end a shard early (STACK.md
-    trap 1). 'process' decodes in ``data.loader_workers`` processes per rank."""
+    """Petastorm reader pool. 'thread' is not offered: it can end a shard early
+    (docs/known-issues.md, "Petastorm"). 'process' decodes in ``data.loader_workers`` processes per rank."""
     shuffle_buffer_rows: int = Field(256, ge=0)
     """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
 

@@ -291,7 +291,7 @@ class TrainConfig(RecipeConfig):
     """Automatic restarts from the last checkpoint, in the same MLflow run, after a failure
     that may be transient (a rank killed, a host lost, a collective timeout, a connection
     closed). 1: one retry clears a preempted node or a lost executor, and a second failure
-    of the same kind is rarely transient. 0: fail at once, as before issue 18."""
+    of the same kind is rarely transient. 0: fail at once."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

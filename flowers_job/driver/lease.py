@@ -143,7 +143,7 @@ class Holder:
         return Holder(**{**asdict(self), "heartbeat": time.time()})
 
     def describe(self) -> str:
-        """``flowers-job run, pid 123 on host h, started 2026-11-28T03:47:12+00:00``."""
+        """``flowers-job run, pid 123 on host h, started <UTC time, ISO 8601>``."""
         return f"flowers-job {self.command}, pid {self.pid} on host {self.host}, started {self.started}"
 
     def gone(self) -> bool:

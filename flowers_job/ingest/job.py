@@ -269,7 +269,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
 
     t0 = time.perf_counter()
     # The tables' last commits are read while the executors list: the first Delta command of
-    # a session costs seconds of the driver's (3.8 s of 5.5 s at 30x, 2026-11-28).
+    # a session costs seconds of the driver's (3.8 s of 5.5 s at 30x).
     history = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-history")
     commits_read = history.submit(
         lambda: {name: latest_commit(spark, p) for name, p in tables.items()}

@@ -5,8 +5,8 @@ time) to ``mmap`` and gives it back to the kernel on ``free``; it also trims the
 heap back to the kernel once more than its trim threshold (128 KiB by default) is free. A
 CPU forward pass allocates and frees activation tensors of several MiB each, so with the
 defaults every step page-faults its activations afresh: on this project's 2-core machine,
-half of a training rank's CPU time went to the kernel (STACK.md trap 12, and the
-measurements in benchmarks/README.md).
+half of a training rank's CPU time went to the kernel ([known issues](docs/known-issues.md#torch),
+and the measurements in benchmarks/README.md).
 
 The cure chosen here is glibc's own tuning, set in the environment before a process starts
 (glibc reads it once, at its first ``malloc``):

@@ -57,7 +57,7 @@ and pid (:func:`~flowers_job.runtime.process_group.gather_ranks`), for the drive
 MODEL_FILE = "model.json"
 """Written by rank 0 into the job's report dir after registering the model: the model URI,
 version and run id, which the driver adds to the summary (local mode returns whichever
-rank's result was written last: STACK.md trap 4)."""
+rank's result was written last: docs/known-issues.md, "Spark")."""
 FIRST_STEP_FILE = "first_step.json"
 """Written by rank 0 into the job's report dir after its first training step: the attempt,
 the time (``first_step_at``, seconds since the epoch) and the checkpoint it continued

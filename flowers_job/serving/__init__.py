@@ -11,7 +11,7 @@ __all__ = ["FlowersClassifierModel"]
 
 def __getattr__(name: str) -> Any:
     """``flowers_job.serving.FlowersClassifierModel``, imported on first use: the name that the
-    entry file of every model registered before the package's re-layout (issue 35) imports
+    entry file of every model registered before the package's re-layout by process imports
     (``from flowers_job.serving import FlowersClassifierModel``), so that such a model still
     loads in a process where this version of the package is imported first (promotion's
     rescoring of an older champion, ``flowers-job predict`` with an older version).

@@ -322,8 +322,8 @@ def delete_then_append(
     deletion vectors; Delta 4.0's MERGE also rewrites its matched rows from the touched
     files ("Writing modified data"), so its cost follows the bytes of every file that holds
     a changed row, and a day's deletions are spread over every file. Measured at 30x
-    (110,100 photos, 33 files of 2.4 GB; 114 deletions, 1,098 new rows; 2-core AMD EPYC,
-    2026-11-28): MERGE 10.7-15.7 s, MERGE of the deletions alone 4.6-7.5 s, DELETE 3.2-3.5 s
+    (110,100 photos, 33 files of 2.4 GB; 114 deletions, 1,098 new rows; 2-core machine,
+    docs/performance.md): MERGE 10.7-15.7 s, MERGE of the deletions alone 4.6-7.5 s, DELETE 3.2-3.5 s
     plus the append 0.7 s. A run stopped between the commits leaves ``partial`` last
     (:func:`tables_mismatch` says what that means).
 
@@ -350,7 +350,7 @@ def merge_changes(source: DataFrame, target: DataFrame, *, keep: str, changed: s
     would delete, replace or insert (same arguments), without writing: one left join of
     ``source`` with ``target``'s columns on ``relative_path``, counted. Ingest skips a MERGE
     that would change nothing (a Delta MERGE reads and commits even then: about 5 s of an
-    incremental ingest at 30x, issue 38)."""
+    incremental ingest at 30x, docs/performance.md)."""
     s, t = source.alias("s"), target.alias("t")
     matched = F.col("t.relative_path").isNotNull()
     keeps = F.expr(keep)

@@ -2,8 +2,8 @@
 
 :func:`train_worker` takes plain data (the validated config as a dict and the driver's
 shard plans), joins the process group, trains (:func:`flowers_job.train.loop.fit`) and
-returns a small summary dict, identical on every rank (rank 0's, broadcast: STACK.md trap
-4). Around it, what makes a failure name its rank and never hang:
+returns a small summary dict, identical on every rank (rank 0's, broadcast: docs/known-issues.md,
+"Spark"). Around it, what makes a failure name its rank and never hang:
 
 - a rank whose Python code raises writes ``rank-<r>.json`` (exception and traceback) into the
   job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);

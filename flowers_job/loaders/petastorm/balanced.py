@@ -197,7 +197,7 @@ def write_balanced(
             .option("parquet.block.size", str(ROW_GROUP_LIMIT_BYTES))
             # no min/max of the images in the footer and page headers: 4 copies of an image
             # per page, 8 kB of a 10 kB file of one 2 kB row (parquet-mr 1.13+'s per-column
-            # setting; measured 2026-11-28: 11,419 -> 3,247 bytes)
+            # setting; 11,419 -> 3,247 bytes measured)
             .option(f"parquet.column.statistics.enabled#{IMAGE_COLUMN}", "false")
             .parquet(out_url)
         )

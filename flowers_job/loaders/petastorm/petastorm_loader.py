@@ -40,8 +40,8 @@ The stack: Petastorm 0.13.1, its latest release, reads with pyarrow's legacy
 ``ParquetDataset`` (removed in pyarrow 15), imports ``pyarrow.hdfs``/``pyarrow.filesystem``
 (removed in 16) and uses ``np.unicode_`` (removed in NumPy 2). It runs on the local pinned
 stack and on Databricks Runtime ML up to 15.4 LTS, and on nothing newer
-(``../shared/runtimes/README.md``). Its ``'thread'`` reader pool can end a shard early
-(STACK.md trap 1): only ``'dummy'`` and ``'process'`` are offered.
+(docs/architecture.md, the stack). Its ``'thread'`` reader pool can end a shard early
+(docs/known-issues.md, "Petastorm"): only ``'dummy'`` and ``'process'`` are offered.
 """
 
 from __future__ import annotations
@@ -552,7 +552,7 @@ def _cache_file_problem(url: str, folders: set[str], seen: set[str]) -> str | No
 
 def transform_spec(transform: DecodeTransform) -> Any:
     """The Petastorm ``TransformSpec`` that decodes a pandas batch's ``image`` column with
-    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (STACK.md trap 10); undecoded,
+    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (docs/known-issues.md, "Petastorm"); undecoded,
     ``jpeg`` uint8 ``[jpeg_width]`` and ``jpeg_length`` int64 rows instead of ``image``."""
     from petastorm import TransformSpec
 
@@ -591,7 +591,7 @@ def shard_batches(
     Raises:
         DataError: the plan names a file that is not its own (:func:`check_cache_files`).
         ShardError: the shard yielded a different number of rows than planned (for
-            example Petastorm's thread pool ending a shard early, STACK.md trap 1).
+            example Petastorm's thread pool ending a shard early, docs/known-issues.md).
     """
     from petastorm.pytorch import BatchedDataLoader
     from petastorm.spark.spark_dataset_converter import SparkDatasetConverter
