@@ -18,7 +18,7 @@ from tests.support.data import DAY_SAMPLE_PER_LABEL, SELECTED_LOADERS, day_chang
 from tests.support.processes import run_cli
 from tests.support.s3 import S3Store, fresh_bucket, s3_jars, s3_server  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("gate")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("full")]  # real runs: minutes each
 
 LOADER = SELECTED_LOADERS[0]
 FAST = [
@@ -76,7 +76,6 @@ def test_a_second_train_on_s3_reuses_every_split_and_writes_no_cache_byte(
 
 
 @pytest.mark.slow
-@pytest.mark.tier("full")  # three real runs: minutes on 2 cores
 @pytest.mark.parametrize("day_loader", sorted(LOADERS))
 def test_a_day_on_s3_appends_to_the_cache_and_the_ranks_read_every_current_row(
     s3_server: str,  # noqa: F811
