@@ -206,7 +206,8 @@ class PetastormConfig(Section):
 
     reader_pool_type: Literal["dummy", "process"] = "dummy"
     """Petastorm reader pool. 'thread' is not offered: it can end a shard early
-    (docs/known-issues.md, "Petastorm"). 'process' decodes in ``data.loader_workers`` processes per rank."""
+    (docs/known-issues.md, "Petastorm"). 'process' decodes in ``data.loader_workers``
+    processes per rank."""
     shuffle_buffer_rows: int = Field(256, ge=0)
     """Rows held in Petastorm's shuffling queue per process (0 = no row-level shuffle)."""
 

@@ -4,8 +4,9 @@ An ingest that writes knows, before its commits, how many rows each table will h
 images per label and split, and the quarantined entries per ``reason_code``. It stores them
 in the commits' metadata (``counts``, :meth:`TableCounts.to_meta`), so that an ingest that
 finds the tables up to date reports them without reading either table: at 30x (110,100
-photos) those two aggregations were 5.9 s of an unchanged ingest's 12 s (docs/performance.md). Tables written before the counts were carried (no ``counts`` in the latest
-commit, or ones that do not add up) are counted by reading them (:func:`scan_counts`), as
+photos) those two aggregations were 5.9 s of an unchanged ingest's 12 s
+(docs/performance.md). Tables written before the counts were carried (no ``counts`` in the
+latest commit, or ones that do not add up) are counted by reading them (:func:`scan_counts`), as
 before.
 """
 

@@ -323,9 +323,9 @@ def delete_then_append(
     files ("Writing modified data"), so its cost follows the bytes of every file that holds
     a changed row, and a day's deletions are spread over every file. Measured at 30x
     (110,100 photos, 33 files of 2.4 GB; 114 deletions, 1,098 new rows; 2-core machine,
-    docs/performance.md): MERGE 10.7-15.7 s, MERGE of the deletions alone 4.6-7.5 s, DELETE 3.2-3.5 s
-    plus the append 0.7 s. A run stopped between the commits leaves ``partial`` last
-    (:func:`tables_mismatch` says what that means).
+    docs/performance.md): MERGE 10.7-15.7 s, MERGE of the deletions alone 4.6-7.5 s,
+    DELETE 3.2-3.5 s plus the append 0.7 s. A run stopped between the commits leaves
+    ``partial`` last (:func:`tables_mismatch` says what that means).
 
     Raises:
         DataError: the last commit does not carry ``meta['run_id']`` (another writer).

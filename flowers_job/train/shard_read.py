@@ -3,7 +3,8 @@
 :func:`read_shards` is a TorchDistributor training function like
 :func:`flowers_job.train.rank.train_worker`, but it only reads: each rank opens its
 loader exactly as training does and iterates the requested epochs. Rank 0 gathers what every
-rank read and returns it (broadcast, so every rank returns the same value: docs/known-issues.md, "Spark").
+rank read and returns it (broadcast, so every rank returns the same value:
+docs/known-issues.md, "Spark").
 The tests use it to check the shard invariants of both loaders with real processes, and
 ``benchmarks/loaders.py`` to time them.
 """

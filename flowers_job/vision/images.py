@@ -607,8 +607,9 @@ class DecodeTransform:
 
     def __call__(self, pdf: pd.DataFrame) -> pd.DataFrame:
         """A pandas batch with an ``image`` column of stored JPEGs -> the same batch with
-        uint8 ``[3, S, S]`` C-contiguous arrays (docs/known-issues.md, "Petastorm") in ``image``; undecoded:
-        ``jpeg`` (uint8 ``[jpeg_width]`` rows) and ``jpeg_length`` instead of ``image``."""
+        uint8 ``[3, S, S]`` C-contiguous arrays (docs/known-issues.md, "Petastorm") in
+        ``image``; undecoded: ``jpeg`` (uint8 ``[jpeg_width]`` rows) and ``jpeg_length``
+        instead of ``image``."""
         from flowers_job.vision.batch_decode import JPEG_KEY, LENGTH_KEY, pad_jpegs
 
         pdf = pdf.copy()

@@ -552,8 +552,9 @@ def _cache_file_problem(url: str, folders: set[str], seen: set[str]) -> str | No
 
 def transform_spec(transform: DecodeTransform) -> Any:
     """The Petastorm ``TransformSpec`` that decodes a pandas batch's ``image`` column with
-    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (docs/known-issues.md, "Petastorm"); undecoded,
-    ``jpeg`` uint8 ``[jpeg_width]`` and ``jpeg_length`` int64 rows instead of ``image``."""
+    ``transform``: uint8 ``[3, S, S]`` per row, C-contiguous (docs/known-issues.md,
+    "Petastorm"); undecoded, ``jpeg`` uint8 ``[jpeg_width]`` and ``jpeg_length`` int64 rows
+    instead of ``image``."""
     from petastorm import TransformSpec
 
     from flowers_job.vision.batch_decode import JPEG_KEY, LENGTH_KEY
