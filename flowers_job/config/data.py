@@ -155,9 +155,9 @@ class DataConfig(Section):
     2 cores); on a GPU host with spare cores, 2-4 per GPU."""
     decode_device: Literal["auto", "loader", "device"] = "auto"
     """Where the stored JPEGs are decoded and augmented. 'loader': one by one in the loader
-    (Pillow, on the host's cores); 'device': a whole batch at once on the rank's device
-    (``torchvision.io.decode_jpeg``, nvJPEG on a GPU; :mod:`flowers_job.vision.batch_decode`);
-    'auto': 'device' on a GPU, 'loader' on CPU ranks (where Pillow one by one is faster
+    (TorchCodec, else Pillow, on the host's cores); 'device': a whole batch at once on the
+    rank's device (TorchCodec, nvJPEG on a GPU; :mod:`flowers_job.vision.batch_decode`);
+    'auto': 'device' on a GPU, 'loader' on CPU ranks (where one by one is faster
     than batched: docs/performance.md)."""
     prefetch_to_device: int | None = Field(None, ge=0, le=64)
     """Batches a background thread of each GPU rank reads, pins, copies to the device and

@@ -2,9 +2,9 @@
 
 The loaders can deliver a batch's images undecoded (``data.decode_device``): ``jpeg``, uint8
 ``[B, L]`` (each row one stored JPEG, zero-padded to the widest of the split) and
-``jpeg_length``, int64 ``[B]`` (bytes of each). :class:`BatchDecoder` decodes them with
-``torchvision.io.decode_jpeg(list, device=...)`` (nvJPEG's batched decoder on CUDA; more than
-8,000 images/s on one A100, pytorch/vision#8496) and crops, resizes and flips the whole batch with one
+``jpeg_length``, int64 ``[B]`` (bytes of each). :class:`BatchDecoder` decodes them in one call
+(:func:`~flowers_job.vision.jpeg_decode.decode_jpegs`: TorchCodec, nvJPEG's batched decoder on
+CUDA) and crops, resizes and flips the whole batch with one
 ``torchvision.ops.roi_align`` on that device: the training images' random resized crop and
 flip, or the evaluation resize and centre crop, as :mod:`flowers_job.vision.images` does on
 the CPU with Pillow.
@@ -203,13 +203,9 @@ class BatchDecoder:
             RuntimeError: a row is not a JPEG the decoder reads (the stored images are
                 baseline sRGB JPEGs written by ingest, so this means a damaged cache).
         """
-        from torchvision.io import ImageReadMode, decode_jpeg
+        from flowers_job.vision.jpeg_decode import decode_jpegs
 
-        rows = [jpeg[i, :n] for i, n in enumerate(length.tolist())]
-        if not rows:
-            return []
-        out = decode_jpeg(rows, mode=ImageReadMode.RGB, device=self.device)
-        return list(out) if isinstance(out, list) else [out]
+        return decode_jpegs([jpeg[i, :n] for i, n in enumerate(length.tolist())], self.device)
 
     def boxes(
         self, sizes: Sequence[tuple[int, int]], generator: torch.Generator | None

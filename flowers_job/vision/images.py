@@ -515,8 +515,9 @@ def _eval_steps(image_size: int, resize_size: int) -> list[Callable[..., object]
     return [T.Resize(resize_size, antialias=True), T.CenterCrop(image_size), T.PILToTensor()]
 
 
-def train_pixels(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
-    """Training augmentation: PIL RGB -> uint8 ``[3, image_size, image_size]`` (not normalised:
+def train_pixels(image_size: int) -> Callable[[Image.Image | torch.Tensor], torch.Tensor]:
+    """Training augmentation: PIL RGB (or uint8 ``[3, H, W]``) -> uint8
+    ``[3, image_size, image_size]`` (not normalised:
     the training loop normalises on the device, :class:`flowers_job.vision.precision.DeviceNormalize`).
 
     RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
@@ -527,10 +528,12 @@ def train_pixels(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
     return T.Compose(_train_steps(image_size))
 
 
-def eval_pixels(image_size: int, resize_size: int) -> Callable[[Image.Image], torch.Tensor]:
+def eval_pixels(
+    image_size: int, resize_size: int
+) -> Callable[[Image.Image | torch.Tensor], torch.Tensor]:
     """Evaluation: resize the shorter side to ``resize_size``, centre-crop ``image_size``.
 
-    PIL RGB -> uint8 ``[3, image_size, image_size]`` (not normalised).
+    PIL RGB (or uint8 ``[3, H, W]``) -> uint8 ``[3, image_size, image_size]`` (not normalised).
     """
     from torchvision.transforms import v2 as T
 
@@ -577,7 +580,7 @@ class DecodeTransform:
         self.resize_size = resize_size
         self.undecoded = undecoded
         self.jpeg_width = jpeg_width
-        self._tf: Callable[[Image.Image], torch.Tensor] | None = None
+        self._tf: Callable[[Image.Image | torch.Tensor], torch.Tensor] | None = None
 
     def warm_up(self) -> DecodeTransform:
         """Build the torchvision transform now (its first use imports torchvision, ~2 s),
@@ -595,13 +598,19 @@ class DecodeTransform:
 
     def decode(self, content: bytes) -> torch.Tensor:
         """One stored JPEG -> uint8 ``[3, S, S]``, augmented (train), contiguous; undecoded:
-        the JPEG's bytes as uint8 ``[length]``."""
+        the JPEG's bytes as uint8 ``[length]``. Decoded by TorchCodec and transformed as a
+        tensor where TorchCodec is installed, else by Pillow and transformed as an image
+        (the same transforms; the resize's pixels differ by rounding)."""
         import torch
 
         if self.undecoded:
             return torch.frombuffer(bytearray(content), dtype=torch.uint8)
+        from flowers_job.vision.jpeg_decode import decode_jpeg, decoder_name
+
         tf = self.warm_up()._tf
         assert tf is not None
+        if decoder_name() == "torchcodec":  # a JPEG only, as STORED_FORMATS
+            return tf(decode_jpeg(content)).contiguous()
         with Image.open(io.BytesIO(content), formats=STORED_FORMATS) as img:
             return tf(img.convert("RGB")).contiguous()
 
