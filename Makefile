@@ -1,5 +1,7 @@
 # flowers_job: virtual environments, each pinned by a lock file and built with uv.
 #   make run        set up (first time) and run the whole job on the real photos
+#   make run LOADER=petastorm
+#                   the same with Petastorm, in its legacy environment (.venv-petastorm)
 #   make test       the gate (TIER=gate: the tests marked tier("gate"), docs/testing.md): set
 #                   up (first time), lint, type-check, build the wheel once, then the suites
 #                   below, each with pytest --tier gate
@@ -9,8 +11,8 @@
 # its summary) and pytest's --maxfail (MAXFAIL), so that a systematic hang or breakage ends
 # well inside CI's 90 minutes with its cause printed. The suites (the files of DBR_ONLY in
 # the DBR suite only):
-#               test-local  the whole suite in .venv (requirements/lock.txt, both loaders,
-#                           the project installed editable)
+#               test-local  the whole suite in .venv (requirements/lock.txt: Spark 4.2, the
+#                           Streaming loader; the project installed editable)
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
 #                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
 #                           [streaming] extra, with data.loader=streaming
@@ -18,6 +20,11 @@
 #                           (DBR18_TESTS: the light ones and the promotion path; the full
 #                           tier adds the smoke job) in .venv-dbr18
 #                           (requirements/dbr-18-ml.txt), the same way
+#               test-petastorm  after them, on the same side: the Petastorm tests in the
+#                           legacy environment .venv-petastorm (requirements/petastorm.txt:
+#                           Spark 4.0, pyarrow 14, NumPy 1.26; the project editable): one
+#                           end-to-end job in the gate, every test that names petastorm in
+#                           the full tier
 #               Where this is root with util-linux's unshare (CI is), the two suites run
 #               side by side, the DBR suite in its own mount namespace (its own /dev/shm
 #               and temp dir, for the Streaming state checks of faults/test_faults.py); each
@@ -56,6 +63,14 @@ UV       := $(BIN)/uv
 # the editable project), hashed.
 LOCAL_ID := $(shell cat requirements/lock.txt pyproject.toml | sha256sum | cut -c1-12)
 DBR_ID   := $(shell cat $(DBR_LOCK) | sha256sum | cut -c1-12)
+# The legacy Petastorm environment (setup-petastorm, make run LOADER=petastorm, test-petastorm):
+# Petastorm 0.13.1 imports only beside pyarrow < 15 and NumPy < 2, so beside Spark 4.0 at most.
+PETASTORM_VENV ?= .venv-petastorm
+PETASTORM_BIN  := $(abspath $(PETASTORM_VENV))/bin
+PETASTORM_LOCK := requirements/petastorm.txt
+PETASTORM_ID   := $(shell cat $(PETASTORM_LOCK) pyproject.toml | sha256sum | cut -c1-12)
+# `make run LOADER=NAME` sets data.loader (petastorm: in .venv-petastorm); empty: the config's.
+LOADER ?=
 # The Spark Connect client with no JVM (setup-connect): pyspark-client and what the driver
 # side imports (requirements/connect-client.txt, hashed like the others), then the wheel.
 CONNECT_VENV ?= .venv-connect
@@ -135,14 +150,22 @@ LOCAL_IGNORE ?=
 DBR_DESELECT ?= unit/ingest/test_ingest.py::test_changed_clean_input_is_reingested_consistently \
 	unit/ingest/test_ingest.py::test_split_is_deterministic_whatever_the_partitioning \
 	integration/test_fail_fast.py::test_cli_exits_2_when_the_processes_do_not_fit_the_cluster
-# The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs. Both run
-# in .venv; CI gives petastorm to test-local and streaming to test-dbr, so that each
-# loader's slow tests run once. `make test-local LOCAL_LOADERS=petastorm,streaming` runs both.
-LOCAL_LOADERS ?= petastorm
+# The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs: .venv
+# has Streaming only (test-petastorm runs Petastorm's in its own environment).
+LOCAL_LOADERS ?= streaming
+# The Petastorm suite (test-petastorm): in the gate one real job and the loader checks; in the
+# full tier every test whose id names petastorm (pytest -k), but for the netns cluster's and
+# the container's, whose hosts run the default environment.
+PETASTORM_TESTS_gate := integration/test_job_e2e.py::test_cli_run_local_mode_then_resume project/test_stack.py
+PETASTORM_TESTS_full := unit integration faults project
+PETASTORM_SELECT_gate :=
+PETASTORM_SELECT_full := -k petastorm
+PETASTORM_SECONDS_gate := 900
+PETASTORM_SECONDS_full := 2400
 
-.PHONY: setup setup-dbr setup-dbr18 run test test-full tier test-local test-dbr test-dbr18 \
-	dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env cluster-up cluster-down s3-jars \
-	setup-connect container-deps test-container
+.PHONY: setup setup-dbr setup-dbr18 setup-petastorm run test test-full tier test-local test-dbr \
+	test-dbr18 test-petastorm dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env \
+	cluster-up cluster-down s3-jars setup-connect container-deps test-container
 
 # The container image (docker/Dockerfile) built from a base made of Debian's packages and run
 # with podman (tools/container.py): the tests of tests/container, in the full tier only, on
@@ -200,8 +223,7 @@ if [ $$rc -eq 124 ] || [ $$rc -eq 137 ]; then \
 	echo "the suite ran past its bound of $(SUITE_SECONDS) s and was stopped (exit $$rc)" >&2; fi
 endef
 
-# .venv: the lock file, synced exactly (uv pip sync), then petastorm without its pins, then
-# the project, editable.
+# .venv: the lock file, synced exactly (uv pip sync), then the project, editable.
 $(VENV)/.installed-$(LOCAL_ID):
 	@command -v java >/dev/null || { echo "Spark needs Java 17: installing openjdk-17-jre-headless"; \
 		apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
@@ -210,13 +232,24 @@ $(VENV)/.installed-$(LOCAL_ID):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 	test -x $(UV) || $(BIN)/pip install -q "uv==$(UV_VERSION)"; \
 	$(UV) pip sync -q --python $(BIN)/python requirements/lock.txt; \
-	: petastorm 0.13.1 pins setuptools'<70', which conflicts with torch: its real needs are in the lock.; \
-	$(UV) pip install -q --python $(BIN)/python --no-deps petastorm==0.13.1; \
 	$(UV) pip install -q --python $(BIN)/python --no-deps -e .; \
 	set +x; $(call took,install local)
 	touch $@
 
 setup: $(VENV)/.installed-$(LOCAL_ID)
+
+# .venv-petastorm: its lock file (petastorm with everything it asks for: its setuptools<70
+# holds torch at 2.12), then the project, editable.
+$(PETASTORM_VENV)/.installed-$(PETASTORM_ID): | $(VENV)/.installed-$(LOCAL_ID)
+	@set -e; t0=$$(date +%s); set -x; \
+	rm -f $(PETASTORM_VENV)/.installed*; \
+	test -x $(PETASTORM_BIN)/python || $(PYTHON) -m venv $(PETASTORM_VENV); \
+	$(UV) pip sync -q --python $(PETASTORM_BIN)/python $(PETASTORM_LOCK); \
+	$(UV) pip install -q --python $(PETASTORM_BIN)/python --no-deps -e .; \
+	set +x; $(call took,install petastorm)
+	touch $@
+
+setup-petastorm: $(PETASTORM_VENV)/.installed-$(PETASTORM_ID)
 
 # The DBR 17.3 LTS ML-like environment (or 18's, DBR_LOCK): the lock file only, no project
 # (test-dbr installs the built wheel into it). pip stays in it: project/test_bundle.py asks pip what
@@ -266,8 +299,15 @@ setup-connect: $(CONNECT_VENV)/.installed-$(CONNECT_ID)
 		assert is_remote_only(), 'the pyspark in $(CONNECT_VENV) is not pyspark-client'"; \
 	set +x; $(call took,install wheel connect)
 
+ifeq ($(LOADER),petastorm)
+run: setup-petastorm
+	$(PETASTORM_BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) \
+		--set data.loader=petastorm $(ARGS)
+else
 run: setup
-	$(BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) $(ARGS)
+	$(BIN)/flowers-job run --images $(PHOTOS) --output-dir $(OUT) \
+		$(if $(LOADER),--set data.loader=$(LOADER)) $(ARGS)
+endif
 
 lint: setup
 	$(BIN)/ruff check .
@@ -305,12 +345,14 @@ else
 endif
 
 # The DBR side of `make test`: the 17.3 suite, then the 18 smoke job (SMOKE_DBR18) with the
-# wheel that wheel-dbr built, then (the full tier) the container tests; what it costs CI:
-# docs/testing.md. Each runs whatever the others' results; the side fails if any does.
+# wheel that wheel-dbr built, then the Petastorm suite, then (the full tier) the container
+# tests; what it costs CI: docs/testing.md. Each runs whatever the others' results; the side
+# fails if any does.
 dbr-side:
 	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
 	if [ "$(SMOKE_DBR18)" = 1 ]; then \
 		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; \
+	$(MAKE) --no-print-directory test-petastorm || rc=$$?; \
 	if [ "$(TIER)" = full ]; then \
 		$(MAKE) --no-print-directory test-container || rc=$$?; fi; exit $$rc
 
@@ -322,6 +364,16 @@ test-local: setup
 		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) \
 		$(addprefix --deselect tests/,$(LOCAL_DESELECT)) || rc=$$?; \
 	set +x; $(call took,tests local); $(call pytest_status); $(call suite_timeout); exit $$rc
+
+# The Petastorm suite in .venv-petastorm (PETASTORM_TESTS, PETASTORM_SELECT), its loader's
+# tests only (FLOWERS_TEST_LOADERS=petastorm).
+test-petastorm: SUITE_SECONDS = $(PETASTORM_SECONDS_$(TIER))
+test-petastorm: setup-petastorm
+	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
+	FLOWERS_TEST_LOADERS=petastorm $(SUITE_TIMEOUT) $(PETASTORM_BIN)/python -m pytest \
+		--tier $(TIER) --maxfail $(MAXFAIL) --durations=0 --junitxml=$(REPORTS)/junit-petastorm.xml $(PETASTORM_SELECT_$(TIER)) \
+		$(addprefix tests/,$(PETASTORM_TESTS_$(TIER))) || rc=$$?; \
+	set +x; $(call took,tests petastorm); $(call pytest_status); $(call suite_timeout); exit $$rc
 
 # Build the wheel (as the bundle's artifact does; BUILD_WHEEL=0 takes the one in WHEEL_DIR)
 # and install it into .venv-dbr with its [streaming] extra, from the lock file's packages

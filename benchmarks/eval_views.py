@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         dropout=cfg.model.dropout,
     )
     model.load_state_dict(ckpt["best_model"])
-    model.eval().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    model.eval().to(memory_format=torch.channels_last)
     pre = preprocessing_for(cfg.model.architecture)
     normalize = DeviceNormalize(pre.mean, pre.std, torch.device("cpu"))
     summary = json.loads((args.output / "summary.json").read_text())

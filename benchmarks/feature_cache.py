@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = build_model("efficientnet_lite0", len(summary["label_names"]), "package").eval()
-    model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    model.to(memory_format=torch.channels_last)
     pre = preprocessing_for("efficientnet_lite0")
     normalize = DeviceNormalize(pre.mean, pre.std, torch.device("cpu"))
     tf = eval_pixels(size, data_cfg.stored_short_side)

@@ -131,7 +131,7 @@ class Step:
         torch.manual_seed(0)
         self.device = device
         net = build_model(args.architecture, 5, "none", freeze_backbone=frozen).to(device)
-        net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        net.to(memory_format=torch.channels_last)
         params = [p for p in net.parameters() if p.requires_grad]
         self.model: nn.Module = net
         if ddp:  # as the job wraps it (flowers_job.train.state)

@@ -180,7 +180,7 @@ def _worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = build_model(
         "efficientnet_lite0", len(LABELS), "package", freeze_backbone=bool(args.freeze_backbone)
-    ).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    ).to(memory_format=torch.channels_last)
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=1e-4

@@ -1,6 +1,6 @@
 """spark-submit entry point: the same as ``flowers-job predict``.
 
-    spark-submit --packages io.delta:delta-spark_2.13:4.0.1 jobs/score_flowers.py \
+    spark-submit --packages io.delta:delta-spark_4.2_2.13:4.4.0 jobs/score_flowers.py \
         --output-dir /data/flowers_out --images /data/new_photos --output-table /data/scored
 
 Arguments after the script are those of ``flowers-job predict`` (``--help`` lists them);

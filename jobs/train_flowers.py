@@ -1,6 +1,6 @@
 """spark-submit entry point: the same as ``flowers-job run``.
 
-    spark-submit --packages io.delta:delta-spark_2.13:4.0.1 jobs/train_flowers.py \
+    spark-submit --packages io.delta:delta-spark_4.2_2.13:4.4.0 jobs/train_flowers.py \
         --images /data/flower_photos --output-dir /data/flowers_out [--set KEY=VALUE ...]
 
 Arguments after the script are those of ``flowers-job run`` (``--help`` lists them).

@@ -19,6 +19,10 @@ from tests.support import REPO
 from tests.support.data import LOADERS, loader_skip_reason, sample_photos
 from tests.support.packaging import index_url
 
+pytest_plugins = ["tests.support.leftovers"]
+"""At the session's end, no process it started is still alive (docs/testing.md, "Processes
+left behind")."""
+
 SHORT_LIVED_JVM = (
     "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
     "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"

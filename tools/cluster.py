@@ -85,13 +85,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BRIDGE = "flbr0"
 SUBNET = "10.88.0"
-DELTA_VERSION = "4.0.1"
+
+
+def _locked(name: str) -> str:
+    """The version of ``name`` that requirements/lock.txt pins (the cluster's environment)."""
+    for line in (REPO / "requirements" / "lock.txt").read_text().splitlines():
+        if line.lower().startswith(f"{name}=="):
+            return line.split("==", 1)[1].strip()
+    raise RuntimeError(f"requirements/lock.txt pins no {name}")
+
+
+SPARK_VERSION = _locked("pyspark")
+DELTA_VERSION = _locked("delta-spark")
 """delta-spark of requirements/lock.txt, which spark-submit's ``--packages`` must match."""
-DELTA_PACKAGE = f"io.delta:delta-spark_2.13:{DELTA_VERSION}"
-HADOOP_AWS_PACKAGE = "org.apache.hadoop:hadoop-aws:3.4.1"
-"""The ``s3a://`` file system of pyspark 4.0.5's Hadoop (3.4.1; the versions must match). It
-brings ``software.amazon.awssdk:bundle:2.24.6``, about 550 MB: resolved once into
-:func:`ivy_dir`, outside the repo."""
+DELTA_PACKAGE = (
+    f"io.delta:delta-spark_{'.'.join(SPARK_VERSION.split('.')[:2])}_2.13:{DELTA_VERSION}"
+)
+"""Delta's jar for that Spark: from Delta 4.1 the artifact names Spark's minor version, as
+``configure_spark_with_delta_pip`` asks for it."""
+HADOOP_VERSION = "3.5.0"
+"""The Hadoop of pyspark 4.2 (its ``hadoop-client-api`` jar; a test holds the two together)."""
+HADOOP_AWS_PACKAGE = f"org.apache.hadoop:hadoop-aws:{HADOOP_VERSION}"
+"""The ``s3a://`` file system of pyspark's Hadoop (the versions must match). It brings the
+AWS SDK bundle, about 600 MB: resolved once into :func:`ivy_dir`, outside the repo."""
 S3_PACKAGES = (DELTA_PACKAGE, HADOOP_AWS_PACKAGE)
 """``--packages`` of a local Spark application on ``s3a://`` storage (both in :func:`ivy_dir`)."""
 HADOOP_AWS_JARS = (
@@ -377,14 +393,37 @@ def local_s3_server(log_path: Path, timeout: float = LOCAL_S3_TIMEOUT) -> Iterat
         stop_process(proc)
 
 
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server process: SIGTERM, then SIGKILL after 30 s (bounded waits)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL after ``timeout`` seconds. When it leads
+    a process group of its own (``start_new_session=True``) the signals go to the whole
+    group, and what is left of the group once the leader has exited is SIGKILLed before the
+    leader is reaped (its unreaped pid keeps the group's id from being reused).
+
+    Raises:
+        subprocess.TimeoutExpired: the leader still lives ``timeout`` s after SIGKILL.
+    """
+    if proc.returncode is not None:  # reaped already
+        return
+    group = os.getpgid(proc.pid) == proc.pid
+
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    # until the leader exits, at most `timeout` s (WNOWAIT: it stays unreaped)
+    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            send(signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    if group:
+        send(signal.SIGKILL)  # the members that outlived their leader
+    proc.wait(timeout=timeout)
 
 
 @dataclass

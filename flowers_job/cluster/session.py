@@ -537,11 +537,12 @@ def _connect_progress(spark: SparkSession, bar: Any) -> Iterator[None]:
                 seen[(operation_id, stage.stage_id)] = (stage.num_tasks, completed)
             _show(bar, sum(t for t, _ in seen.values()), sum(c for _, c in seen.values()))
 
-    spark.registerProgressHandler(handler)
+    # pyspark 4.2 types the handler as its ProgressHandler ABC; it calls any callable
+    spark.registerProgressHandler(handler)  # type: ignore[arg-type]
     try:
         yield
     finally:
-        spark.removeProgressHandler(handler)
+        spark.removeProgressHandler(handler)  # type: ignore[arg-type]
 
 
 @contextmanager

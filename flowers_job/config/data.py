@@ -142,9 +142,9 @@ class DataConfig(Section):
     writer outside flowers_job (docs/failures.md)."""
     loader: LoaderName = "auto"
     """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
-    'petastorm' (Parquet cache, the local pinned stack; needs pyarrow < 15 and NumPy < 2),
     'streaming' (Mosaic Streaming MDS shards, shipped with Databricks Runtime ML 15.2+ and the
-    only one that runs on 16.4+), or 'auto' = the first that can run here. Checked before
+    only one that runs beside Spark 4.1+), 'petastorm' (Parquet cache; needs pyarrow < 15
+    and NumPy < 2: the legacy environment), or 'auto' = the first that can run here. Checked before
     Spark starts (:func:`flowers_job.loaders.resolve_loader`). Each loader's own settings
     are under ``loaders.<name>``."""
     loader_workers: int = Field(0, ge=0, le=64)

@@ -1,12 +1,12 @@
 """The data loaders, one sub-package each behind :class:`~flowers_job.loaders.base.Loader`,
 and the registry that resolves ``data.loader`` once, on the driver, before Spark starts.
 
+- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, the default:
+  pre-installed on Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare
+  data for distributed training" recommends.
 - ``petastorm`` (:mod:`flowers_job.loaders.petastorm`): Petastorm 0.13.1, its latest
-  release; runs on the local pinned stack and on Databricks Runtime ML up to 15.4 LTS
-  (pyarrow < 15, NumPy < 2).
-- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, pre-installed on
-  Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare data for
-  distributed training" now recommends.
+  release, which imports only on pyarrow < 15 and NumPy < 2, so beside Spark 4.0 at most:
+  the legacy environment of ``requirements/petastorm.txt``.
 
 :func:`resolve_loader` returns the loader class, which the driver hands on (the cache, the
 placement check, the ranks' job); nothing looks a loader up by name after it. A third loader
@@ -35,8 +35,8 @@ __all__ = [
 ]
 
 LOADERS: dict[str, str] = {
-    "petastorm": "flowers_job.loaders.petastorm.petastorm_loader:PetastormLoader",
     "streaming": "flowers_job.loaders.streaming.streaming_loader:StreamingLoader",
+    "petastorm": "flowers_job.loaders.petastorm.petastorm_loader:PetastormLoader",
 }
 """Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
 order and takes the first that runs here."""
@@ -115,8 +115,8 @@ def resolve_loader(cfg: JobConfig, connect: str | None = None) -> tuple[JobConfi
     driver passes on (:func:`flowers_job.driver.prepare.prepare_data`, the placement check,
     the ranks' job). Nothing looks a loader up by name after this.
 
-    'auto' becomes the first registered loader that can run here: 'petastorm' on the local
-    pinned stack, 'streaming' on Databricks Runtime ML 16.4 and later; on Spark Connect
+    'auto' becomes the first registered loader that can run here: 'streaming' wherever Mosaic
+    Streaming is installed, else 'petastorm'; on Spark Connect
     (``connect``: what made the session Connect, or None for classic Spark) the first that
     runs there too (:func:`session_problem`).
 

@@ -207,7 +207,7 @@ def _settle(work: dist.Work | None, tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu":
         return  # NCCL's watchdog retires its work items on its own schedule (untested here)
     deadline = time.monotonic() + SETTLE_SECONDS
-    while tensor._use_count() > 1:  # type: ignore[attr-defined]
+    while tensor._use_count() > 1:
         if time.monotonic() > deadline:
             log.warning(
                 "the process group still holds a tensor %.0f s after its collective",

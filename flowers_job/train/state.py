@@ -154,7 +154,7 @@ def _model(cfg: JobConfig, ctx: DistContext, num_classes: int) -> tuple[Classifi
         frozen_layers=cfg.model.frozen_layers,
         dropout=cfg.model.dropout,
     ).to(ctx.device)
-    model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    model.to(memory_format=torch.channels_last)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return model, ddp
 

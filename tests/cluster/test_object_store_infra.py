@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import LABELS
+from tests.support.connect import delta_package
 from tests.support.data import sample_photos
 from tests.support.s3 import S3Store, s3, s3_jars, s3_server  # noqa: F401 (fixtures)
 
@@ -50,7 +51,7 @@ def test_a_cli_run_gets_hadoop_aws_from_the_cache_and_the_s3a_settings(
     args = shlex.split(env["PYSPARK_SUBMIT_ARGS"])
     assert args[-1] == "pyspark-shell"
     packages = args[args.index("--packages") + 1].split(",")
-    assert [p.split(":")[1] for p in packages] == ["delta-spark_2.13", "hadoop-aws"]
+    assert [p.split(":")[1] for p in packages] == [delta_package().split(":")[1], "hadoop-aws"]
     for package in packages:  # resolved into the cache the runs use
         group, artifact, version = package.split(":")
         assert (s3_jars / "jars" / f"{group}_{artifact}-{version}.jar").is_file()

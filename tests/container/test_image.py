@@ -52,6 +52,24 @@ UID = 1000
 """The image's user, who must be able to write the mounted output folder."""
 
 
+def _delta_jar() -> str:
+    """The file name Ivy gives Delta's jar of this environment's delta-spark and Spark (the
+    image installs the same lock file)."""
+    from importlib import metadata
+
+    spark = ".".join(metadata.version("pyspark").split(".")[:2])
+    return f"io.delta_delta-spark_{spark}_2.13-{metadata.version('delta-spark')}.jar"
+
+
+def _hadoop_aws_jar() -> str:
+    """The file name of ``hadoop-aws`` at pyspark's own Hadoop version."""
+    import pyspark
+
+    (api,) = (Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar")
+    version = api.name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+    return f"org.apache.hadoop_hadoop-aws-{version}.jar"
+
+
 def sets(*items: str) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
@@ -122,7 +140,7 @@ def test_image_is_built_on_the_debian_made_base_and_holds_what_the_job_loads(
     uid, weights = out.splitlines()[0].split()
     assert int(uid) == UID and int(weights) > 10_000_000  # Lite0's .pth, about 18 MB
     assert "spark.executor.extraClassPath /opt/ivy/jars/*" in out
-    for jar in ("io.delta_delta-spark_2.13-4.0.1.jar", "org.apache.hadoop_hadoop-aws-3.4.1.jar"):
+    for jar in (_delta_jar(), _hadoop_aws_jar()):
         assert jar in out
     rc, out, _ = run(image, ["-version"], timeout=60, log=BASE / "java.log", entrypoint="java")
     assert rc == 0 and 'version "17' in out, out

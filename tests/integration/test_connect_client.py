@@ -17,9 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from tests.support.connect import client_env, run
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.tier("gate")]
+
+
+def _locked(name: str, lock: Path) -> str:
+    """The version ``lock`` pins for ``name``."""
+    for line in lock.read_text().splitlines():
+        if line.startswith(f"{name}=="):
+            return line.split("==", 1)[1].strip()
+    raise AssertionError(f"{lock} pins no {name}")
 
 
 def test_the_client_environment_has_pyspark_client_and_the_wheel(connect_client: Path) -> None:
@@ -41,4 +50,5 @@ def test_the_client_environment_has_pyspark_client_and_the_wheel(connect_client:
     )
     proc = run([str(connect_client / "python"), "-c", check], 300, connect_client, client_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split("\n")[0] == "True 4.0.4 [] False True", proc.stdout
+    client = _locked("pyspark-client", REPO / "requirements" / "connect-client.txt")
+    assert proc.stdout.split("\n")[0] == f"True {client} [] False True", proc.stdout

@@ -1023,10 +1023,11 @@ def _index(steps: list[str], pattern: str) -> int:
     return hits[0]
 
 
-def test_dockerfile_installs_lock_then_petastorm_no_deps_then_project() -> None:
+def test_dockerfile_installs_the_lock_then_the_project_no_deps() -> None:
     """The base is a build argument whose default is the public Python image (the tests
-    build it on a Debian-made one: tests/container); the lock file is synced exactly into a
-    venv, then petastorm and the project without their dependencies."""
+    build it on a Debian-made one: tests/container); the default lock file is synced exactly
+    into a venv, then the project without its dependencies; no Petastorm, which cannot
+    import beside that lock's pyarrow."""
     instructions = _instructions()
     assert instructions[0] == ("ARG", "BASE=python:3.11-slim-bookworm")
     assert instructions[1] == ("FROM", "${BASE}")
@@ -1034,11 +1035,10 @@ def test_dockerfile_installs_lock_then_petastorm_no_deps_then_project() -> None:
     assert any("requirements/lock.txt" in args[:-1] for args in copies), copies
     steps = _run_steps()
     lock = _index(steps, r"^uv pip sync (\S+ )*requirements/lock\.txt$")
-    petastorm = _index(steps, r"^uv pip install (\S+ )*petastorm==0\.13\.1$")
     project = _index(steps, r"uv pip install (\S+ )*\.$")
-    assert "--no-deps" in steps[petastorm].split(), steps[petastorm]
     assert "--no-deps" in steps[project].split(), steps[project]
-    assert lock < petastorm < project
+    assert lock < project
+    assert not any("petastorm" in step for step in steps), steps
 
 
 def test_dockerfile_runs_offline_ready_as_the_cli() -> None:

@@ -1,9 +1,9 @@
 """``data.loader``: the loader that cannot run on this stack is refused before Spark starts.
 
-The local stack runs both loaders; the DBR 17.3 LTS ML environment (pyarrow 19, NumPy 2)
-runs only Streaming, so there the refusal is real. Where both run, one test fakes the
-installed versions (the only stand-in here): a real pyarrow 19 cannot be installed next to
-the pyarrow 14 that Petastorm needs.
+The default environment and the Databricks ones (pyarrow >= 19, NumPy 2) run only Streaming,
+so there the refusal is real; the legacy Petastorm environment runs both. There one test
+fakes the installed versions (the only stand-in here): a real pyarrow 19 cannot be installed
+next to the pyarrow 14 that Petastorm needs.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def test_each_loader_resolves_here_or_is_refused_naming_the_field(
         assert "data.loader" in message and problem in message
 
 
-def test_auto_is_petastorm_where_it_runs_else_streaming(tmp_path: Path) -> None:
+def test_auto_is_streaming_where_it_runs_else_petastorm(tmp_path: Path) -> None:
     resolved = resolve_loader(_cfg(tmp_path, "auto"))[0].data.loader
-    assert resolved == ("petastorm" if loader_problem("petastorm") is None else "streaming")
+    assert resolved == ("streaming" if loader_problem("streaming") is None else "petastorm")
 
 
 def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
@@ -75,7 +75,7 @@ def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
 def test_cli_refuses_a_loader_this_stack_cannot_run_before_spark_starts(tmp_path: Path) -> None:
     broken = [name for name in LOADERS if loader_problem(name) is not None]
     if not broken:
-        pytest.skip("every loader runs on this stack (the DBR 17.3 environment runs this test)")
+        pytest.skip("every loader runs on this stack (the legacy Petastorm environment)")
     t0 = time.perf_counter()
     proc = run_cli(
         "run",

@@ -2,7 +2,8 @@
 the real photos are, and helpers in one module per concern: :mod:`.data` (photo samples,
 tables, loaders), :mod:`.processes` (the CLI, servers, the processes a run leaves),
 :mod:`.packaging` (uv and the package index), :mod:`.faults` (the fault injector),
-:mod:`.model_registry` (MLflow servers and registered models), :mod:`.s3` (an S3 API server).
+:mod:`.model_registry` (MLflow servers and registered models), :mod:`.s3` (an S3 API server),
+:mod:`.leftovers` (the pytest plugin that fails a session leaving a process behind).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Processes a test starts and finds: the CLI as a user runs it, servers (each in a process
 group of its own, stopped as a group: :func:`stop_group`), and every process a run leaves
-behind (by a mark in their environment)."""
+behind (by a mark in their environment). The check that a whole pytest session leaves none:
+:mod:`tests.support.leftovers`."""
 
 from __future__ import annotations
 
@@ -34,12 +35,15 @@ MARK_ENV = "FLOWERS_JOB_TEST_MARK"
 JVM, Spark's Python workers, the ranks), whatever their parent, can be found."""
 
 
-def marked_processes(mark: str) -> list[psutil.Process]:
-    """Every process (any parent) whose environment carries ``MARK_ENV=mark``."""
+def marked_processes(mark: str, name: str = MARK_ENV) -> list[psutil.Process]:
+    """Every process (any parent) whose environment variable ``name`` carries ``mark``: equal
+    to it, or one of its space-separated words (nested pytest sessions each add theirs,
+    :mod:`tests.support.leftovers`). Processes whose environment cannot be read (another
+    user's) are left out."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(MARK_ENV) == mark:
+            if mark in proc.environ().get(name, "").split():
                 found.append(proc)
         except psutil.Error:
             continue

@@ -144,11 +144,29 @@ def test_streaming_reads_a_bucket_through_one_local_copy_per_host(tmp_path: Path
     assert not tmp_path.exists()  # and the root it made empty
 
 
+def _pyspark_hadoop() -> str:
+    """The Hadoop version of the installed pyspark's own jars."""
+    import pyspark
+
+    (api,) = (Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar")
+    return api.name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+
+
+def test_the_test_clusters_jars_match_this_environment() -> None:
+    """tools/cluster.py's ``--packages`` (from requirements/lock.txt) are the jars this
+    environment's pyspark and delta-spark ask for."""
+    from tests.support.connect import delta_package
+    from tests.support.s3 import S3_PACKAGES
+
+    hadoop_aws = f"org.apache.hadoop:hadoop-aws:{_pyspark_hadoop()}"
+    assert (delta_package(), hadoop_aws) == S3_PACKAGES
+
+
 def test_a_local_session_gets_what_s3a_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     packages, conf = object_store_conf(["/data/out", "s3a://bucket/photos"])
-    assert packages == ["org.apache.hadoop:hadoop-aws:3.4.1"]  # pyspark 4.0's Hadoop
+    assert packages == [f"org.apache.hadoop:hadoop-aws:{_pyspark_hadoop()}"]
     assert conf == {
         "spark.hadoop.fs.s3a.endpoint": "http://minio:9000",
         "spark.hadoop.fs.s3a.path.style.access": "true",
