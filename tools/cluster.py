@@ -81,6 +81,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from xml.etree import ElementTree
 
 REPO = Path(__file__).resolve().parents[1]
 BRIDGE = "flbr0"
@@ -110,12 +111,6 @@ HADOOP_AWS_PACKAGE = f"org.apache.hadoop:hadoop-aws:{HADOOP_VERSION}"
 AWS SDK bundle, about 600 MB: resolved once into :func:`ivy_dir`, outside the repo."""
 S3_PACKAGES = (DELTA_PACKAGE, HADOOP_AWS_PACKAGE)
 """``--packages`` of a local Spark application on ``s3a://`` storage (both in :func:`ivy_dir`)."""
-HADOOP_AWS_JARS = (
-    "org.apache.hadoop_hadoop-aws-",
-    "software.amazon.awssdk_",
-    "org.wildfly.openssl_",
-)
-"""How the jars of :data:`HADOOP_AWS_PACKAGE` and its dependencies are named in ``<ivy>/jars``."""
 S3_PORT = 9000
 S3_CREDENTIALS = ("flowers-s3-key", "flowers-s3-secret-7c41d9e2")
 """Access key and secret of the test S3 server (moto accepts any)."""
@@ -317,17 +312,31 @@ def resolve_packages(
 
 def hadoop_aws_classpath(ivy: Path) -> str:
     """The jars of :data:`HADOOP_AWS_PACKAGE` in ``<ivy>/jars`` (:func:`resolve_packages`), as
-    a class path (``spark.driver.extraClassPath``, ``spark.executor.extraClassPath``).
+    a class path (``spark.driver.extraClassPath``, ``spark.executor.extraClassPath``): its own
+    jar and those of the dependencies its Ivy descriptor (``ivy-<version>.xml`` in Ivy's
+    cache) puts on the compile or runtime class path, at the versions it names. The cache
+    holds other versions' jars beside them (an older pyspark's hadoop-aws and its AWS SDK
+    bundle, whose unshaded Netty 4.1 breaks Spark 4.2's RPC), which a name pattern would take.
 
     Raises:
-        ClusterError: one is missing.
+        ClusterError: the descriptor or one of the jars is missing.
     """
-    jars = sorted(
-        str(p) for p in (ivy / "jars").glob("*.jar") if p.name.startswith(HADOOP_AWS_JARS)
-    )
-    if len(jars) < len(HADOOP_AWS_JARS):
-        raise ClusterError(f"the hadoop-aws jars are not in {ivy / 'jars'}: {jars}")
-    return ":".join(jars)
+    group, artifact, version = HADOOP_AWS_PACKAGE.split(":")
+    descriptor = ivy / "cache" / group / artifact / f"ivy-{version}.xml"
+    try:
+        module = ElementTree.parse(descriptor).getroot()
+    except (OSError, ElementTree.ParseError) as err:
+        raise ClusterError(f"no Ivy descriptor of {HADOOP_AWS_PACKAGE}: {err}") from err
+    coordinates = [(group, artifact, version)]
+    for dep in module.iter("dependency"):
+        conf = dep.get("conf", "")
+        if conf.startswith(("compile", "runtime")):
+            coordinates.append((dep.get("org", ""), dep.get("name", ""), dep.get("rev", "")))
+    jars = [ivy / "jars" / f"{g}_{a}-{v}.jar" for g, a, v in coordinates]
+    missing = [j.name for j in jars if not j.is_file()]
+    if missing:
+        raise ClusterError(f"jars of {HADOOP_AWS_PACKAGE} not in {ivy / 'jars'}: {missing}")
+    return ":".join(str(j) for j in jars)
 
 
 def s3a_conf(endpoint: str) -> dict[str, str]:

@@ -39,13 +39,26 @@ from tests.support import ROOT_DIR
 sys.path.insert(0, str(ROOT_DIR / "tools"))
 from cluster import (
     S3_CREDENTIALS,
-    S3_PACKAGES,
     ivy_dir,
     local_s3_server,
     resolve_packages,
     s3_env,
     s3a_conf,
 )
+
+
+def s3_packages() -> tuple[str, str]:
+    """The ``--packages`` of a local session on ``s3a://`` storage in this interpreter's
+    environment (the default one, or the legacy Petastorm one with an older pyspark): Delta's
+    jar for the installed delta-spark and pyspark, and ``hadoop-aws`` at pyspark's own Hadoop
+    version, as the job computes it (``flowers_job.cluster.session.object_store_conf``). The
+    netns cluster's, from requirements/lock.txt, are ``cluster.S3_PACKAGES``."""
+    from flowers_job.cluster.session import object_store_conf
+    from tests.support.connect import delta_package
+
+    (hadoop_aws,), _ = object_store_conf(["s3a://bucket"])
+    return delta_package(), hadoop_aws
+
 
 RESOLVE_TIMEOUT = 600.0
 """Bound on the jars' resolution into an empty Ivy cache (seconds; 55 to 96 s measured)."""
@@ -81,7 +94,7 @@ class S3Store:
         ``spark.hadoop.fs.s3a.*`` of ``cluster.s3a_conf``. The credentials are not here:
         :meth:`env` (the executors' through ``spark.executorEnv.*``)."""
         return {
-            "spark.jars.packages": ",".join(S3_PACKAGES),
+            "spark.jars.packages": ",".join(s3_packages()),
             "spark.jars.ivy": str(ivy_dir()),
             **s3a_conf(self.endpoint),
         }
@@ -178,9 +191,10 @@ def s3_jars() -> Path:
     """The Ivy cache with Delta's and ``hadoop-aws``'s jars (``cluster.ivy_dir()``), resolved
     from Maven Central when a jar is missing (at most :data:`RESOLVE_TIMEOUT` s)."""
     ivy = ivy_dir()
-    seconds = resolve_packages(Path(sys.executable), S3_PACKAGES, ivy, RESOLVE_TIMEOUT)
+    packages = s3_packages()
+    seconds = resolve_packages(Path(sys.executable), packages, ivy, RESOLVE_TIMEOUT)
     if seconds:
-        print(f"resolved {', '.join(S3_PACKAGES)} into {ivy} in {seconds:.0f} s")
+        print(f"resolved {', '.join(packages)} into {ivy} in {seconds:.0f} s")
     return ivy
 
 

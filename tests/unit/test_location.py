@@ -17,7 +17,11 @@ from flowers_job.cluster.session import object_store_conf
 from flowers_job.config import ConfigError, load_config
 from flowers_job.loaders.streaming.remote import dataset_source, enter_host_cache, leave_host_cache
 from flowers_job.location import Location, copy_files_up, is_remote
+from tests.support import ROOT_DIR
 from tests.support.s3 import S3Store, s3, s3_jars, s3_server  # noqa: F401 (fixtures)
+
+sys.path.insert(0, str(ROOT_DIR / "tools"))
+import cluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 
@@ -154,12 +158,27 @@ def _pyspark_hadoop() -> str:
 
 def test_the_test_clusters_jars_match_this_environment() -> None:
     """tools/cluster.py's ``--packages`` (from requirements/lock.txt) are the jars this
-    environment's pyspark and delta-spark ask for."""
+    environment's pyspark and delta-spark ask for, and those local ``s3a://`` sessions of
+    the tests take (the legacy Petastorm environment's differ: its pyspark is older)."""
     from tests.support.connect import delta_package
-    from tests.support.s3 import S3_PACKAGES
+    from tests.support.s3 import s3_packages
 
     hadoop_aws = f"org.apache.hadoop:hadoop-aws:{_pyspark_hadoop()}"
-    assert (delta_package(), hadoop_aws) == S3_PACKAGES
+    assert (delta_package(), hadoop_aws) == cluster.S3_PACKAGES == s3_packages()
+
+
+def test_the_test_clusters_hadoop_aws_class_path_names_one_version_of_each_jar() -> None:
+    """The netns cluster's ``extraClassPath``: hadoop-aws and the jars its Ivy descriptor
+    names, at its versions only, though the cache holds an older Hadoop's beside them."""
+    ivy = cluster.ivy_dir()
+    version = cluster.HADOOP_AWS_PACKAGE.rsplit(":", 1)[1]
+    if not (ivy / "jars" / f"org.apache.hadoop_hadoop-aws-{version}.jar").is_file():
+        pytest.skip(f"{cluster.HADOOP_AWS_PACKAGE} is not in {ivy} (make s3-jars)")
+    jars = [Path(j).name for j in cluster.hadoop_aws_classpath(ivy).split(":")]
+    assert jars[0] == f"org.apache.hadoop_hadoop-aws-{version}.jar"
+    assert any(j.startswith("software.amazon.awssdk_bundle-") for j in jars)
+    modules = [re.sub(r"-\d[\w.]*\.jar$", "", j) for j in jars]
+    assert len(set(modules)) == len(modules), jars
 
 
 def test_a_local_session_gets_what_s3a_needs(monkeypatch: pytest.MonkeyPatch) -> None:
