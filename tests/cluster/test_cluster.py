@@ -59,10 +59,10 @@ if _REASON is not None:
     pytest.skip(f"no cluster here: {_REASON}", allow_module_level=True)
 
 JOB_TIMEOUT = 600.0
-"""Bound on one spark-submit (seconds). The job on the sample with Streaming: about 6.5 min
-from the submit to training's first stage, 2026-11-29, on Spark 4.2 with Spark's default
-partitions and the DBR suite running beside it (the MDS conversion's Spark jobs over 50
-partitions: 3 min 44 s of it)."""
+"""Bound on one spark-submit (seconds). The job on the sample with Streaming on Spark 4.2,
+Spark's default partitions and the DBR suite running beside it: about 6.5 min from the
+submit to training's first stage, 3 min 44 s of it the loader cache's Spark jobs over 50
+partitions (docs/testing.md)."""
 LOCK_TIMEOUT = 600.0
 """Longest wait for another run of this file, on this machine, to give the cluster up."""
 BASE = Path("/var/tmp/flowers-cluster-test")
@@ -99,7 +99,7 @@ runs it."""
 JOB_CONF = {**TRAIN_CONF, "spark.sql.shuffle.partitions": "2"}
 """The first end-to-end run's: :data:`TRAIN_CONF`, and the loader cache's and the split's
 Spark jobs in 2 shuffle partitions, not 200 (Streaming's MDS conversion runs several per
-split: with Spark's defaults they took 3 min 44 s of a about 6.5 min run under load)."""
+split: with Spark's defaults they took 3 min 44 s of a 6.5 min run under load)."""
 TRAIN_ENTRY = """\
 # spark-submit entry of `flowers-job train` (tests/cluster/test_cluster.py), as jobs/train_flowers.py
 # is that of `flowers-job run`: training on the tables already in --output-dir.
