@@ -795,7 +795,12 @@ class Cluster:
             **{k: v for k, v in s3.items() if executor_s3_env is None or k in executor_s3_env},
         }
         env = {**credentials, **s3, **(env or {})}
-        conf = {f"spark.executorEnv.{k}": v for k, v in executors.items()} | (conf or {})
+        conf = {
+            # what docs/cluster.md runs: workers forked warm (flowers_job.cluster.python_daemon)
+            "spark.python.daemon.module": "flowers_job.cluster.python_daemon",
+            **{f"spark.executorEnv.{k}": v for k, v in executors.items()},
+            **(conf or {}),
+        }
         if self.s3:
             jars = hadoop_aws_classpath(ivy_dir())
             conf = {

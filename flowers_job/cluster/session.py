@@ -56,6 +56,9 @@ _LOCAL_DEFAULTS = {
     # Image bytes travel through Arrow in the decode UDF; keep batches modest (~ 64 MB).
     "spark.sql.execution.arrow.maxRecordsPerBatch": "512",
     "spark.databricks.delta.snapshotPartitions": "2",
+    # Python workers forked with pandas, pyarrow and Streaming's writer already imported:
+    # those forked after Spark's one-minute idle cleanup start warm (python_daemon).
+    "spark.python.daemon.module": "flowers_job.cluster.python_daemon",
 }
 
 
