@@ -20,11 +20,11 @@
 #                           (DBR18_TESTS: the light ones and the promotion path; the full
 #                           tier adds the smoke job) in .venv-dbr18
 #                           (requirements/dbr-18-ml.txt), the same way
-#               test-petastorm  after them, on the same side: the Petastorm tests in the
+#               test-petastorm  the Petastorm tests in the
 #                           legacy environment .venv-petastorm (requirements/petastorm.txt:
 #                           Spark 4.0, pyarrow 14, NumPy 1.26; the project editable): one
-#                           end-to-end job in the gate, every test that names petastorm in
-#                           the full tier
+#                           end-to-end job in the gate (after the DBR suites), every test
+#                           that names petastorm in the full tier (after test-local)
 #               Where this is root with util-linux's unshare (CI is), the two suites run
 #               side by side, the DBR suite in its own mount namespace (its own /dev/shm
 #               and temp dir, for the Streaming state checks of faults/test_faults.py); each
@@ -164,7 +164,7 @@ PETASTORM_SECONDS_gate := 900
 PETASTORM_SECONDS_full := 2400
 
 .PHONY: setup setup-dbr setup-dbr18 setup-petastorm run test test-full tier test-local test-dbr \
-	test-dbr18 test-petastorm dbr-suite dbr-side wheel-dbr lint typecheck clean cluster-env \
+	test-dbr18 test-petastorm dbr-suite local-side dbr-side wheel-dbr lint typecheck clean cluster-env \
 	cluster-up cluster-down s3-jars setup-connect container-deps test-container
 
 # The container image (docker/Dockerfile) built from a base made of Debian's packages and run
@@ -336,23 +336,37 @@ test-full:
 tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O test-local dbr-side LOCAL_IGNORE="$(DBR_ONLY) container" \
+	@$(MAKE) --no-print-directory -j2 -O local-side dbr-side LOCAL_IGNORE="$(DBR_ONLY) container" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
-	@$(MAKE) --no-print-directory test-local LOCAL_IGNORE="$(DBR_ONLY) container" \
+	@$(MAKE) --no-print-directory local-side LOCAL_IGNORE="$(DBR_ONLY) container" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 	@$(MAKE) --no-print-directory dbr-side
 endif
 
+# The Petastorm suite's side: in the gate (one job) after the DBR suites, in the full tier
+# (every Petastorm test, about 20 min) after the local suite, which ends well before the DBR
+# side's 17.3 and 18 suites and container tests (docs/testing.md).
+PETASTORM_SIDE_gate := dbr
+PETASTORM_SIDE_full := local
+
+# The local side: the local suite, then (the full tier) the Petastorm suite. It fails if
+# either does.
+local-side:
+	@rc=0; $(MAKE) --no-print-directory test-local || rc=$$?; \
+	if [ "$(PETASTORM_SIDE_$(TIER))" = local ]; then \
+		$(MAKE) --no-print-directory test-petastorm || rc=$$?; fi; exit $$rc
+
 # The DBR side of `make test`: the 17.3 suite, then the 18 smoke job (SMOKE_DBR18) with the
-# wheel that wheel-dbr built, then the Petastorm suite, then (the full tier) the container
-# tests; what it costs CI: docs/testing.md. Each runs whatever the others' results; the side
-# fails if any does.
+# wheel that wheel-dbr built, then (the gate) the Petastorm suite, then (the full tier) the
+# container tests; what it costs CI: docs/testing.md. Each runs whatever the others'
+# results; the side fails if any does.
 dbr-side:
 	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
 	if [ "$(SMOKE_DBR18)" = 1 ]; then \
 		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; \
-	$(MAKE) --no-print-directory test-petastorm || rc=$$?; \
+	if [ "$(PETASTORM_SIDE_$(TIER))" = dbr ]; then \
+		$(MAKE) --no-print-directory test-petastorm || rc=$$?; fi; \
 	if [ "$(TIER)" = full ]; then \
 		$(MAKE) --no-print-directory test-container || rc=$$?; fi; exit $$rc
 
