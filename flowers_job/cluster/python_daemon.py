@@ -16,9 +16,11 @@ then works as PySpark's own. The executors' Python must have ``flowers_job`` ins
 the cluster's environment does); where it does not (a Databricks cluster's
 libraries install after the daemon starts), leave the setting unset.
 
-Forking after these imports is safe: none of them starts a thread that holds a lock across
-the fork, and a worker's first task runs on the forking thread's state, as in PySpark's
-own daemon (pandas and pyarrow are imported there by every worker's first task anyway).
+Forking after these imports: they leave two helper threads in the daemon (NumPy's BLAS
+pool and an allocator's background thread), of libraries that register fork handlers; a
+forked worker has only the forking thread, as with PySpark's own daemon, and imports
+nothing again. Every Python stage of the test suites, local and on the netns cluster, runs
+in workers forked this way.
 """
 
 from __future__ import annotations
