@@ -20,15 +20,17 @@
 #                           (DBR18_TESTS: the light ones and the promotion path; the full
 #                           tier adds the smoke job) in .venv-dbr18
 #                           (requirements/dbr-18-ml.txt), the same way
+#               test-cluster  the netns cluster's tests (tests/cluster) in .venv, on the
+#                           DBR side after the 17.3 suite
 #               test-petastorm  the Petastorm tests in the
 #                           legacy environment .venv-petastorm (requirements/petastorm.txt:
 #                           Spark 4.0, pyarrow 14, NumPy 1.26; the project editable): one
 #                           end-to-end job in the gate (after the DBR suites), every test
 #                           that names petastorm in the full tier (after test-local)
-#               Where this is root with util-linux's unshare (CI is), the two suites run
-#               side by side, the DBR suite in its own mount namespace (its own /dev/shm
-#               and temp dir, for the Streaming state checks of faults/test_faults.py); each
-#               suite's output is printed whole when it ends (make -O). Elsewhere one
+#               Where this is root with util-linux's unshare (CI is), the two sides run
+#               side by side, the DBR side's suites each in its own mount namespace (its
+#               own /dev/shm, for the Streaming state checks of faults/test_faults.py);
+#               each suite's output is printed whole when it ends (make -O). Elsewhere one
 #               after the other.
 # An environment is rebuilt only when its lock file's content changes (a hash in its
 # .installed-<hash> marker, not the file's time): uv installs from its cache by hard links,
@@ -92,7 +94,9 @@ TIER ?= gate
 # --maxfail, per tier: the gate's within 1,200 s on the slower machine of this kind, the full
 # tier's within 3,000 s; these bounds sit well above that and well inside CI's 5,400 s.
 SUITE_SECONDS_gate := 2000
-SUITE_SECONDS_full := 4500
+SUITE_SECONDS_full := 5000
+CLUSTER_SECONDS_gate := 900
+CLUSTER_SECONDS_full := 3600
 DBR18_SECONDS_gate := 900
 DBR18_SECONDS_full := 1200
 MAXFAIL_gate := 5
@@ -116,17 +120,16 @@ DBR18_TESTS_full := $(DBR18_LIGHT) unit/serving/test_batch_predict.py unit/servi
 DBR18_TESTS ?= $(DBR18_TESTS_$(TIER))
 # 0: `make test` leaves the 18 tests out (`make test-dbr18` still runs them).
 SMOKE_DBR18 ?= 1
-# Test files that `make test` runs in the DBR suite only, which evens out the two suites'
-# times when they run side by side (docs/testing.md): the clean install of the built wheel
-# (a fresh uv environment of its own, whichever suite starts it), and the checks of
-# flowers_job's own that read and write Delta tables through the stack both suites
-# exercise in unit/ingest/test_ingest.py (the quarantine of each bad input, training's refusal of
+# Test files that `make test` runs in the DBR suite only, which evens out the two sides'
+# times when they run side by side (docs/testing.md): the checks of flowers_job's own that
+# read and write Delta tables through the stack both suites exercise in
+# unit/ingest/test_ingest.py (the quarantine of each bad input, training's refusal of
 # damaged tables, the incremental ingest and retention, the loader cache's reuse, locking and
 # eviction, which are the loader's own in-between: the Streaming loader there), and batch
 # scoring (the bundle's score task runs on the runtime), and `flowers-job runs` (MLflow's
 # client as the runtime ships it), and catalog tables (the runtime's pydantic 2.10 rebuilds
 # their settings on the ranks: it caught a dump that only pydantic 2.11+ gave right).
-DBR_ONLY ?= project/test_clean_install.py unit/tables/test_table_checks.py integration/test_bad_input.py integration/test_incremental.py \
+DBR_ONLY ?= unit/tables/test_table_checks.py integration/test_bad_input.py integration/test_incremental.py \
 	unit/loaders/test_loader_cache.py unit/serving/test_batch_predict.py unit/driver/test_runs.py integration/test_catalog_tables.py
 # Tests that `make test` runs in the DBR suite only (test-local deselects them), for the same
 # reason: Delta's commit protocol under an interrupted ingest, which the ingest tests of
@@ -134,9 +137,13 @@ DBR_ONLY ?= project/test_clean_install.py unit/tables/test_table_checks.py integ
 DBR_ONLY_TESTS ?= unit/ingest/test_ingest.py::test_an_interrupted_ingest_is_refused_by_training_and_repaired_by_a_rerun
 # Tests test-local deselects (`make test` sets it to DBR_ONLY_TESTS).
 LOCAL_DESELECT ?=
-# The test files that run in the DBR 17.3 environment.
-DBR_TESTS ?= unit/config/test_config.py unit/ingest/test_ingest.py unit/loaders/test_shards.py unit/loaders/test_loaders.py integration/test_job_e2e.py integration/test_cache_append.py \
-	faults/test_faults.py faults/test_restart.py faults/test_recovery.py project/test_bundle.py integration/test_fail_fast.py project/test_stack.py \
+# The test files that run in the DBR 17.3 environment. Not among them: the fault and restart
+# scenarios (faults/test_faults.py, faults/test_restart.py) and the loader cache's appends
+# (integration/test_cache_append.py), jobs of several runs each whose guarantees are the
+# job's own (process groups, restarts, the cache's layout): they run once, in the local suite
+# with the same Streaming loader, and in the Petastorm suite with Petastorm.
+DBR_TESTS ?= unit/config/test_config.py unit/ingest/test_ingest.py unit/loaders/test_shards.py unit/loaders/test_loaders.py integration/test_job_e2e.py \
+	faults/test_recovery.py project/test_bundle.py integration/test_fail_fast.py project/test_stack.py \
 	unit/tracking/test_packages.py unit/driver/test_promotion.py unit/serving/test_serving.py $(DBR_ONLY)
 # Test files test-local leaves out (`make test` sets it to DBR_ONLY).
 LOCAL_IGNORE ?=
@@ -149,7 +156,14 @@ LOCAL_IGNORE ?=
 # MLflow 3.0.1's client depend on the stack.
 DBR_DESELECT ?= unit/ingest/test_ingest.py::test_changed_clean_input_is_reingested_consistently \
 	unit/ingest/test_ingest.py::test_split_is_deterministic_whatever_the_partitioning \
-	integration/test_fail_fast.py::test_cli_exits_2_when_the_processes_do_not_fit_the_cluster
+	integration/test_fail_fast.py::test_cli_exits_2_when_the_processes_do_not_fit_the_cluster \
+	$(addprefix integration/test_job_e2e.py::,$(E2E_LOCAL_ONLY))
+# The end-to-end jobs (full tier) that the DBR suite leaves to the local suite, for the reason
+# DBR_TESTS gives: the resume's refusal of re-ingested data, barrier mode, the validation
+# features computed once. The one job per loader (test_cli_run_local_mode_then_resume)
+# runs in every environment.
+E2E_LOCAL_ONLY := test_resume_refuses_reingested_data_unless_told test_run_barrier_mode \
+	test_frozen_backbone_validation_features_once_give_the_same_metrics
 # The loaders whose parametrized tests (end-to-end, faults, shards) test-local runs: .venv
 # has Streaming only (test-petastorm runs Petastorm's in its own environment).
 LOCAL_LOADERS ?= streaming
@@ -164,7 +178,7 @@ PETASTORM_SECONDS_gate := 900
 PETASTORM_SECONDS_full := 2400
 
 .PHONY: setup setup-dbr setup-dbr18 setup-petastorm run test test-full tier test-local test-dbr \
-	test-dbr18 test-petastorm dbr-suite local-side dbr-side wheel-dbr lint typecheck clean cluster-env \
+	test-dbr18 test-petastorm test-cluster dbr-suite local-side dbr-side wheel-dbr lint typecheck clean cluster-env \
 	cluster-up cluster-down s3-jars setup-connect container-deps test-container
 
 # The container image (docker/Dockerfile) built from a base made of Debian's packages and run
@@ -336,17 +350,17 @@ test-full:
 tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O local-side dbr-side LOCAL_IGNORE="$(DBR_ONLY) container" \
+	@$(MAKE) --no-print-directory -j2 -O local-side dbr-side LOCAL_IGNORE="$(DBR_ONLY) container cluster" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
-	@$(MAKE) --no-print-directory local-side LOCAL_IGNORE="$(DBR_ONLY) container" \
+	@$(MAKE) --no-print-directory local-side LOCAL_IGNORE="$(DBR_ONLY) container cluster" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 	@$(MAKE) --no-print-directory dbr-side
 endif
 
 # The Petastorm suite's side: in the gate (one job) after the DBR suites, in the full tier
-# (every Petastorm test, about 20 min) after the local suite, which ends well before the DBR
-# side's 17.3 and 18 suites and container tests (docs/testing.md).
+# (every Petastorm test, about 20 min) after the local suite, beside the DBR side's 17.3
+# suite, netns cluster, 18 suite and container tests (docs/testing.md).
 PETASTORM_SIDE_gate := dbr
 PETASTORM_SIDE_full := local
 
@@ -357,12 +371,13 @@ local-side:
 	if [ "$(PETASTORM_SIDE_$(TIER))" = local ]; then \
 		$(MAKE) --no-print-directory test-petastorm || rc=$$?; fi; exit $$rc
 
-# The DBR side of `make test`: the 17.3 suite, then the 18 smoke job (SMOKE_DBR18) with the
-# wheel that wheel-dbr built, then (the gate) the Petastorm suite, then (the full tier) the
-# container tests; what it costs CI: docs/testing.md. Each runs whatever the others'
-# results; the side fails if any does.
+# The DBR side of `make test`: the 17.3 suite, the netns cluster's tests, then the 18 smoke
+# job (SMOKE_DBR18) with the wheel that wheel-dbr built, then (the gate) the Petastorm suite,
+# then (the full tier) the container tests; what it costs CI: docs/testing.md. Each runs
+# whatever the others' results; the side fails if any does.
 dbr-side:
 	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
+	$(MAKE) --no-print-directory test-cluster || rc=$$?; \
 	if [ "$(SMOKE_DBR18)" = 1 ]; then \
 		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; \
 	if [ "$(PETASTORM_SIDE_$(TIER))" = dbr ]; then \
@@ -378,6 +393,20 @@ test-local: setup
 		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) \
 		$(addprefix --deselect tests/,$(LOCAL_DESELECT)) || rc=$$?; \
 	set +x; $(call took,tests local); $(call pytest_status); $(call suite_timeout); exit $$rc
+
+# The netns cluster's tests (tests/cluster: spark-submit and a Spark Connect server on hosts
+# in network namespaces, tools/cluster.py) in .venv, a suite of their own so that they can run
+# on the DBR side (a third of the local suite's time in the full tier, docs/testing.md); with
+# ISOLATE in a mount namespace with its own /dev/shm, like the DBR suite, which the hosts'
+# processes inherit.
+test-cluster: SUITE_SECONDS = $(CLUSTER_SECONDS_$(TIER))
+test-cluster: setup
+	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); \
+	wrap=""; if [ "$(ISOLATE)" = 1 ]; then wrap=$(CURDIR)/tools/own_shm.sh; fi; set -x; \
+	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(SUITE_TIMEOUT) $$wrap $(BIN)/python -m pytest \
+		--tier $(TIER) --maxfail $(MAXFAIL) --durations=0 \
+		--junitxml=$(REPORTS)/junit-cluster.xml tests/cluster || rc=$$?; \
+	set +x; $(call took,tests cluster); $(call pytest_status); $(call suite_timeout); exit $$rc
 
 # The Petastorm suite in .venv-petastorm (PETASTORM_TESTS, PETASTORM_SELECT), its loader's
 # tests only (FLOWERS_TEST_LOADERS=petastorm).
