@@ -234,16 +234,17 @@ def test_spark_submit_remote_runs_the_job_on_the_server(
 
 
 @pytest.mark.tier("full")
+@pytest.mark.parametrize("loader", ["petastorm"], indirect=True)  # skipped where it cannot run
 def test_petastorm_runs_on_spark_connect_too(
-    connect_url: str, photos: Path, tmp_path: Path
+    connect_url: str, photos: Path, tmp_path: Path, loader: str
 ) -> None:
-    """The issue expected Petastorm refused on Connect, its converter reading ``df._jdf``. This
-    project's Petastorm loader never calls ``make_spark_converter``: Spark writes the cache
-    (DataFrame writes) and the ranks read it with Petastorm's reader. Tried: it runs."""
+    """Petastorm's converter (``make_spark_converter``) reads ``df._jdf``, which a Connect
+    DataFrame lacks. This project's Petastorm loader never calls it: Spark writes the cache
+    (DataFrame writes) and the ranks read it with Petastorm's reader, so the job runs."""
     out = tmp_path / "out"
     proc = run_cli(
         *("run", "--remote", connect_url, "--images", str(photos), "--output-dir", str(out)),
-        *_sets(*FAST, "data.loader=petastorm", "distributed.local_mode=false"),
+        *_sets(*FAST, f"data.loader={loader}", "distributed.local_mode=false"),
         timeout=JOB_SECONDS,
     )
     assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]

@@ -17,8 +17,9 @@ SELECTED_LOADERS = tuple(
     if name.strip()
 )
 """Loaders the loader-parametrized tests run with: ``FLOWERS_TEST_LOADERS`` (comma-separated),
-all of them by default. CI runs petastorm in the local stack and streaming in the DBR 17.3
-environment, so that each loader's end-to-end and fault tests run once."""
+all of them by default. The Makefile's local, DBR and cluster suites run streaming and the
+Petastorm suite, in its own environment, petastorm, so that each loader's end-to-end and
+fault tests run once per environment that can run it."""
 
 
 def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:
