@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,10 +29,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOADERS",
+    "TASK_LIBRARIES",
     "check_session",
     "loader_problem",
     "registered_loaders",
     "resolve_loader",
+    "task_library_importers",
 ]
 
 LOADERS: dict[str, str] = {
@@ -40,6 +43,15 @@ LOADERS: dict[str, str] = {
 }
 """Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
 order and takes the first that runs here."""
+
+TASK_LIBRARIES: dict[str, str] = {
+    "streaming": "flowers_job.loaders.streaming.library:import_task_libraries",
+}
+"""What a loader's Spark tasks import, imported the loader's own way: ``data.loader`` name ->
+``module:function`` (no argument; returns the modules imported, none where the library is
+not installed). The Python workers' daemon calls each before it forks
+(:mod:`flowers_job.cluster.python_daemon`). Petastorm's tasks import nothing of their own:
+Spark writes its Parquet cache."""
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +68,16 @@ def _registered(name: str) -> type[Loader]:
         raise ValueError(f"unknown loader {name!r}; the loaders are {sorted(LOADERS)}") from None
     cls: type[Loader] = getattr(importlib.import_module(module), attr)
     return cls
+
+
+def task_library_importers() -> dict[str, Callable[[], list[str]]]:
+    """The function of each loader in :data:`TASK_LIBRARIES`; imports only their modules
+    (small ones: no loader library until a function is called)."""
+    found = {}
+    for name, target in TASK_LIBRARIES.items():
+        module, _, attr = target.partition(":")
+        found[name] = getattr(importlib.import_module(module), attr)
+    return found
 
 
 def registered_loaders() -> list[type[Loader]]:

@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["UNUSED_SUBPACKAGES", "import_streaming"]
+__all__ = ["TASK_MODULES", "UNUSED_SUBPACKAGES", "import_streaming", "import_task_libraries"]
 
 UNUSED_SUBPACKAGES = ("text", "vision", "multimodal")
 """Subpackages of ``streaming`` that its ``__init__`` imports and this job never uses: the
@@ -42,6 +42,31 @@ def import_streaming() -> types.ModuleType:
         for name in UNUSED_SUBPACKAGES:
             sys.modules.setdefault(f"streaming.{name}", _placeholder(name, root / name))
     return importlib.import_module("streaming")
+
+
+TASK_MODULES = ("streaming.base.converters",)
+"""What the loader cache's Spark tasks import: ``dataframe_to_mds``'s module, which each
+Python worker imports when it unpickles the MDS conversion's function."""
+
+
+def import_task_libraries() -> list[str]:
+    """Import :data:`TASK_MODULES` after :func:`import_streaming`, so without Streaming's
+    example datasets (which bring in transformers' tokenizer registry and scikit-learn;
+    ``streaming.base`` itself imports two of transformers' base classes): what the
+    Python workers' daemon runs before it forks (:mod:`flowers_job.cluster.python_daemon`).
+
+    Returns:
+        The modules imported; none where Streaming is not installed.
+
+    Raises:
+        ImportError: Streaming is installed but does not import.
+    """
+    if importlib.util.find_spec("streaming") is None:
+        return []
+    import_streaming()
+    for name in TASK_MODULES:
+        importlib.import_module(name)
+    return list(TASK_MODULES)
 
 
 def _placeholder(name: str, folder: Path) -> types.ModuleType:
