@@ -103,7 +103,10 @@ MAXFAIL_gate := 5
 MAXFAIL_full := 10
 SUITE_SECONDS ?= $(SUITE_SECONDS_$(TIER))
 MAXFAIL ?= $(MAXFAIL_$(TIER))
-SUITE_TIMEOUT = timeout -s INT -k 60 $(SUITE_SECONDS)
+# Every process a suite starts carries the word suite-<the recipe shell's pid> in
+# FLOWERS_JOB_TEST_SESSION (tests/support/leftovers.py adds the pytest session's after it), so
+# that what a suite stopped by its bound left running can be found (suite_timeout).
+SUITE_TIMEOUT = FLOWERS_JOB_TEST_SESSION=suite-$$$$ timeout -s INT -k 60 $(SUITE_SECONDS)
 # 0: wheel-dbr installs the wheel already in WHEEL_DIR instead of building it again (`make
 # test` builds it once, for both runtimes).
 BUILD_WHEEL ?= 1
@@ -198,7 +201,7 @@ test-container: setup container-deps
 	@t0=$$(date +%s); rc=0; mkdir -p $(REPORTS); set -x; \
 	$(SUITE_TIMEOUT) $(BIN)/python -m pytest --tier $(TIER) --maxfail $(MAXFAIL) --durations=0 \
 		--junitxml=$(REPORTS)/junit-container.xml tests/container || rc=$$?; \
-	set +x; $(call took,tests container); $(call pytest_status); $(call suite_timeout); exit $$rc
+	set +x; $(call took,tests container); $(call pytest_status); $(call suite_timeout,$(BIN)/python); exit $$rc
 
 # A Spark standalone cluster on this machine, one network namespace per host (needs root):
 # master, 2 workers, a driver host with an MLflow server; tools/cluster.py says more.
@@ -231,10 +234,14 @@ define pytest_status
 if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): failing" >&2; fi
 endef
 
-# A suite stopped by its bound (timeout's 124, or 137 after SIGKILL), named as such.
+# A suite stopped by its bound (timeout's 124, or 137 after SIGKILL), named as such, and what it
+# left running killed and named (tests/support/sweep.py, with the suite's python, $(1)): a
+# SIGKILLed pytest never reaches its own leftover check, and its servers run in process groups
+# of their own.
 define suite_timeout
 if [ $$rc -eq 124 ] || [ $$rc -eq 137 ]; then \
-	echo "the suite ran past its bound of $(SUITE_SECONDS) s and was stopped (exit $$rc)" >&2; fi
+	echo "the suite ran past its bound of $(SUITE_SECONDS) s and was stopped (exit $$rc)" >&2; \
+	$(1) -m tests.support.sweep suite-$$$$ || true; fi
 endef
 
 # .venv: the lock file, synced exactly (uv pip sync), then the project, editable.
@@ -392,7 +399,7 @@ test-local: setup
 	$(SUITE_TIMEOUT) $(BIN)/python -m pytest --tier $(TIER) --maxfail $(MAXFAIL) --durations=0 \
 		--junitxml=$(REPORTS)/junit-local.xml $(addprefix --ignore=tests/,$(LOCAL_IGNORE)) \
 		$(addprefix --deselect tests/,$(LOCAL_DESELECT)) || rc=$$?; \
-	set +x; $(call took,tests local); $(call pytest_status); $(call suite_timeout); exit $$rc
+	set +x; $(call took,tests local); $(call pytest_status); $(call suite_timeout,$(BIN)/python); exit $$rc
 
 # The netns cluster's tests (tests/cluster: spark-submit and a Spark Connect server on hosts
 # in network namespaces, tools/cluster.py) in .venv, a suite of their own so that they can run
@@ -406,7 +413,7 @@ test-cluster: setup
 	FLOWERS_TEST_LOADERS=$(LOCAL_LOADERS) $(SUITE_TIMEOUT) $$wrap $(BIN)/python -m pytest \
 		--tier $(TIER) --maxfail $(MAXFAIL) --durations=0 \
 		--junitxml=$(REPORTS)/junit-cluster.xml tests/cluster || rc=$$?; \
-	set +x; $(call took,tests cluster); $(call pytest_status); $(call suite_timeout); exit $$rc
+	set +x; $(call took,tests cluster); $(call pytest_status); $(call suite_timeout,$(BIN)/python); exit $$rc
 
 # The Petastorm suite in .venv-petastorm (PETASTORM_TESTS, PETASTORM_SELECT), its loader's
 # tests only (FLOWERS_TEST_LOADERS=petastorm).
@@ -416,7 +423,7 @@ test-petastorm: setup-petastorm
 	FLOWERS_TEST_LOADERS=petastorm $(SUITE_TIMEOUT) $(PETASTORM_BIN)/python -m pytest \
 		--tier $(TIER) --maxfail $(MAXFAIL) --durations=0 --junitxml=$(REPORTS)/junit-petastorm.xml $(PETASTORM_SELECT_$(TIER)) \
 		$(addprefix tests/,$(PETASTORM_TESTS_$(TIER))) || rc=$$?; \
-	set +x; $(call took,tests petastorm); $(call pytest_status); $(call suite_timeout); exit $$rc
+	set +x; $(call took,tests petastorm); $(call pytest_status); $(call suite_timeout,$(PETASTORM_BIN)/python); exit $$rc
 
 # Build the wheel (as the bundle's artifact does; BUILD_WHEEL=0 takes the one in WHEEL_DIR)
 # and install it into .venv-dbr with its [streaming] extra, from the lock file's packages
@@ -465,7 +472,7 @@ dbr-suite:
 		--maxfail $(MAXFAIL) --durations=0 \
 		--junitxml=$(REPORTS)/junit-$(DBR_NAME).xml $(addprefix tests/,$(DBR_TESTS)) \
 		$(addprefix --deselect tests/,$(DBR_DESELECT)) || rc=$$?; \
-	set +x; $(call took,tests $(DBR_NAME)); $(call pytest_status); $(call suite_timeout); exit $$rc
+	set +x; $(call took,tests $(DBR_NAME)); $(call pytest_status); $(call suite_timeout,$(DBR_BIN)/python); exit $$rc
 
 clean:
 	rm -rf output reports .pytest_cache .mypy_cache .ruff_cache dist build

@@ -191,3 +191,37 @@ def test_the_cluster_tools_stop_process_kills_the_group_the_leader_leaves(tmp_pa
     while not _gone(child):
         assert time.monotonic() < deadline, f"pid {child} still alive"
         time.sleep(0.05)
+
+
+def _sweep(word: str) -> subprocess.CompletedProcess[str]:
+    """``python -m tests.support.sweep word``, as the Makefile runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "tests.support.sweep", word],
+        cwd=ROOT_DIR,
+        capture_output=True,
+        text=True,
+        timeout=INNER_SECONDS,
+        check=False,
+    )
+
+
+def test_the_sweep_after_a_stopped_suite_kills_what_carries_its_word() -> None:
+    """What the Makefile runs when a suite's bound killed it: a server in a group of its own
+    whose environment carries the suite's word is named and killed; one without it is not."""
+    word = f"suite-test-{os.getpid()}"
+    env = {**os.environ, SESSION_ENV: f"{word} inner-session"}
+    marked = subprocess.Popen([sys.executable, "-c", SLEEPER], env=env, start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", SLEEPER], start_new_session=True)
+    try:
+        out = _sweep(word)
+        assert out.returncode == 1, out.stderr
+        assert f"killed: pid {marked.pid}: " in out.stderr and SLEEPER in out.stderr
+        assert str(other.pid) not in out.stderr
+        assert marked.wait(KILL_SECONDS) == -signal.SIGKILL
+        assert other.poll() is None
+        again = _sweep(word)
+        assert again.returncode == 0 and not again.stderr, again.stderr
+    finally:
+        for proc in (marked, other):
+            proc.kill()
+            proc.wait(KILL_SECONDS)
