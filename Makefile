@@ -91,10 +91,12 @@ WHEEL_DIR ?= $(abspath dist)
 # The tier the suites run (pytest --tier): gate or full. `make test` and `make test-full` set it.
 TIER ?= gate
 # Bounds of each suite, seconds (`timeout -s INT`, then SIGKILL 60 s later), and pytest's
-# --maxfail, per tier: the gate's within 1,200 s on the slower machine of this kind, the full
-# tier's within 3,000 s; these bounds sit well above that and well inside CI's 5,400 s.
+# --maxfail, per tier. The gate's sit above what its suites take on the slower machine of this
+# kind and inside CI's 5,400 s. The full tier's catch a hang, not a slow suite: on the slower
+# machine its local suite alone runs past 5,000 s beside the DBR side, so the whole tier does
+# not fit CI's 5,400 s there (docs/testing.md, where its time goes).
 SUITE_SECONDS_gate := 2000
-SUITE_SECONDS_full := 5000
+SUITE_SECONDS_full := 7200
 CLUSTER_SECONDS_gate := 900
 CLUSTER_SECONDS_full := 3600
 DBR18_SECONDS_gate := 900
@@ -178,10 +180,10 @@ PETASTORM_TESTS_full := unit integration faults project
 PETASTORM_SELECT_gate :=
 PETASTORM_SELECT_full := -k petastorm
 PETASTORM_SECONDS_gate := 900
-PETASTORM_SECONDS_full := 2400
+PETASTORM_SECONDS_full := 3600
 
 .PHONY: setup setup-dbr setup-dbr18 setup-petastorm run test test-full tier test-local test-dbr \
-	test-dbr18 test-petastorm test-cluster dbr-suite local-side dbr-side wheel-dbr lint typecheck clean cluster-env \
+	test-dbr18 test-petastorm test-cluster dbr-suite local-side dbr-side petastorm-side wheel-dbr lint typecheck clean cluster-env \
 	cluster-up cluster-down s3-jars setup-connect container-deps test-container
 
 # The container image (docker/Dockerfile) built from a base made of Debian's packages and run
@@ -357,26 +359,27 @@ test-full:
 tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O local-side dbr-side LOCAL_IGNORE="$(DBR_ONLY) container cluster" \
-		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
+	@$(MAKE) --no-print-directory -j2 -O local-side dbr-side $(PETASTORM_SIDE_GOAL_$(TIER)) \
+		LOCAL_IGNORE="$(DBR_ONLY) container cluster" LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
 	@$(MAKE) --no-print-directory local-side LOCAL_IGNORE="$(DBR_ONLY) container cluster" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
-	@$(MAKE) --no-print-directory dbr-side
+	@$(MAKE) --no-print-directory dbr-side $(PETASTORM_SIDE_GOAL_$(TIER))
 endif
 
-# The Petastorm suite's side: in the gate (one job) after the DBR suites, in the full tier
-# (every Petastorm test, about 20 min) after the local suite, beside the DBR side's 17.3
-# suite, netns cluster, 18 suite and container tests (docs/testing.md).
+# The Petastorm suite's side: in the gate (one job) after the DBR suites; in the full tier
+# (every Petastorm test, 30-45 min) a third goal of the two-slot make, so that it starts in
+# whichever slot the local side or the DBR side frees first (docs/testing.md).
 PETASTORM_SIDE_gate := dbr
-PETASTORM_SIDE_full := local
+PETASTORM_SIDE_full := own
+PETASTORM_SIDE_GOAL_full := petastorm-side
 
-# The local side: the local suite, then (the full tier) the Petastorm suite. It fails if
-# either does.
+# The local side: the local suite.
 local-side:
-	@rc=0; $(MAKE) --no-print-directory test-local || rc=$$?; \
-	if [ "$(PETASTORM_SIDE_$(TIER))" = local ]; then \
-		$(MAKE) --no-print-directory test-petastorm || rc=$$?; fi; exit $$rc
+	@$(MAKE) --no-print-directory test-local
+
+petastorm-side:
+	@$(MAKE) --no-print-directory test-petastorm
 
 # The DBR side of `make test`: the 17.3 suite, the netns cluster's tests, then the 18 smoke
 # job (SMOKE_DBR18) with the wheel that wheel-dbr built, then (the gate) the Petastorm suite,
