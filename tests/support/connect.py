@@ -93,6 +93,10 @@ def server_command(
         "spark.connect.grpc.binding.address": host,
         "spark.connect.grpc.binding.port": str(port),
         "spark.sql.shuffle.partitions": "8",
+        # as docs/cluster.md's server runs: Python workers forked warm, so that a stage after
+        # Spark's one-minute idle-worker cleanup does not import pandas, pyarrow and the
+        # loaders' libraries again in each worker
+        "spark.python.daemon.module": "flowers_job.cluster.python_daemon",
         **(DELTA_CONF if delta else {}),
         **(conf or {}),
     }
