@@ -359,7 +359,7 @@ test-full:
 tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -O local-side dbr-side $(PETASTORM_SIDE_GOAL_$(TIER)) \
+	@$(MAKE) --no-print-directory -j2 -k -O local-side dbr-side $(PETASTORM_SIDE_GOAL_$(TIER)) \
 		LOCAL_IGNORE="$(DBR_ONLY) container cluster" LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
 	@$(MAKE) --no-print-directory local-side LOCAL_IGNORE="$(DBR_ONLY) container cluster" \
@@ -369,7 +369,8 @@ endif
 
 # The Petastorm suite's side: in the gate (one job) after the DBR suites; in the full tier
 # (every Petastorm test, 30-45 min) a third goal of the two-slot make, so that it starts in
-# whichever slot the local side or the DBR side frees first (docs/testing.md).
+# whichever slot the local side or the DBR side frees first (docs/testing.md); the make keeps
+# going (-k), so that it starts even when a side before it failed.
 PETASTORM_SIDE_gate := dbr
 PETASTORM_SIDE_full := own
 PETASTORM_SIDE_GOAL_full := petastorm-side
