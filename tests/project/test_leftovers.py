@@ -13,44 +13,23 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.support import REPO, ROOT_DIR
 from tests.support.leftovers import SESSION_ENV
-from tests.support.processes import KILL_SECONDS
+from tests.support.processes import (
+    IGNORES_SIGTERM,
+    KILL_SECONDS,
+    SLEEPER,
+    process_gone,
+    wait_for_file,
+)
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.tier("gate"), pytest.mark.timeout(180)]
 
 INNER_SECONDS = 120.0
 """Bound on an inner pytest session, seconds (about 3 s on the 2-core machine)."""
-START_SECONDS = 30.0
-"""Bound on a helper process's start (it writes its pid file), seconds."""
-SLEEPER = "import time; time.sleep(600)"
-IGNORES_SIGTERM = (
-    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "open(sys.argv[1], 'w').write('ready'); time.sleep(600)"
-)
-"""A process that ignores SIGTERM (as the tracking server's uvicorn was seen to), and says
-so in the file ``argv[1]`` once it does."""
-
-
-def _gone(pid: int) -> bool:
-    """No live process ``pid`` (a zombie not yet reaped by init counts as gone)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_for_file(path: Path) -> str:
-    """``path``'s text once it has some (bounded by :data:`START_SECONDS`)."""
-    deadline = time.monotonic() + START_SECONDS
-    while not (path.exists() and path.read_text()):
-        assert time.monotonic() < deadline, f"nothing in {path} after {START_SECONDS} s"
-        time.sleep(0.05)
-    return path.read_text()
 
 
 def _inner_session(
@@ -95,7 +74,7 @@ def test_leaves_a_server_running():
         ]
     )
     assert "1 left behind" in result.stdout.lines[-1]
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 def test_an_orphaned_server_is_found_by_the_session_mark(
@@ -131,7 +110,7 @@ def test_leaves_an_orphan():
     result.stdout.fnmatch_lines(
         [f"pid {pid} (group {pid}), * s old, started while *test_leaves_an_orphan ran, killed: *"]
     )
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 def test_a_session_that_stops_its_server_passes(
@@ -184,12 +163,12 @@ def test_the_cluster_tools_stop_process_kills_the_group_the_leader_leaves(tmp_pa
     leader = subprocess.Popen(
         [sys.executable, "-c", leader_code, str(ready), str(child_file)], start_new_session=True
     )
-    _wait_for_file(ready)
-    child = int(_wait_for_file(child_file))
+    wait_for_file(ready)
+    child = int(wait_for_file(child_file))
     stop_process(leader, timeout=20)
     assert leader.returncode == -signal.SIGTERM
     deadline = time.monotonic() + KILL_SECONDS
-    while not _gone(child):
+    while not process_gone(child):
         assert time.monotonic() < deadline, f"pid {child} still alive"
         time.sleep(0.05)
 

@@ -10,39 +10,18 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.support.processes import KILL_SECONDS, stop_group
+from tests.support.processes import (
+    IGNORES_SIGTERM,
+    KILL_SECONDS,
+    SLEEPER,
+    process_gone,
+    stop_group,
+    wait_for_file,
+)
 
 pytestmark = [pytest.mark.tier("gate"), pytest.mark.timeout(180)]
-
-START_SECONDS = 30.0
-"""Bound on a helper process's start (it writes its pid file), seconds."""
-SLEEPER = "import time; time.sleep(600)"
-IGNORES_SIGTERM = (
-    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "open(sys.argv[1], 'w').write('ready'); time.sleep(600)"
-)
-"""A process that ignores SIGTERM (as the tracking server's uvicorn was seen to), and says
-so in the file ``argv[1]`` once it does."""
-
-
-def _gone(pid: int) -> bool:
-    """No live process ``pid`` (a zombie not yet reaped by init counts as gone)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_for_file(path: Path) -> str:
-    """``path``'s text once it has some (bounded by :data:`START_SECONDS`)."""
-    deadline = time.monotonic() + START_SECONDS
-    while not (path.exists() and path.read_text()):
-        assert time.monotonic() < deadline, f"nothing in {path} after {START_SECONDS} s"
-        time.sleep(0.05)
-    return path.read_text()
 
 
 def test_stop_group_kills_a_member_that_ignores_sigterm(tmp_path: Path) -> None:
@@ -59,8 +38,8 @@ def test_stop_group_kills_a_member_that_ignores_sigterm(tmp_path: Path) -> None:
         [sys.executable, "-c", leader_code, str(ready), str(child_file)], start_new_session=True
     )
     try:
-        _wait_for_file(ready)
-        child = int(_wait_for_file(child_file))
+        wait_for_file(ready)
+        child = int(wait_for_file(child_file))
         start = time.monotonic()
         assert stop_group(leader, timeout=2) == -signal.SIGTERM
         took = time.monotonic() - start
@@ -68,7 +47,7 @@ def test_stop_group_kills_a_member_that_ignores_sigterm(tmp_path: Path) -> None:
         if leader.returncode is None:
             os.killpg(leader.pid, signal.SIGKILL)
             leader.wait(KILL_SECONDS)
-    assert _gone(child)
+    assert process_gone(child)
     assert 2 <= took < 2 + KILL_SECONDS, took
 
 
@@ -77,7 +56,7 @@ def test_stop_group_kills_a_leader_that_ignores_sigterm(tmp_path: Path) -> None:
     leader = subprocess.Popen(
         [sys.executable, "-c", IGNORES_SIGTERM, str(ready)], start_new_session=True
     )
-    _wait_for_file(ready)
+    wait_for_file(ready)
     assert stop_group(leader, timeout=1) == -signal.SIGKILL
 
 

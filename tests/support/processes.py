@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -124,6 +125,35 @@ def stop_group(proc: subprocess.Popen[Any], timeout: float = STOP_SECONDS) -> in
                 f"process group {proc.pid} still has {names} {KILL_SECONDS} s after SIGKILL"
             )
     return proc.wait(KILL_SECONDS)
+
+
+START_SECONDS = 30.0
+"""Bound on a helper process's start (it writes its pid file), seconds."""
+SLEEPER = "import time; time.sleep(600)"
+"""A child process's ``-c`` code that runs until it is stopped (at most 10 min)."""
+IGNORES_SIGTERM = (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "open(sys.argv[1], 'w').write('ready'); time.sleep(600)"
+)
+"""A process that ignores SIGTERM (as the tracking server's uvicorn was seen to), and says
+so in the file ``argv[1]`` once it does."""
+
+
+def process_gone(pid: int) -> bool:
+    """No live process ``pid`` (a zombie not yet reaped by init counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for_file(path: Path) -> str:
+    """``path``'s text once it has some (bounded by :data:`START_SECONDS`)."""
+    deadline = time.monotonic() + START_SECONDS
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"nothing in {path} after {START_SECONDS} s"
+        time.sleep(0.05)
+    return path.read_text()
 
 
 def describe(proc: psutil.Process) -> str:
