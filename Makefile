@@ -372,7 +372,6 @@ endif
 # whichever slot the local side or the DBR side frees first (docs/testing.md); the make keeps
 # going (-k), so that it starts even when a side before it failed.
 PETASTORM_SIDE_gate := dbr
-PETASTORM_SIDE_full := own
 PETASTORM_SIDE_GOAL_full := petastorm-side
 
 # The local side: the local suite.
