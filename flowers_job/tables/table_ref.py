@@ -209,10 +209,12 @@ class TableRef:
         """``VACUUM ... RETAIN <retain_hours> HOURS``: remove the files the table no longer
         uses that were removed from it more than ``retain_hours`` ago, as
         ``DeltaTable.vacuum(retain_hours)`` does (both are Delta's ``VacuumCommand``, which
-        rounds the hours to whole ones). Below Delta's safe minimum (168 h) Delta refuses
+        rounds the hours to whole ones). Below Delta's safe minimum (168 h) Delta 4.0 refuses
         unless ``spark.databricks.delta.retentionDurationCheck.enabled`` is false (an
         ``IllegalArgumentException``: "Are you sure you would like to vacuum files with such
-        a low retention period?"), exactly as the Python API does.
+        a low retention period?"), exactly as the Python API does; Delta 4.4 refuses on
+        neither path (docs/known-issues.md, "Delta"), so callers keep the 168 h themselves
+        (:func:`flowers_job.ingest.retention.retention_hours`).
 
         Raises:
             ValueError: ``retain_hours`` negative or not finite.
