@@ -35,6 +35,7 @@ from flowers_job.driver.failures import (
 from flowers_job.runtime.watchdog import KILLED_SUFFIX, start_watchdog, watchdog_done
 from tests.support import faults
 from tests.support.faults import ATTEMPT_ENV, FAULT_ENV, delay, fault_env, inject
+from tests.support.processes import process_gone
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
@@ -86,17 +87,10 @@ def _start_rank(
     return proc, int(line)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def _wait_gone(pid: int) -> float:
     """Seconds until process ``pid`` is gone; fails after :data:`GONE_SECONDS`."""
     t0 = time.monotonic()
-    while not _gone(pid):
+    while not process_gone(pid):
         assert time.monotonic() - t0 < GONE_SECONDS, f"the watchdog (pid {pid}) is still running"
         time.sleep(0.02)
     return time.monotonic() - t0
@@ -153,11 +147,11 @@ def test_the_watchdog_leaves_no_process_or_thread_behind(tmp_path: Path) -> None
     threads = threading.active_count()
     children = {c.pid for c in psutil.Process().children()}  # the suite's Spark JVM, say
     pid = start_watchdog(tmp_path, 0, None)
-    assert pid is not None and not _gone(pid)
+    assert pid is not None and not process_gone(pid)
     assert psutil.Process(pid).ppid() == os.getpid()
     assert os.getsid(pid) == pid  # a session of its own: torchrun's killpg misses it
     watchdog_done()
-    assert _gone(pid)
+    assert process_gone(pid)
     assert {c.pid for c in psutil.Process().children()} <= children
     assert threading.active_count() == threads
     assert not list(tmp_path.iterdir())
