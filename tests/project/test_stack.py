@@ -94,6 +94,28 @@ def test_cli_refuses_a_loader_this_stack_cannot_run_before_spark_starts(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_checking_the_loaders_prints_no_warning_from_their_libraries() -> None:
+    """What every run does before Spark starts, in a new process that shows every warning
+    once: each loader that runs here imports its library (Petastorm's import alone uses
+    pyarrow's deprecated ``LocalFileSystem`` and distutils' ``LooseVersion``), and nothing of
+    it reaches stderr."""
+    code = textwrap.dedent(
+        """
+        from flowers_job.loaders import LOADERS, loader_problem
+        print({name: loader_problem(name) for name in LOADERS})
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_streaming_imports_without_its_example_datasets_which_still_load_when_used() -> None:
     """``import_streaming`` in a new process: what the loader uses imports, the example
     datasets' transformers tokenizers do not; an example dataset, asked for, is the real one."""

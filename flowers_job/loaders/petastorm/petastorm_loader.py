@@ -55,6 +55,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -131,12 +132,14 @@ class PetastormPlan(ShardPlan):
 
 
 def quiet_petastorm() -> None:
-    """Silence Petastorm's per-reader INFO lines and pyarrow-legacy FutureWarnings, and the
-    warning torch gives when ``BatchedDataLoader`` wraps Arrow's read-only arrays (the
-    batches are never written to: normalisation makes a new tensor)."""
+    """Silence Petastorm's per-reader INFO lines, the deprecations its own code triggers
+    (pyarrow's legacy file systems, distutils' ``LooseVersion``), and the warning torch gives
+    when ``BatchedDataLoader`` wraps Arrow's read-only arrays (the batches are never written
+    to: normalisation makes a new tensor)."""
     for name in ("petastorm", "petastorm.etl.dataset_metadata", "petastorm.reader"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\..*)?")
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"petastorm(\..*)?")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"pyarrow(\..*)?")
     warnings.filterwarnings(
         "ignore", message="The given NumPy array is not writable", category=UserWarning
@@ -177,6 +180,13 @@ class PetastormLoader(Loader):
                 "NumPy 2; it needs numpy < 2"
             )
         return super().problem()
+
+    @classmethod
+    def import_library(cls) -> ModuleType:
+        """Import ``petastorm.spark`` with :func:`quiet_petastorm` in force: its import alone
+        uses pyarrow's deprecated ``LocalFileSystem``, a FutureWarning on every run."""
+        quiet_petastorm()
+        return super().import_library()
 
     @classmethod
     def mid_epoch_problem(cls, cfg: JobConfig) -> str | None:
