@@ -7,7 +7,7 @@ which both have; the few facts classic Spark reads from its ``SparkContext`` com
 short Spark job or the session's settings on Connect (:func:`spark_master`,
 :func:`default_parallelism`). What Connect cannot do is named by the code that needs it,
 from a real attempt: there the driver cannot remove an executor that stopped answering
-before a restart (``killExecutors``, the status store: :mod:`flowers_job.cluster.session`),
+before a restart (``killExecutors``, the status store: :mod:`flowers_job.cluster.slots`),
 nor tell a task's GPU slots unless the server's settings give them. A loader that needs
 classic Spark says so (:attr:`flowers_job.loaders.base.Loader.classic_only`) and is refused
 on Connect before any work; neither registered loader does (Petastorm's here never calls
@@ -203,6 +203,24 @@ def run_tagged(spark: Any, action: Callable[[], T], what: str, timeout_seconds: 
 INTERRUPT_JOIN_SECONDS = 5.0
 """How long :func:`run_tagged` waits for an interrupted job's thread to end, seconds (about
 a second on a local server)."""
+
+
+def run_probe(spark: Any, frame: Any, what: str, timeout_seconds: float) -> list[Any]:
+    """``frame.collect()`` of a short check run on the executors before any work (a barrier
+    ``mapInPandas`` over ``spark.range(n, numPartitions=n)``), bounded: interrupted after
+    ``timeout_seconds`` (:func:`~flowers_job.cluster.connect.run_tagged`: a job tag and
+    ``interruptTag`` on Connect, a job group on classic Spark). The same stage on both.
+
+    Returns:
+        The collected rows.
+
+    Raises:
+        SparkJobTimeout: (a ``RuntimeError``) not done within ``timeout_seconds`` (naming
+            ``what``).
+        pyspark.errors.PySparkException: the stage's own error (a task's Python error is
+            in its message).
+    """
+    return run_tagged(spark, frame.collect, what, timeout_seconds)
 
 
 def default_parallelism(

@@ -24,7 +24,8 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-from flowers_job.cluster.session import run_probe, task_slots
+from flowers_job.cluster.connect import run_probe
+from flowers_job.cluster.slots import task_slots
 from flowers_job.cluster.storage import (
     is_local_master,
     shared_dirs,
@@ -92,7 +93,7 @@ def probe_executors(
     timeout_seconds: float = PROBE_TIMEOUT_SECONDS,
 ) -> list[dict[str, Any]]:
     """The executor probe's stage: a barrier ``mapInPandas`` over ``spark.range(n,
-    numPartitions=n)``, ``n`` = :func:`~flowers_job.cluster.session.task_slots` (one task per
+    numPartitions=n)``, ``n`` = :func:`~flowers_job.cluster.slots.task_slots` (one task per
     slot, every executor probed), each task reading back the tokens written into ``dirs``
     (:func:`~flowers_job.cluster.storage.tokens`) and, on one task per executor, calling the
     tracking server. The same stage on classic Spark and Connect.

@@ -28,9 +28,9 @@ from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
-from flowers_job.cluster.connect import is_connect_session, spark_master
+from flowers_job.cluster.connect import is_connect_session, run_probe, spark_master
 from flowers_job.cluster.executor_probe import PROBE_TIMEOUT_SECONDS
-from flowers_job.cluster.session import driver_gpus, run_probe, task_slots, wait_for_slots
+from flowers_job.cluster.slots import driver_gpus, task_slots, wait_for_slots
 from flowers_job.cluster.storage import is_local_master
 from flowers_job.config import JobConfig
 from flowers_job.errors import ClusterError
@@ -318,7 +318,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
               on pyspark 4.2+ ``num_processes`` must be a multiple of it; before 4.2 it must
               be 1 where ``num_processes`` > 1);
             - barrier mode asks for more barrier tasks than the cluster's task slots
-              (:func:`~flowers_job.cluster.session.task_slots`: GPU slots when tasks ask for
+              (:func:`~flowers_job.cluster.slots.task_slots`: GPU slots when tasks ask for
               GPUs): one task per process, or per ``spark.task.resource.gpu.amount``
               processes on pyspark 4.2+ (a task that holds 2 GPUs runs 2 processes in 1 slot);
             - barrier mode on a real cluster (not ``local[...]``) with a ``sqlite:``/``file:``
@@ -331,7 +331,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
               (Streaming) where Spark places them unequally (:func:`check_placement`);
             - GPUs in local mode on a Spark Connect session: local mode runs the ranks on
               the client, and pyspark's TorchDistributor looks for the ``gpu`` resource of
-              the server's driver (:func:`~flowers_job.cluster.session.driver_gpus`), so it
+              the server's driver (:func:`~flowers_job.cluster.slots.driver_gpus`), so it
               refuses them ("GPUs were unable to be found on the driver") or hands the
               client the server's GPUs; barrier mode is the GPU path there.
     """

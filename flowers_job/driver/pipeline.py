@@ -31,9 +31,9 @@ from pyspark.sql import SparkSession
 
 from flowers_job.cluster import placement
 from flowers_job.cluster.connect import connect_reason, session_kind
+from flowers_job.cluster.executor_cores import executor_cores
 from flowers_job.cluster.executor_probe import check_executors
 from flowers_job.cluster.placement import check_cluster
-from flowers_job.cluster.session import executor_cores
 from flowers_job.config import ConfigError, JobConfig
 from flowers_job.driver.failures import (
     TrainingError,

@@ -169,14 +169,14 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
     of that.
 
     On Spark Connect the slots are a fresh count of the executors' cores
-    (:func:`~flowers_job.cluster.session.live_task_slots`); the client can neither list nor
+    (:func:`~flowers_job.cluster.slots.live_task_slots`); the client can neither list nor
     remove a silent executor, which Spark's heartbeat timeout removes instead.
 
     Raises:
         ClusterError: fewer slots than that remain, naming the slots needed and left.
     """
     from flowers_job.cluster.placement import TASK_GPUS, barrier_stage, use_gpu
-    from flowers_job.cluster.session import live_task_slots, remove_executors, wait_for_slots
+    from flowers_job.cluster.slots import live_task_slots, remove_executors, wait_for_slots
     from flowers_job.errors import ClusterError
 
     d = cfg.distributed

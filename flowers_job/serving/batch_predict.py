@@ -25,7 +25,7 @@ version with another label set does not change the table's columns, and label na
 escaping into column names); ``probabilities['roses']`` reads as easily in SQL.
 
 Progress: a tqdm bar on the driver counts the Spark tasks of the scoring job
-(:func:`flowers_job.cluster.session.task_progress`); the report ends with the count per
+(:func:`flowers_job.cluster.progress.task_progress`); the report ends with the count per
 predicted label and per reason.
 """
 
@@ -44,7 +44,8 @@ from pathlib import Path
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 
-from flowers_job.cluster.session import task_progress, task_slots
+from flowers_job.cluster.progress import task_progress
+from flowers_job.cluster.slots import task_slots
 from flowers_job.config import DataConfig
 from flowers_job.config.secrets import redact_uri, split_userinfo
 from flowers_job.location import Location

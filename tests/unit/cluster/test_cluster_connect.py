@@ -17,18 +17,17 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from flowers_job.cluster.connect import SparkJobTimeout, default_parallelism, is_connect_session
+from flowers_job.cluster.connect import (
+    SparkJobTimeout,
+    default_parallelism,
+    is_connect_session,
+    run_probe,
+)
+from flowers_job.cluster.executor_cores import executor_cores
 from flowers_job.cluster.executor_probe import check_executors, probe_executors
 from flowers_job.cluster.placement import check_cluster, placement_hosts
-from flowers_job.cluster.session import (
-    driver_gpus,
-    executor_cores,
-    live_task_slots,
-    run_probe,
-    task_progress,
-    task_slots,
-    wait_for_slots,
-)
+from flowers_job.cluster.progress import task_progress
+from flowers_job.cluster.slots import driver_gpus, live_task_slots, task_slots, wait_for_slots
 from flowers_job.cluster.storage import is_local_master
 from flowers_job.config import load_config
 from flowers_job.errors import ClusterError

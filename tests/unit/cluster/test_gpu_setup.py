@@ -18,7 +18,8 @@ import pytest
 import torch
 from pyspark.sql import SparkSession
 
-from flowers_job.cluster.session import driver_gpus, local_gpu_conf
+from flowers_job.cluster.session import local_gpu_conf
+from flowers_job.cluster.slots import driver_gpus
 from flowers_job.config import ConfigError, load_config
 from flowers_job.driver.pipeline import check_cluster
 from flowers_job.loaders import resolve_loader
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.tier("gate")]
 _PROBE = """
 import json, sys
 from pathlib import Path
-from flowers_job.cluster.session import driver_gpus, get_spark, local_gpu_conf
+from flowers_job.cluster.session import get_spark, local_gpu_conf
+from flowers_job.cluster.slots import driver_gpus
 from pyspark.ml.torch.distributor import TorchDistributor, _get_gpus_owned
 
 spark = get_spark("gpu-probe", master="local[2]", conf=local_gpu_conf(2, Path(sys.argv[1])))
