@@ -45,7 +45,7 @@ from flowers_job.config import JobConfig  # noqa: E402
 from flowers_job.tables.delta_tables import split_frame  # noqa: E402
 from flowers_job.tables.table_ref import TableRef  # noqa: E402
 from flowers_job.vision.backbones import build_model, preprocessing_for  # noqa: E402
-from flowers_job.vision.images import DecodeTransform  # noqa: E402
+from flowers_job.vision.decode_transform import DecodeTransform  # noqa: E402
 from flowers_job.vision.precision import DeviceNormalize  # noqa: E402
 
 VIEWS: list[tuple[int | None, int | None, bool]] = [

@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.cluster.session import get_spark
     from flowers_job.config import DataConfig
     from flowers_job.vision.backbones import build_model, preprocessing_for
-    from flowers_job.vision.images import eval_pixels
     from flowers_job.vision.precision import DeviceNormalize
+    from flowers_job.vision.transforms import eval_pixels
 
     summary: dict[str, Any] = json.loads((args.job_output / "summary.json").read_text())
     history = summary["history"]

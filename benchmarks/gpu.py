@@ -67,7 +67,8 @@ from flowers_job.train.metrics import Sums
 from flowers_job.train.step import make_optimizer, train_one_epoch
 from flowers_job.vision.backbones import build_model, preprocessing_for
 from flowers_job.vision.batch_decode import BatchDecoder, pad_jpegs, step_seed
-from flowers_job.vision.images import DecodeTransform, normalize_image
+from flowers_job.vision.decode_transform import DecodeTransform
+from flowers_job.vision.images import normalize_image
 from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ TorchDistributor processes (local mode, gloo, CPU):
 - ``plain``: the baseline. Each rank reads its share of the train Delta table's current
   Parquet files with pyarrow only (row group ``i`` of all files, in file order, goes to rank
   ``i % world_size``), decodes every image with the very same
-  :meth:`flowers_job.vision.images.DecodeTransform.decode` (the TRAIN transform: decode,
+  :meth:`flowers_job.vision.decode_transform.DecodeTransform.decode` (the TRAIN transform: decode,
   RandomResizedCrop, flip; uint8 as the loaders deliver it) and stacks each batch with ``torch.stack``. The same
   work minus the loader library (and minus its shuffling: the plain loop reads in file order).
 - every loader of :data:`flowers_job.loaders.LOADERS` that runs on this stack
@@ -104,7 +104,7 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
         init_distributed,
         shutdown_distributed,
     )
-    from flowers_job.vision.images import DecodeTransform
+    from flowers_job.vision.decode_transform import DecodeTransform
 
     ctx = init_distributed(use_gpu=False, timeout_seconds=float(job["timeout_seconds"]))
     try:

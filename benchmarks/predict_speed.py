@@ -168,7 +168,7 @@ def _rank_pass(
 
     from flowers_job.runtime.allocator import tune_this_process
     from flowers_job.train.evaluate import score_shard
-    from flowers_job.vision.images import DecodeTransform
+    from flowers_job.vision.decode_transform import DecodeTransform
     from flowers_job.vision.precision import DeviceNormalize
 
     tune_this_process()

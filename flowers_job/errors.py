@@ -28,7 +28,7 @@ raised it before (``flowers_job.config``, ``flowers_job.ingest.job``,
 ``flowers_job.tracking.mlflow_run``, ...). Exit status 0 is success; an exception outside
 this hierarchy is a bug and ends the process with Python's traceback (status 1).
 A photo that cannot become an image is not an error of the job:
-:class:`flowers_job.vision.images.ImageRejected` is a row's verdict, never raised out of it.
+:class:`flowers_job.vision.limits.ImageRejected` is a row's verdict, never raised out of it.
 
 This module imports nothing from the package, so that every layer can import it (the
 configuration included).

@@ -14,7 +14,7 @@ A loader turns a split's Delta table into a cache that ``world_size`` ranks read
 Every batch is a dict of tensors (:data:`Batch`):
 
 - ``image``: uint8 ``[B, 3, S, S]``, decoded and, for training, augmented
-  (:class:`~flowers_job.vision.images.DecodeTransform`); normalised later, on the device;
+  (:class:`~flowers_job.vision.decode_transform.DecodeTransform`); normalised later, on the device;
 - ``label_index``: int64 ``[B]``; ``row_id``: int64 ``[B]``;
 - ``valid``: bool ``[B]``: False for padding rows, which count in no loss, metric or checksum.
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from flowers_job.config import JobConfig
     from flowers_job.loaders.position import EpochStart
     from flowers_job.runtime.layout import HostLayout
-    from flowers_job.vision.images import DecodeTransform
+    from flowers_job.vision.decode_transform import DecodeTransform
 
 __all__ = [
     "CHECKSUM_MODULUS",

@@ -32,7 +32,8 @@ from flowers_job.cluster.python_workers import prepare_worker
 from flowers_job.location import is_remote
 from flowers_job.photos.listing import list_entry, read_listed_file
 from flowers_job.photos.object_listing import ObjectStoreError
-from flowers_job.vision.images import ImageLimits, ImageRejected, normalize_image
+from flowers_job.vision.images import normalize_image
+from flowers_job.vision.limits import ImageLimits, ImageRejected
 
 __all__ = [
     "DECODED_SCHEMA",
@@ -194,7 +195,7 @@ def decode_partitions(
 
     One output row per input row: entries with a listing ``reason_code``, an unsupported
     extension or more than :func:`max_file_bytes` are passed on unread; a file that does not
-    decode gets ``decode_error`` (or :class:`~flowers_job.vision.images.ImageRejected`'s code).
+    decode gets ``decode_error`` (or :class:`~flowers_job.vision.limits.ImageRejected`'s code).
     ``root`` is a local real path or an object-store URI, read through pyarrow there
     (:func:`~flowers_job.photos.listing.read_listed_file`); an object store that fails for
     another reason than a missing key fails the task
@@ -202,7 +203,7 @@ def decode_partitions(
     ``file:<root>/<relative_path>``, or ``<root URI>/<relative_path>``. Images are
     normalised by :func:`~flowers_job.vision.images.normalize_image` to
     ``short_side`` pixels, JPEG ``quality``, opening only ``limits.formats`` and refusing by
-    ``limits`` (:class:`~flowers_job.vision.images.ImageLimits`: the formats, the aspect
+    ``limits`` (:class:`~flowers_job.vision.limits.ImageLimits`: the formats, the aspect
     ratio, the long side, the file size; None: the defaults) with ``max_pixels`` as the
     pixel limit. A file over :func:`max_file_bytes` by its listed size is never read; one
     that grew past it since the listing is refused after the read.

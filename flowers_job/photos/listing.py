@@ -55,7 +55,7 @@ from flowers_job.photos.verdicts import (
     is_hidden,
     path_verdict,
 )
-from flowers_job.vision.images import ImageRejected
+from flowers_job.vision.limits import ImageRejected
 
 __all__ = [
     "LISTING_REASONS",

@@ -57,7 +57,7 @@ from urllib.parse import urlparse
 from flowers_job.errors import ObjectStoreError
 from flowers_job.location import S3_SCHEMES, filesystem
 from flowers_job.photos.verdicts import ListedFile, is_hidden, path_verdict
-from flowers_job.vision.images import ImageRejected
+from flowers_job.vision.limits import ImageRejected
 
 __all__ = [
     "MAX_RANGES",

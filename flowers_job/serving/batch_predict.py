@@ -74,7 +74,7 @@ from flowers_job.tables.delta_tables import (
     write_table,
 )
 from flowers_job.tables.table_ref import TableRef
-from flowers_job.vision.images import ImageLimits
+from flowers_job.vision.limits import ImageLimits
 
 __all__ = [
     "OUTPUT_COLUMNS",

@@ -74,7 +74,7 @@ def model_config(cfg: JobConfig, label_names: list[str]) -> dict[str, Any]:
     from (the architecture, labels, the stored size and crop of the training images, the
     backbone's normalisation, the decompression-bomb guard)."""
     from flowers_job.vision.backbones import preprocessing_for
-    from flowers_job.vision.images import ImageLimits
+    from flowers_job.vision.limits import ImageLimits
 
     pre = preprocessing_for(cfg.model.architecture)
     return {

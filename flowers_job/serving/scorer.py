@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowers_job.vision.images import ImageLimits, ImageRejected, check_size, pillow_pixel_limit
+from flowers_job.vision.limits import ImageLimits, ImageRejected, check_size, pillow_pixel_limit
 
 __all__ = ["SCORE_BATCH_SIZE", "Scorer", "Scores"]
 
@@ -47,7 +47,7 @@ class Scores:
         probabilities: float64 ``[N, num_labels]``, columns in ``label_names`` order; each
             scored row sums to 1; a rejected row is all NaN.
         rejections: N entries: None for a scored row, else the
-            :class:`~flowers_job.vision.images.ImageRejected` that says why (``code`` is one of
+            :class:`~flowers_job.vision.limits.ImageRejected` that says why (``code`` is one of
             ingest's reason codes: ``empty_file``, ``file_too_large``, ``unsupported_format``
             (naming the real format), ``not_an_image``, ``too_many_pixels``,
             ``long_side_too_large``, ``extreme_aspect``, ``animated_image``, ``corrupt``, or
@@ -72,7 +72,7 @@ class Scorer:
 
     ``config`` keys: architecture, label_names, image_size, resize_size, mean, std, dropout,
     max_pixels, batch_size (:func:`flowers_job.serving.pyfunc_model.model_config`), and the
-    limits of :meth:`ImageLimits.model_config <flowers_job.vision.images.ImageLimits.model_config>`
+    limits of :meth:`ImageLimits.model_config <flowers_job.vision.limits.ImageLimits.model_config>`
     (image_formats, max_aspect_ratio, max_long_side, max_file_bytes: each defaults to
     ``data``'s default when absent, as in a model registered before them); ``state_dict``: the
     classifier's weights (a ``torch.save`` file, loaded with ``weights_only``).
@@ -92,8 +92,8 @@ class Scorer:
         from flowers_job.runtime.devices import serving_device
         from flowers_job.vision.backbones import build_model
         from flowers_job.vision.batch_decode import BatchDecoder
-        from flowers_job.vision.images import eval_pixels
         from flowers_job.vision.precision import DeviceNormalize, amp_dtype
+        from flowers_job.vision.transforms import eval_pixels
 
         cfg = config
         self.label_names = list(cfg["label_names"])
@@ -131,7 +131,7 @@ class Scorer:
         """Decode and score N images; a row that does not decode is rejected, not raised.
 
         Each image is checked by its header against the model's
-        :class:`~flowers_job.vision.images.ImageLimits` (format, pixels, long side, aspect
+        :class:`~flowers_job.vision.limits.ImageLimits` (format, pixels, long side, aspect
         ratio) before it is decoded or resized: a refused row costs no pixel memory.
 
         Args:
@@ -212,7 +212,7 @@ class Scorer:
 def _plain_jpeg(raw: bytes, limits: ImageLimits) -> bool:
     """True for a JPEG the batched decoder reads as Pillow would: 8-bit RGB (YCbCr) or
     grey, upright (no EXIF rotation), without an ICC profile, within ``limits`` (JPEG among
-    its formats, pixels, long side, aspect ratio: :func:`~flowers_job.vision.images.check_size`).
+    its formats, pixels, long side, aspect ratio: :func:`~flowers_job.vision.limits.check_size`).
     Reads the header only (Pillow opens lazily, and as a JPEG only); anything else takes
     the Pillow path, which names why it refuses a file."""
     from PIL import Image

@@ -29,7 +29,7 @@ from flowers_job.runtime.process_group import (
 )
 from flowers_job.train.device_prefetch import DeviceReader, decodes_on_device
 from flowers_job.vision.batch_decode import BatchDecoder
-from flowers_job.vision.images import DecodeTransform
+from flowers_job.vision.decode_transform import DecodeTransform
 
 __all__ = ["read_shards"]
 

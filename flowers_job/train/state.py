@@ -25,7 +25,7 @@ from flowers_job.train.step import make_optimizer
 from flowers_job.train.step_checkpoint import CheckpointClock, EpochPosition
 from flowers_job.vision.backbones import Classifier, build_model, preprocessing_for
 from flowers_job.vision.batch_decode import BatchDecoder
-from flowers_job.vision.images import DecodeTransform
+from flowers_job.vision.decode_transform import DecodeTransform
 from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 
 if TYPE_CHECKING:

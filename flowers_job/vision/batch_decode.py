@@ -50,7 +50,7 @@ LENGTH_KEY = "jpeg_length"
 """int64 ``[B]``: the bytes of each row of :data:`JPEG_KEY`."""
 
 CROP_SCALE = (0.35, 1.0)
-"""RandomResizedCrop's area fraction (:func:`flowers_job.vision.images.train_pixels`)."""
+"""RandomResizedCrop's area fraction (:func:`flowers_job.vision.transforms.train_pixels`)."""
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 """RandomResizedCrop's aspect ratios, torchvision's default."""
 
@@ -181,9 +181,9 @@ class BatchDecoder:
     then cropped, resized (bilinear, antialiased) and flipped there.
 
     Training (``train=True``): a random resized crop to ``image_size`` and a random
-    horizontal flip (:func:`crop_boxes`), as :func:`~flowers_job.vision.images.train_pixels`;
+    horizontal flip (:func:`crop_boxes`), as :func:`~flowers_job.vision.transforms.train_pixels`;
     evaluation: the shorter side resized to ``resize_size``, then the centre
-    ``image_size`` crop, as :func:`~flowers_job.vision.images.eval_pixels`. Not normalised:
+    ``image_size`` crop, as :func:`~flowers_job.vision.transforms.eval_pixels`. Not normalised:
     :class:`~flowers_job.vision.precision.DeviceNormalize` does that.
     """
 

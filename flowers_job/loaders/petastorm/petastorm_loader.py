@@ -94,7 +94,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from flowers_job.config import JobConfig
-    from flowers_job.vision.images import DecodeTransform
+    from flowers_job.vision.decode_transform import DecodeTransform
 
 __all__ = [
     "CACHE_FILE_PATTERN",

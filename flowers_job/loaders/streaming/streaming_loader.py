@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from flowers_job.config import JobConfig
     from flowers_job.config.model import StreamingConfig
     from flowers_job.runtime.layout import HostLayout
-    from flowers_job.vision.images import DecodeTransform
+    from flowers_job.vision.decode_transform import DecodeTransform
 
 __all__ = [
     "MDS_COLUMNS",

@@ -18,7 +18,7 @@ import pytest
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import DataError
 from flowers_job.loaders.cache_dir import CACHE_FORMAT, ENTRIES, ENTRY_FILE, LoaderCache
-from flowers_job.vision.images import DecodeTransform
+from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support import LABELS, PHOTOS
 from tests.support.data import loader_skip_reason
 

@@ -35,7 +35,7 @@ from flowers_job.loaders.petastorm.petastorm_loader import (
     shard_batches,
 )
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
-from flowers_job.vision.images import DecodeTransform
+from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support.data import loader_skip_reason
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.tier("gate")]

@@ -22,7 +22,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import ConfigError, JobConfig, load_config
 from flowers_job.ingest.job import IngestError, check_images_root, ingest
 from flowers_job.photos.listing import label_folders, list_entry, listing_units, read_listed_file
-from flowers_job.vision.images import ImageRejected
+from flowers_job.vision.limits import ImageRejected
 from tests.support import LABELS, PHOTOS
 from tests.support.s3 import S3Store, s3_server  # noqa: F401 (fixture)
 

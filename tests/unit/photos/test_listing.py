@@ -18,7 +18,7 @@ from flowers_job.photos.listing import (
     list_entry,
     read_listed_file,
 )
-from flowers_job.vision.images import ImageRejected
+from flowers_job.vision.limits import ImageRejected
 
 pytestmark = pytest.mark.tier("gate")
 

@@ -38,7 +38,8 @@ from flowers_job.vision.batch_decode import (
     pad_jpegs,
     step_seed,
 )
-from flowers_job.vision.images import DecodeTransform, normalize_image
+from flowers_job.vision.decode_transform import DecodeTransform
+from flowers_job.vision.images import normalize_image
 from flowers_job.vision.precision import DeviceNormalize, amp_dtype
 from tests.support import PHOTOS, ROOT_DIR
 

@@ -22,15 +22,9 @@ from PIL import Image
 
 from flowers_job.config.data import DataConfig
 from flowers_job.photos.files import decode_partitions
-from flowers_job.vision.images import (
-    ImageLimits,
-    ImageRejected,
-    _to_rgb,
-    check_size,
-    normalize_image,
-    open_rgb,
-    sniff_format,
-)
+from flowers_job.vision.colour import to_rgb
+from flowers_job.vision.images import normalize_image, open_rgb
+from flowers_job.vision.limits import ImageLimits, ImageRejected, check_size, sniff_format
 from tests.support import PHOTOS, ROOT_DIR
 
 pytestmark = pytest.mark.tier("gate")
@@ -210,7 +204,7 @@ def test_float_images_are_scaled_by_their_real_range() -> None:
     for scale in (1.0, 1000.0):
         img = Image.fromarray(np.tile(ramp * scale, (8, 1)), "F")
         notes: list[str] = []
-        out = np.asarray(_to_rgb(img, notes))
+        out = np.asarray(to_rgb(img, notes))
         assert out[..., 0].min() == 0 and out[..., 0].max() == 255  # not nearly black
         assert np.abs(out[0, :, 0].astype(int) - np.round(ramp * 255)).max() <= 1
         assert any("float range" in n for n in notes)
@@ -313,7 +307,8 @@ def test_extreme_aspect_is_refused_before_any_resize_at_ingest_and_in_the_scorer
 import json, os
 os.environ["FLOWERS_SERVING_DEVICE"] = "cpu"
 from flowers_job.serving.scorer import Scorer
-from flowers_job.vision.images import ImageRejected, normalize_image
+from flowers_job.vision.images import normalize_image
+from flowers_job.vision.limits import ImageRejected
 raws = [open({str(tmp_path / "tall.png")!r}, "rb").read(), open({str(tmp_path / "wide.png")!r}, "rb").read()]
 scorers = [Scorer({SCORER_CONFIG!r}, {str(state_dict)!r}, batch_decode=b) for b in (False, True)]
 start = peak()

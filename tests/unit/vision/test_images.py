@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flowers_job.vision.images import ImageRejected, normalize_image, open_rgb
+from flowers_job.vision.images import normalize_image, open_rgb
+from flowers_job.vision.limits import ImageRejected
 from tests.support import PHOTOS, ROOT_DIR
 
 pytestmark = pytest.mark.tier("gate")

@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 
 from flowers_job.vision import jpeg_decode
-from flowers_job.vision.images import DecodeTransform, open_rgb
+from flowers_job.vision.decode_transform import DecodeTransform
+from flowers_job.vision.images import open_rgb
 from tests.support import LABELS, PHOTOS
 
 pytestmark = pytest.mark.tier("gate")
