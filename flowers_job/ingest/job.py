@@ -43,7 +43,7 @@ interrupted ingest, and with ``data.full_ingest`` (``--full``).
 ``split_seed`` and its bytes). A full rebuild ranks each class's distinct photos by that
 hash: the first ``round(n * val_fraction)`` go to val, the next ``round(n * test_fraction)``
 to test (each at least 1, and at least 1 left), the rest to train, so every class is in
-every split in proportion (:func:`~flowers_job.ingest.write.split_quotas`); a class with
+every split in proportion (:func:`~flowers_job.ingest.splits.split_quotas`); a class with
 fewer than 3 distinct photos stops ingest with an error naming it. An incremental ingest
 never moves a stored photo: new photos of a class fill what the class lacks of its quotas
 for its new size (val, then test, by the same ranking), the rest go to train; only if a
@@ -61,7 +61,7 @@ as ``hidden_skipped`` ("N hidden files skipped" in the log).
 **Deletion.** A full ingest removes the split tables of an older layout
 (``<output_dir>/tables/{train,val,test}``) only when their commits carry ingest's metadata;
 another Delta table there stops it before anything is written
-(:func:`~flowers_job.ingest.write.own_old_split_tables`).
+(:func:`~flowers_job.ingest.old_layout.own_old_split_tables`).
 
 Consistency: each table's Delta commit carries, in its ``userMetadata``, a fingerprint of
 the listing (relative path, kind, size and modification time of every entry) and of the
@@ -95,10 +95,10 @@ from pyspark.sql import SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.ingest.counts import TableCounts, scan_counts
+from flowers_job.ingest.splits import Resplit
 from flowers_job.ingest.write import (
     Changes,
     IngestError,
-    Resplit,
     sweep_staging,
     write_full,
     write_incremental,

@@ -7,19 +7,18 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.window import Window
 
 from flowers_job.cluster.connect import default_parallelism
 from flowers_job.config import JobConfig
 from flowers_job.errors import IngestError
 from flowers_job.ingest.counts import TableCounts, split_counts
-from flowers_job.location import Location
+from flowers_job.ingest.old_layout import own_old_split_tables, remove_old_split_tables
+from flowers_job.ingest.splits import full_splits, incremental_splits
 from flowers_job.photos.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.photos.listing import LISTING_REASONS, images_root
 from flowers_job.photos.verdicts import SKIPPED_REASONS
@@ -29,8 +28,6 @@ from flowers_job.tables.delta_tables import (
     TABLE_PROPERTIES,
     TABLE_SCHEMAS,
     delete_then_append,
-    is_ingest_metadata,
-    latest_commit,
     merge_changes,
     merge_table,
     null_safe_differs,
@@ -44,8 +41,6 @@ __all__ = [
     "FILES_PER_PARTITION",
     "Changes",
     "IngestError",
-    "Resplit",
-    "split_quotas",
     "sweep_staging",
     "write_full",
     "write_incremental",
@@ -59,19 +54,6 @@ STAGING_MAX_AGE_SECONDS = 6 * 3600.0
 """An incremental ingest's staging folder (``tables/_staging-<run>``) this old belongs to a
 run that was stopped: no ingest of this job's scale decodes its changes for 6 hours. (Under
 ``<output_dir>/tables`` with catalog tables too: plain Parquet files, no table.)"""
-OLD_SPLIT_TABLES = ("train", "val", "test")
-"""The split tables of layout 3 and earlier (full copies of ``images``), removed after the
-first rebuild in layout 4, and only when their commits carry ingest's metadata
-(:func:`own_old_split_tables`)."""
-SPLIT_ORDER = ("val", "test", "train")
-"""The order in which a class's photos, ranked by their split hash, fill the splits."""
-
-
-class Resplit(Exception):
-    """An incremental ingest cannot keep every class in every split without moving photos
-    that are already split (a class lost its last photo of a split and no new photo of it
-    arrived): :mod:`flowers_job.ingest.job` runs a full rebuild instead, which splits every
-    class afresh. The message says which classes and why."""
 
 
 @dataclass(frozen=True)
@@ -179,176 +161,11 @@ def _decode(spark: SparkSession, cfg: JobConfig, entries: DataFrame, n: int) -> 
 
 def _with_image_columns(decoded: DataFrame, labels: list[str]) -> DataFrame:
     """``decoded`` plus ``label_index`` (the label's position in ``labels``) and ``row_id``
-    (xxhash64 of the relative path); the split comes after (:func:`_full_splits`,
-    :func:`_incremental_splits`)."""
+    (xxhash64 of the relative path); the split comes after (:func:`~flowers_job.ingest.splits.full_splits`,
+    :func:`~flowers_job.ingest.splits.incremental_splits`)."""
     return decoded.withColumn(
         "label_index", F.array_position(F.array(*map(F.lit, labels)), F.col("label")) - 1
     ).withColumn("row_id", F.xxhash64("relative_path"))
-
-
-def _split_hash(cfg: JobConfig) -> Column:
-    """A photo's split hash: SHA-256 of (``split_seed``, content) -> uniform in [0, 1)."""
-    digest = F.sha2(F.concat_ws(":", F.lit(str(cfg.data.split_seed)), "content_sha256"), 256)
-    return F.conv(F.substring(digest, 1, 13), 16, 10).cast("double") / float(16**13)
-
-
-def split_quotas(
-    units: Mapping[str, int], val_fraction: float, test_fraction: float, images: object = ""
-) -> dict[str, tuple[int, int]]:
-    """How many of each class's ``units`` (distinct photos) go to val and to test:
-    ``round(n * fraction)``, at least 1 each, and at least 1 left for train.
-
-    Args:
-        units: class (label) -> its number of distinct photos.
-        val_fraction, test_fraction: ``data.val_fraction`` and ``data.test_fraction``, both
-            in (0, 1) with a sum below 1 (:class:`~flowers_job.config.data.DataConfig`).
-        images: the images root, for the message.
-
-    Returns:
-        class -> ``(val, test)`` photo counts; train gets the rest (``n - val - test >= 1``).
-
-    Raises:
-        IngestError: a class with fewer photos than the three splits (train, val, test),
-            naming each such class and its count.
-    """
-    small = {label: n for label, n in sorted(units.items()) if n < len(SPLIT_ORDER)}
-    if small:
-        raise IngestError(
-            "data.images: each class is split into train, val and test in proportion, so "
-            f"needs {len(SPLIT_ORDER)} distinct photos or more; "
-            + ", ".join(f"class {label!r} has {n}" for label, n in small.items())
-            + f" (under {images}): add photos, or remove the folder; nothing was written"
-        )
-    quotas = {}
-    for label, n in units.items():
-        val, test = max(1, round(n * val_fraction)), max(1, round(n * test_fraction))
-        while val + test > n - 1:  # keep one for train: take from the larger of the two
-            if val >= test:
-                val -= 1
-            else:
-                test -= 1
-        quotas[label] = (val, test)
-    return quotas
-
-
-def _quota(quotas: Mapping[str, tuple[int, int]], which: int) -> Column:
-    """``quotas[stratum][which]`` as a column (0 for a stratum it does not name)."""
-    if not quotas:
-        return F.lit(0)
-    pairs = [x for label, q in sorted(quotas.items()) for x in (F.lit(label), F.lit(q[which]))]
-    return F.coalesce(F.create_map(*pairs)[F.col("stratum")], F.lit(0))
-
-
-def _rank_splits(
-    cfg: JobConfig, units: DataFrame, quotas: Mapping[str, tuple[int, int]]
-) -> DataFrame:
-    """``(content_sha256, split)`` for ``units`` (``content_sha256``, ``stratum``): in each
-    stratum, the units ranked by their split hash (then content, for ties): the first
-    ``quotas[stratum][0]`` go to val, the next ``[1]`` to test, the rest to train."""
-    rank = F.row_number().over(
-        Window.partitionBy("stratum").orderBy(_split_hash(cfg), "content_sha256")
-    )
-    val, test = _quota(quotas, 0), _quota(quotas, 1)
-    split = F.when(rank <= val, "val").when(rank <= val + test, "test").otherwise("train")
-    return units.select("content_sha256", split.alias("split"))
-
-
-def _units(good: DataFrame) -> DataFrame:
-    """One row per distinct photo (``content_sha256``) of ``good`` with its ``stratum``: the
-    first of its labels (byte-identical photos under two labels are one unit, so they share
-    a split: no leakage between splits)."""
-    return good.groupBy("content_sha256").agg(F.min("label").alias("stratum"))
-
-
-def _full_splits(cfg: JobConfig, good: DataFrame) -> DataFrame:
-    """``(content_sha256, split)`` for every image of a full rebuild: each class split in
-    proportion, by rank of the split hash (:func:`split_quotas`, :func:`_rank_splits`).
-
-    Raises:
-        IngestError: a class too small for every split (:func:`split_quotas`).
-    """
-    units = _units(good)
-    counts = {r["stratum"]: int(r["count"]) for r in units.groupBy("stratum").count().collect()}
-    d = cfg.data
-    return _rank_splits(cfg, units, split_quotas(counts, d.val_fraction, d.test_fraction, d.images))
-
-
-def _incremental_splits(cfg: JobConfig, kept: DataFrame, good: DataFrame) -> DataFrame:
-    """``(content_sha256, split)`` for the images of an incremental ingest: a photo already
-    in ``kept`` (``label``, ``content_sha256``, ``split``: the stored images that stay)
-    keeps its split; the new ones (in ``good``) of each class fill what the class lacks of
-    its quotas for its size after this ingest (val first, then test), the rest go to train,
-    ranked by split hash as in a full rebuild.
-
-    Raises:
-        IngestError: a class too small for every split (:func:`split_quotas`).
-        Resplit: a class would have no photo in a split (its last one is gone, and no new
-            photo of it arrived): only moving stored photos could mend it.
-    """
-    kept_units = kept.groupBy("content_sha256").agg(
-        F.min("label").alias("stratum"), F.min("split").alias("split")
-    )
-    new_units = _units(good).join(
-        kept_units.select("content_sha256"), "content_sha256", "left_anti"
-    )
-    have: dict[str, dict[str, int]] = {}
-    for r in kept_units.groupBy("stratum", "split").count().collect():
-        have.setdefault(r["stratum"], {})[r["split"]] = int(r["count"])
-    new = {r["stratum"]: int(r["count"]) for r in new_units.groupBy("stratum").count().collect()}
-    totals = {s: sum(have.get(s, {}).values()) + new.get(s, 0) for s in set(have) | set(new)}
-    d = cfg.data
-    targets = split_quotas(totals, d.val_fraction, d.test_fraction, d.images)
-    quotas, short = {}, []
-    for stratum, (val, test) in targets.items():
-        held, n_new = have.get(stratum, {}), new.get(stratum, 0)
-        add_val = min(max(0, val - held.get("val", 0)), n_new)
-        add_test = min(max(0, test - held.get("test", 0)), n_new - add_val)
-        quotas[stratum] = (add_val, add_test)
-        after = (
-            held.get("val", 0) + add_val,
-            held.get("test", 0) + add_test,
-            held.get("train", 0) + n_new - add_val - add_test,
-        )
-        if not all(after):
-            short.append(f"{stratum!r} (val, test, train: {after})")
-    if short:
-        raise Resplit(
-            f"class(es) {', '.join(short)} would miss a split, and only moving photos already "
-            "split can mend it"
-        )
-    return kept_units.select("content_sha256", "split").unionByName(
-        _rank_splits(cfg, new_units, quotas)
-    )
-
-
-def own_old_split_tables(spark: SparkSession, cfg: JobConfig) -> list[Location]:
-    """The split tables of an older layout (:data:`OLD_SPLIT_TABLES`) under
-    ``<output_dir>/tables`` that a full ingest removes: those whose latest commit carries
-    ingest's metadata (:func:`~flowers_job.tables.delta_tables.is_ingest_metadata`). Path
-    tables only (catalog tables came after layout 4). Checked before anything is written.
-
-    Raises:
-        IngestError: a Delta table there that ingest did not write, naming its path and
-            what to do; nothing is removed or written.
-    """
-    if cfg.tables.in_catalog:
-        return []
-    own = []
-    for name in OLD_SPLIT_TABLES:
-        path = cfg.paths.table(name)
-        if not (path / "_delta_log").is_dir():
-            continue
-        commit = latest_commit(spark, TableRef(path=path))
-        if not is_ingest_metadata(None if commit is None else commit[1]):
-            raise IngestError(
-                f"{path} is a Delta table that flowers_job's ingest did not write (its latest "
-                "commit carries no ingest metadata), where an older layout kept its "
-                f"{name} split: a full ingest removes only the split tables it wrote. Move "
-                f"that table out of {cfg.paths.tables_dir}, or use another paths.output_dir; "
-                "nothing was removed or written"
-            )
-        own.append(path)
-    return own
 
 
 def write_full(
@@ -361,13 +178,13 @@ def write_full(
     n_files: int,
     why: str,
 ) -> Changes:
-    """Decode every entry, split each class in proportion (:func:`_full_splits`) and
+    """Decode every entry, split each class in proportion (:func:`~flowers_job.ingest.splits.full_splits`) and
     overwrite both tables; then remove the split tables of an older layout that ingest
-    wrote (:func:`own_old_split_tables`, checked first).
+    wrote (:func:`~flowers_job.ingest.old_layout.own_old_split_tables`, checked first).
 
     Raises:
-        IngestError: as :func:`_check_after`, :func:`split_quotas` and
-            :func:`own_old_split_tables`, before any table is written.
+        IngestError: as :func:`_check_after`, :func:`~flowers_job.ingest.splits.split_quotas` and
+            :func:`~flowers_job.ingest.old_layout.own_old_split_tables`, before any table is written.
     """
     old_tables = own_old_split_tables(spark, cfg)
     before = _rows_or_zero(spark, tables["images"])
@@ -379,7 +196,7 @@ def write_full(
         reasons = _check_after(cfg, decoded, labels, n_files)
         log.info("decoded %d files in %.1f s", n_files, time.perf_counter() - t0)
         good = decoded.where(F.col("reason_code").isNull())
-        images = good.join(_full_splits(cfg, good), "content_sha256")
+        images = good.join(full_splits(cfg.data, good), "content_sha256")
         quarantine = decoded.where(F.col("reason_code").isNotNull())
         counts = TableCounts.from_rows(split_counts(images), reasons)
         meta["counts"] = counts.to_meta()
@@ -409,7 +226,7 @@ def write_full(
         )
     finally:
         decoded.unpersist()
-    _remove_old_split_tables(old_tables)
+    remove_old_split_tables(old_tables)
     return Changes(
         mode=f"full: {why}",
         files_decoded=n_files,
@@ -432,10 +249,11 @@ def write_incremental(
     """Decode the new and changed files and bring both tables up to date with them and the
     deletions: the quarantine by a MERGE (skipped when nothing there changes), ``images`` by
     :func:`_write_images` (:mod:`flowers_job.ingest.job`'s docstring). Stored photos keep their split; new ones fill their class's
-    quotas (:func:`_incremental_splits`).
+    quotas (:func:`~flowers_job.ingest.splits.incremental_splits`).
 
     Raises:
-        IngestError: as :func:`_check_after` and :func:`split_quotas`, before any write.
+        IngestError: as :func:`_check_after` and
+            :func:`~flowers_job.ingest.splits.split_quotas`, before any write.
         Resplit: a class would miss a split unless stored photos moved; nothing written.
     """
     t0 = time.perf_counter()
@@ -472,7 +290,7 @@ def write_incremental(
         )
         good = decoded.where(F.col("reason_code").isNull())
         # written out: the images write must not read the table it changes
-        _incremental_splits(cfg, kept, good).write.parquet(str(splits_path))
+        incremental_splits(cfg.data, kept, good).write.parquet(str(splits_path))
         decoded = decoded.join(spark.read.parquet(str(splits_path)), "content_sha256", "left")
         n_decoded = decoded.where(
             F.col("reason_code").isNull() | ~F.col("reason_code").isin(*LISTING_REASONS)
@@ -667,16 +485,6 @@ def _rows_or_zero(spark: SparkSession, table: TableRef) -> int:
     if not table.exists(spark):
         return 0
     return int(table.read(spark).count())
-
-
-def _remove_old_split_tables(paths: list[Location]) -> None:
-    """Remove the split tables of layout 3 (full copies of ``images``) that ingest wrote
-    (:func:`own_old_split_tables`), once layout 4's tables are written: nothing reads them
-    any more."""
-    for path in paths:
-        log.info("removing %s: a split table of an older layout (now a partition of images)", path)
-        with contextlib.suppress(OSError):
-            path.rmtree()
 
 
 def _conform(df: DataFrame, table: str) -> DataFrame:

@@ -13,7 +13,7 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import IngestError, UsageError
 from flowers_job.ingest.job import ingest
-from flowers_job.ingest.write import split_quotas
+from flowers_job.ingest.splits import split_quotas
 from flowers_job.location import Location
 from flowers_job.serving.batch_predict import check_output_table, predict
 from flowers_job.serving.model_ref import ModelRef
