@@ -202,7 +202,7 @@ class DataConfig(Section):
 
 
 class PetastormConfig(Section):
-    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm.petastorm_loader`)."""
+    """``data.loader=petastorm`` only (:mod:`flowers_job.loaders.petastorm.loader`)."""
 
     reader_pool_type: Literal["dummy", "process"] = "dummy"
     """Petastorm reader pool. 'thread' is not offered: it can end a shard early

@@ -39,7 +39,7 @@ __all__ = [
 
 LOADERS: dict[str, str] = {
     "streaming": "flowers_job.loaders.streaming.streaming_loader:StreamingLoader",
-    "petastorm": "flowers_job.loaders.petastorm.petastorm_loader:PetastormLoader",
+    "petastorm": "flowers_job.loaders.petastorm.loader:PetastormLoader",
 }
 """Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
 order and takes the first that runs here."""

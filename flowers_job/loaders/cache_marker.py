@@ -109,7 +109,7 @@ def check_entry(
     as ``/dbfs/tmp``) and is not read. Someone who can write the cache root can
     forge it: what the loaders open is checked again where they open it (the Petastorm ranks
     open only the plan's own files, never a folder whose metadata Petastorm would unpickle:
-    :func:`~flowers_job.loaders.petastorm.petastorm_loader.check_cache_files`).
+    :func:`~flowers_job.loaders.petastorm.cache_files.check_cache_files`).
 
     Raises:
         DataError: naming the entry and what is wrong; the entry is left as it is.

@@ -41,7 +41,7 @@ from flowers_job.driver.prepare import prepare_data
 from flowers_job.driver.runs import list_runs
 from flowers_job.errors import DataError
 from flowers_job.loaders import resolve_loader
-from flowers_job.loaders.petastorm.petastorm_loader import write_balanced
+from flowers_job.loaders.petastorm.cache_write import write_balanced
 from flowers_job.loaders.streaming.streaming_loader import write_mds
 from flowers_job.tracking.mlflow_run import FAILURE_TAG
 from flowers_job.train.checkpoint import CHECKPOINT_NAME, RUN_FILE_NAME

@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from flowers_job.config import ConfigError, JobConfig, load_config
 from flowers_job.loaders import LOADERS, loader_problem, resolve_loader
-from flowers_job.loaders.petastorm import petastorm_loader
+from flowers_job.loaders.petastorm import loader as petastorm_loader
 from tests.support.processes import run_cli
 
 pytestmark = pytest.mark.tier("gate")

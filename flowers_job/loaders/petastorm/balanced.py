@@ -8,7 +8,7 @@ of partitions grows with the images' bytes (a multiple of ``world_size``, at lea
 configured ``num_partitions``, <= ~64 MB each), every partition holds ``floor`` or
 ``ceil(N / num_partitions)`` rows (:func:`balance`, no global sort), and each is one file
 with one row group, uncompressed (the images are JPEG already). The Petastorm loader
-(:mod:`flowers_job.loaders.petastorm.petastorm_loader`) writes and plans through it.
+(:mod:`flowers_job.loaders.petastorm.cache_write`) writes and plans through it.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def _planted_cache(folder: Path, marker: Path, rows_per_file: int = 3) -> list[s
 
 
 def _plan(folder: Path, urls: list[str]) -> Any:
-    from flowers_job.loaders.petastorm.petastorm_loader import PetastormPlan
+    from flowers_job.loaders.petastorm.plan import PetastormPlan
 
     return PetastormPlan(
         loader="petastorm",
@@ -87,7 +87,8 @@ def _plan(folder: Path, urls: list[str]) -> Any:
 
 
 def _rows(plan: Any) -> list[int]:
-    from flowers_job.loaders.petastorm.petastorm_loader import quiet_petastorm, shard_batches
+    from flowers_job.loaders.petastorm.logs import quiet_petastorm
+    from flowers_job.loaders.petastorm.reader import shard_batches
 
     quiet_petastorm()
     tf = DecodeTransform(False, 32, 37)
@@ -180,7 +181,7 @@ def _entry(
 
 
 def _split(tmp_path: Path) -> Any:
-    from flowers_job.loaders.petastorm.petastorm_loader import PetastormLoader
+    from flowers_job.loaders.petastorm.loader import PetastormLoader
 
     cfg = _cfg(tmp_path)
     root = tmp_path / "cache"

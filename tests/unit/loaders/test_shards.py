@@ -24,16 +24,11 @@ from flowers_job.config import load_config
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders import resolve_loader
-from flowers_job.loaders.base import ShardPlan, row_stats, wrap_int64
-from flowers_job.loaders.petastorm.petastorm_loader import (
-    PetastormLoader,
-    PetastormPlan,
-    cache_partitions,
-    footer_rows,
-    plan_shards,
-    rebatch,
-    shard_batches,
-)
+from flowers_job.loaders.base import ShardPlan, rebatch, row_stats, wrap_int64
+from flowers_job.loaders.petastorm.balanced import cache_partitions
+from flowers_job.loaders.petastorm.loader import PetastormLoader
+from flowers_job.loaders.petastorm.plan import PetastormPlan, footer_rows, plan_shards
+from flowers_job.loaders.petastorm.reader import shard_batches
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
 from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support.data import loader_skip_reason
