@@ -24,8 +24,9 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.loaders.base import SEGMENT_COLUMN, Loader, ShardPlan
-from flowers_job.loaders.cache_dir import cache_bytes_needed, loader_cache
+from flowers_job.loaders.cache_dir import loader_cache
 from flowers_job.loaders.cache_growth import Changes
+from flowers_job.loaders.cache_space import cache_bytes_needed
 from flowers_job.photos.files import digest, hash_sums
 from flowers_job.tables.delta_tables import SPLITS, CheckedTables, checked_tables, split_frame
 from flowers_job.tables.table_ref import table_ref

@@ -384,7 +384,7 @@ class Loader(ABC):
 
     def cache_settings(self, split: str) -> dict[str, Any]:
         """The settings that decide the bytes and the plan of ``split``'s cache: part of its
-        key in the loader cache (:func:`flowers_job.loaders.cache_dir.entry_key`). The base: the
+        key in the loader cache (:func:`flowers_job.loaders.cache_marker.entry_key`). The base: the
         world size, the partitions, the batch size and whether full batches are required."""
         cfg = self.cfg
         return {

@@ -35,15 +35,10 @@ own folder and read the winner's. On a disk, writers of a key also take its file
 (``filelock``) first, so that the second waits (``cache.lock_timeout_seconds``) and reuses
 the entry instead of writing it again; S3 has no locks, and needs none for correctness.
 
-**Bounded.** When a run's entries are ready, entries are evicted least-recently-used first
-while the cache holds more than ``cache.max_bytes``, except this run's and any that a live
-driver reads (its lease in ``users/``). A reader writes its lease before it reads the
-marker; the evictor removes the marker, looks at the leases again, and puts the marker back
-if a reader came meanwhile, so an entry is never removed under a reader (on either store).
-A writer's folder whose driver is dead (killed with SIGKILL, say) is swept at the next
-start (:func:`sweep_orphaned_caches`), with what each loader left on this host
-(:meth:`~flowers_job.loaders.base.Loader.sweep`). Before a split is written to a disk, its
-free space is checked against the split's size (:func:`check_cache_space`).
+**Bounded** (:mod:`flowers_job.loaders.cache_eviction`): entries are evicted least-recently-used
+first past ``cache.max_bytes``, never under a reader; what a killed run left is swept at the
+next start (:mod:`flowers_job.loaders.cache_sweep`), and a disk's free space is checked
+before a write (:mod:`flowers_job.loaders.cache_space`).
 
 A store without a put-if-absent here (``gs://``, ``abfss://``, or S3 from a Python without
 boto3's conditional writes) gets the old behaviour, said in the log: each split is written
@@ -61,23 +56,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import shutil
-import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
-from flowers_job.loaders import registered_loaders
-from flowers_job.loaders.base import Loader, ShardPlan, local_dir
+from flowers_job.loaders.base import Loader, ShardPlan
+from flowers_job.loaders.cache_eviction import LAST_USED, USERS, evict, remove_entry
 from flowers_job.loaders.cache_growth import Changes, Growth, grow
 from flowers_job.loaders.cache_marker import (
     DATA_PREFIX,
@@ -92,154 +82,21 @@ from flowers_job.loaders.cache_marker import (
     rebase,
     referenced_segments,
 )
+from flowers_job.loaders.cache_space import check_cache_space
+from flowers_job.loaders.cache_sweep import OWNER_FILE, owner_alive, run_cache
 from flowers_job.location import Location
-from flowers_job.runtime.parent_watch import driver_identity, process_alive
+from flowers_job.runtime.parent_watch import driver_identity
 
-__all__ = [
-    "CACHE_FORMAT",
-    "CACHE_SPACE_FACTOR",
-    "CACHE_SPACE_HEADROOM_BYTES",
-    "ENTRIES",
-    "ENTRY_FILE",
-    "LAST_USED",
-    "ORPHAN_AGE_SECONDS",
-    "OWNER_FILE",
-    "USERS",
-    "CacheUse",
-    "LoaderCache",
-    "cache_bytes_needed",
-    "cached_versions",
-    "check_cache_space",
-    "check_entry",
-    "entry_key",
-    "evict",
-    "loader_cache",
-    "run_cache",
-    "sweep_orphaned_caches",
-]
+__all__ = ["CACHE_FORMAT", "CacheUse", "LoaderCache", "cached_versions", "loader_cache"]
 
 log = logging.getLogger(__name__)
 
-OWNER_FILE = "owner.json"
-ORPHAN_AGE_SECONDS = 7 * 24 * 3600.0
-"""A cache folder of a driver on another host is swept once it is this old (seconds): its
-driver cannot be checked from here, and no training run lasts a week."""
-CACHE_SPACE_FACTOR = 1.1
-CACHE_SPACE_HEADROOM_BYTES = 1 << 20
-"""A split's cache needs ``table size x 1.1 + 1 MiB``: the images are JPEG in both the Delta
-table and the uncompressed cache, plus Parquet footers and Hadoop's .crc files."""
 CACHE_FORMAT = 4
 """The entries' layout, part of every key: 4 is a marker published by a put-if-absent over
 a writer's own data folder and the segments of older entries it grew from, rows carrying
 their segment (2 and before: a folder published by a rename)."""
 
 LOCKS = "locks"
-LAST_USED = "last_used"
-USERS = "users"
-
-
-def _alive(owner: dict[str, Any]) -> bool:
-    """Whether the driver ``owner`` (:func:`driver_identity`) still runs: checked on this
-    host; a driver on another host counts as alive for :data:`ORPHAN_AGE_SECONDS`."""
-    if owner.get("host") == socket.gethostname():
-        return process_alive(owner)
-    return time.time() - float(owner.get("create_time", 0.0)) < ORPHAN_AGE_SECONDS
-
-
-def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
-    """Remove what runs whose driver is dead left in the cache root (local or object store):
-    their ``run-*`` folder and their unpublished writer folders under ``entries/``.
-
-    A run is dead when its ``owner.json`` names a driver on this host that no longer
-    exists, or a driver elsewhere that started more than :data:`ORPHAN_AGE_SECONDS` ago.
-    Folders without ``owner.json`` are not ours and are left alone; a data folder that a
-    published marker names is never removed here. For a local folder of this host, each
-    registered loader also removes what its readers left outside it.
-
-    Returns:
-        The ``run-*`` folders removed.
-    """
-    parent = Location.of(cache_parent_url)
-    for trash in parent.glob("trash-*"):  # an evicted layout-2 entry, its removal cut short
-        with contextlib.suppress(OSError):
-            trash.rmtree()
-    removed = []
-    for folder in parent.glob("run-*"):
-        owner = read_json(folder / OWNER_FILE)
-        if not isinstance(owner, dict) or _alive(owner):
-            continue
-        log.warning(
-            "removing the loader cache %s of a run that was killed (driver pid %s on %s)",
-            folder,
-            owner.get("pid"),
-            owner.get("host"),
-        )
-        referenced = referenced_segments(parent)
-        for entry in (parent / ENTRIES).iterdir():
-            data = entry / f"{DATA_PREFIX}{folder.name}"
-            if (entry.name, data.name) not in referenced:
-                with contextlib.suppress(OSError):
-                    data.rmtree()
-        with contextlib.suppress(OSError):
-            folder.rmtree()
-        if folder.is_local and owner.get("host") == socket.gethostname():
-            for registered in registered_loaders():
-                registered.sweep(folder.local_path)
-        removed.append(folder)
-    return removed
-
-
-def cache_bytes_needed(table_bytes: int, fraction: float = 1.0) -> int:
-    """Bytes the loader cache of ``fraction`` of the rows of a Delta table of
-    ``table_bytes`` (``DESCRIBE DETAIL``'s ``sizeInBytes``) needs: an estimate, rows being
-    about the same size, of ``table_bytes x fraction x`` :data:`CACHE_SPACE_FACTOR` ``+``
-    :data:`CACHE_SPACE_HEADROOM_BYTES`."""
-    return math.ceil(table_bytes * fraction * CACHE_SPACE_FACTOR) + CACHE_SPACE_HEADROOM_BYTES
-
-
-def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
-    """Fail before writing when the cache's file system has less than ``needed_bytes`` free.
-
-    Raises:
-        DataError: not enough space; names the directory, the bytes needed and free.
-    """
-    folder = local_dir(cache_dir_url)
-    if folder is None:
-        return  # object stores and DBFS report no meaningful free space
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent  # the volume it will be on
-    free = shutil.disk_usage(folder).free
-    if free < needed_bytes:
-        raise DataError(
-            f"no space for the loader cache of {what} in {folder}: needs about "
-            f"{needed_bytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; free some space or "
-            "set paths.cache_url to a larger volume"
-        )
-
-
-@contextmanager
-def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
-    """This run's folder ``<cache_parent_url>/run-<id>``: created with its ``owner.json``
-    (after sweeping orphans), removed on exit whatever happens (in an object store too:
-    every key under it).
-
-    Yields:
-        ``(cache_url, local_folder)``; the folder is None for a cache that is not local.
-    """
-    sweep_orphaned_caches(cache_parent_url)
-    cache_url = f"{cache_parent_url.rstrip('/')}/run-{uuid.uuid4().hex[:12]}"
-    run = Location.of(cache_url)
-    folder = run.local_path if run.is_local else None
-    if folder is not None:
-        folder.mkdir(parents=True)
-    (run / OWNER_FILE).write_text(json.dumps(driver_identity()))
-    try:
-        yield cache_url, folder
-    finally:
-        try:
-            run.rmtree()  # local or in an object store
-        except OSError as exc:
-            log.warning("could not remove this run's loader cache %s: %s", cache_url, exc)
 
 
 @dataclass
@@ -265,101 +122,6 @@ class CacheUse:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _users_alive(entry: Location, skip: str) -> list[str]:
-    """The runs other than ``skip`` whose drivers read ``entry`` and still run
-    (:func:`_alive`); the leases of dead ones are removed."""
-    alive = []
-    for f in (entry / USERS).glob("*.json"):
-        name = f.name.removesuffix(".json")
-        if name == skip:
-            continue
-        owner = read_json(f)
-        if not isinstance(owner, dict):
-            continue
-        if _alive(owner):
-            alive.append(name)
-        else:
-            with contextlib.suppress(OSError):
-                f.unlink()  # a reader that died: it no longer holds the entry
-    return alive
-
-
-def _remove_entry(entry: Location, info: dict[str, Any], run_id: str) -> bool:
-    """Unpublish ``entry`` (its marker first, so that it is never read half removed), then
-    delete the data folders of its segments that no other published marker reads (an entry
-    that grew from it keeps reading them); unless a reader leased it meanwhile: then the
-    marker is put back. A concurrent writer's folder is its own and is never removed here.
-
-    Returns:
-        Whether the entry was removed.
-    """
-    marker = entry / ENTRY_FILE
-    try:
-        saved = marker.read_bytes()
-        marker.unlink()
-    except OSError:
-        return False
-    if _users_alive(entry, run_id):  # a reader leased it between our look and the unlink
-        marker.create_bytes(saved)
-        return False
-    if info.get("data") is None:  # layout 2: the whole folder was the entry
-        with contextlib.suppress(OSError):
-            entry.rmtree()
-        return True
-    root = entry.parent.parent
-    still = referenced_segments(root)
-    for owner, data in entry_segments(info):
-        if (owner, data) not in still:
-            with contextlib.suppress(OSError):
-                (root / ENTRIES / owner / data).rmtree()
-    with contextlib.suppress(OSError):
-        (entry / LAST_USED).unlink(missing_ok=True)
-    if entry.is_local:
-        for leftover in (entry / USERS, entry):
-            with contextlib.suppress(OSError):
-                leftover.local_path.rmdir()  # empty unless a writer is at work
-    return True
-
-
-def evict(root: Location | Path | str, max_bytes: int, keep: set[str], run_id: str) -> list[str]:
-    """Evict entries under ``root`` least-recently-used first until they hold at most
-    ``max_bytes``; never those named in ``keep`` nor those a live driver reads.
-
-    Returns:
-        The names of the entries removed.
-    """
-    root = Location.of(root)
-    entries = []
-    for entry in (root / ENTRIES).iterdir():
-        info = entry_info(entry)
-        if info is None:
-            continue
-        try:
-            used = (entry / LAST_USED).mtime()
-        except OSError:
-            used = 0.0
-        entries.append((used, entry, info, int(info.get("bytes", 0))))
-    total = sum(e[3] for e in entries)
-    removed = []
-    for _, entry, info, size in sorted(entries, key=lambda e: e[0]):
-        if total <= max_bytes:
-            break
-        if entry.name in keep or _users_alive(entry, run_id):
-            continue
-        log.info(
-            "evicting loader cache entry %s (%.1f MiB, least recently used): the cache holds "
-            "%.1f MiB, more than cache.max_bytes=%d",
-            entry.name,
-            size / 2**20,
-            total / 2**20,
-            max_bytes,
-        )
-        if _remove_entry(entry, info, run_id):
-            total -= size
-            removed.append(entry.name)
-    return removed
 
 
 def cached_versions(cfg: JobConfig, table: str) -> set[int]:
@@ -421,7 +183,7 @@ class LoaderCache:
                 lineage) shared by the entries an entry can grow from.
             frame: the split's rows (``row_id``, ``image``, ``label_index``, ``segment``),
                 built only when the entry must be written.
-            needed_bytes: the space the write needs (:func:`cache_bytes_needed`).
+            needed_bytes: the space the write needs (:func:`~flowers_job.loaders.cache_space.cache_bytes_needed`).
             changes: given an older version of the lineage, the split's changes since
                 (:class:`Changes`); None: no appending.
 
@@ -506,7 +268,7 @@ class LoaderCache:
 
     def _lease(self, entry: Location) -> None:
         """Register this run as a reader of ``entry`` and mark it used (before its marker is
-        read: :func:`_remove_entry` relies on the order)."""
+        read: :func:`~flowers_job.loaders.cache_eviction.remove_entry` relies on the order)."""
         (entry / USERS / f"{self.run_id}.json").write_text(json.dumps(driver_identity()))
         (entry / LAST_USED).write_text(f"{time.time():.3f}")
 
@@ -593,7 +355,7 @@ class LoaderCache:
         referenced = referenced_segments(self.root)
         for stale in entry.glob(f"{DATA_PREFIX}*"):  # unpublished: whose writer is gone?
             owner = read_json(self.root / stale.name.removeprefix(DATA_PREFIX) / OWNER_FILE)
-            alive = isinstance(owner, dict) and _alive(owner)
+            alive = isinstance(owner, dict) and owner_alive(owner)
             if stale == data or not (alive or (entry.name, stale.name) in referenced):
                 with contextlib.suppress(OSError):
                     stale.rmtree()
@@ -673,7 +435,7 @@ class LoaderCache:
         done = []
         for entry in self.superseded:
             info = entry_info(entry)
-            if info is not None and _remove_entry(entry, info, self.run_id):
+            if info is not None and remove_entry(entry, info, self.run_id):
                 log.info(
                     "loader cache: %s is superseded by a newer entry of its lineage", entry.name
                 )

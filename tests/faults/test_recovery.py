@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from flowers_job.config import load_config
-from flowers_job.loaders.cache_dir import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
+from flowers_job.loaders.cache_sweep import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
 from flowers_job.runtime.parent_watch import driver_identity, process_alive, watched_processes
 from flowers_job.tracking.mlflow_run import RunTracker
 

@@ -23,7 +23,9 @@ from flowers_job.driver.pipeline import run_ingest
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.loaders import resolve_loader
 from flowers_job.loaders.base import ShardPlan, wrap_int64
-from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, cached_versions, evict
+from flowers_job.loaders.cache_dir import cached_versions
+from flowers_job.loaders.cache_eviction import evict
+from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 from flowers_job.tables.table_ref import table_ref
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
 from tests.support.data import DAY_SAMPLE_PER_LABEL, day_change, sample_photos

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flowers_job.loaders import LOADERS, loader_problem
-from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE
+from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 from tests.support.data import DAY_SAMPLE_PER_LABEL, SELECTED_LOADERS, day_change, sample_photos
 from tests.support.processes import run_cli
 from tests.support.s3 import S3Store, fresh_bucket, s3_jars, s3_server  # noqa: F401 (fixtures)

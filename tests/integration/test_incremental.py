@@ -172,7 +172,7 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     of older versions, except those of a version a loader cache entry was built from. The
     changes are full rebuilds (``--full``): an incremental MERGE marks rows in deletion
     vectors and leaves every data file of the older versions in use."""
-    from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE
+    from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 
     images = sample_photos(tmp_path / "images", per_label=4)  # 3 per class after a deletion
     cfg = _cfg(images, tmp_path / "out", *SHORT_RETENTION)

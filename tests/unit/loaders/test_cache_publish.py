@@ -25,17 +25,10 @@ import pytest
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.loaders.base import Loader, ShardPlan
-from flowers_job.loaders.cache_dir import (
-    ENTRIES,
-    ENTRY_FILE,
-    OWNER_FILE,
-    USERS,
-    CacheUse,
-    LoaderCache,
-    _remove_entry,
-    evict,
-    sweep_orphaned_caches,
-)
+from flowers_job.loaders.cache_dir import CacheUse, LoaderCache
+from flowers_job.loaders.cache_eviction import USERS, evict, remove_entry
+from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
+from flowers_job.loaders.cache_sweep import OWNER_FILE, sweep_orphaned_caches
 from flowers_job.location import Location
 from flowers_job.runtime.parent_watch import driver_identity
 from tests.support.s3 import S3Store, fresh_bucket, s3_server  # noqa: F401 (fixture)
@@ -184,7 +177,7 @@ def test_eviction_is_lru_and_spares_leased_entries_and_puts_a_marker_back(root: 
     info = json.loads((entry / ENTRY_FILE).read_text())
 
     assert evict(root, 0, set(), "run-z") == []  # run-a still leases it
-    assert not _remove_entry(entry, info, "run-z")  # a reader: the marker is put back
+    assert not remove_entry(entry, info, "run-z")  # a reader: the marker is put back
     assert json.loads((entry / ENTRY_FILE).read_text()) == info
 
     cache.release()

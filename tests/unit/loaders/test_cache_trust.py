@@ -17,7 +17,8 @@ import pytest
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import DataError
-from flowers_job.loaders.cache_dir import CACHE_FORMAT, ENTRIES, ENTRY_FILE, LoaderCache
+from flowers_job.loaders.cache_dir import CACHE_FORMAT, LoaderCache
+from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support import LABELS, PHOTOS
 from tests.support.data import loader_skip_reason
@@ -166,7 +167,7 @@ def _entry(
     """A published entry of ``root``, as :meth:`LoaderCache._write` leaves one (its marker
     holds ``fields`` with the cache format added; none when ``fields`` is None). ``{entry}``
     in the plan's strings stands for the entry's data folder."""
-    from flowers_job.loaders.cache_dir import entry_key
+    from flowers_job.loaders.cache_marker import entry_key
 
     name = f"petastorm-train-v3-{entry_key({**FIELDS, 'cache_format': CACHE_FORMAT})}"
     entry = root / ENTRIES / name

@@ -15,7 +15,8 @@ from pyspark.sql import SparkSession
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.loaders import resolve_loader
-from flowers_job.loaders.cache_dir import ENTRIES, ENTRY_FILE, USERS
+from flowers_job.loaders.cache_eviction import USERS
+from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 from flowers_job.runtime.parent_watch import driver_identity
 from tests.support.data import SELECTED_LOADERS
 
