@@ -9,10 +9,8 @@ gives its meaning and unit; docs/configuration.md lists them all.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -25,8 +23,7 @@ from flowers_job.config.data import (
     TablesConfig,
 )
 from flowers_job.config.deprecated import migrate_deprecated
-from flowers_job.config.secrets import redact_uri, split_userinfo
-from flowers_job.errors import ConfigError
+from flowers_job.config.secrets import credentials_out_of_uri, read_password
 from flowers_job.location import Location, LocationValue, to_location
 
 __all__ = [
@@ -355,7 +352,7 @@ class TrackingConfig(Section):
     tracking_uri: str | None = None
     """None = ``sqlite:///<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts``.
     Credentials in a server's URI (``https://alice:pw@host``) are taken out of it, into
-    ``username`` and ``password`` (:meth:`_take_credentials_out_of_uri`); a password in any
+    ``username`` and ``password`` (:func:`~flowers_job.config.secrets.credentials_out_of_uri`); a password in any
     other store's URI (``postgresql://user:pw@host/db``) is refused."""
     experiment_name: str = Field("flowers_job", min_length=1)
     registered_model_name: str | None = Field("flowers_classifier", min_length=1)
@@ -386,50 +383,9 @@ class TrackingConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _take_credentials_out_of_uri(cls, data: Any) -> Any:
-        """``https://alice:pw@host`` -> ``tracking_uri="https://host"``, ``username="alice"``,
-        ``password="pw"``: MLflow then sends them from MLFLOW_TRACKING_USERNAME/PASSWORD
-        (``mlflow.utils.credentials.get_default_host_creds``), and the URI the job stores,
-        logs and hands to the ranks holds no secret. A password in the URI of another store
-        (a database: SQLAlchemy would need it in the URI) is refused: its driver reads it
-        from its own files or variables (libpq's ``PGPASSWORD`` and ``~/.pgpass``)."""
-        if not isinstance(data, dict) or not isinstance(data.get("tracking_uri"), str):
-            return data
-        uri = data["tracking_uri"]
-        head, sep, _ = uri.partition("://")
-        try:
-            bare, user, password = split_userinfo(uri)
-            scheme = urlsplit(uri).scheme.lower()
-            if sep and scheme != head.lower():  # "[https://a:pw@h]": no userinfo found
-                raise ValueError
-        except ValueError:
-            raise ValueError("tracking_uri: not a valid URI (scheme://host...)") from None
-        if user is None and password is None:
-            return data
-        if scheme not in ("http", "https"):
-            if password is None:
-                return data  # postgresql://user@host/db: the driver finds the password
-            raise ValueError(
-                f"tracking_uri: a password in the URI of the store {redact_uri(uri)} is "
-                "refused (it would show in the params, summary.json and logs); take it out "
-                "and give it to the database driver: PGPASSWORD or a ~/.pgpass file for "
-                "PostgreSQL, an option file (?read_default_file=...) for MySQL"
-            )
-        if user is not None and data.get("username") not in (None, user):
-            raise ValueError(
-                "username: differs from the user name in tracking.tracking_uri; give it once"
-            )
-        given = [k for k in ("password", "password_env", "password_file") if data.get(k)]
-        if password is not None and given:
-            raise ValueError(
-                f"password: given both in tracking.tracking_uri and as tracking.{given[0]}; "
-                "give it once"
-            )
-        out = {**data, "tracking_uri": bare}
-        if user is not None:
-            out["username"] = user
-        if password is not None:
-            out["password"] = password
-        return out
+        """A server's URI credentials into ``username`` and ``password``
+        (:func:`~flowers_job.config.secrets.credentials_out_of_uri`)."""
+        return credentials_out_of_uri(data)
 
     @model_validator(mode="after")
     def _check(self) -> TrackingConfig:
@@ -445,35 +401,14 @@ class TrackingConfig(Section):
         return self
 
     def resolved_password(self) -> SecretStr | None:
-        """The basic-auth password: ``password``, else the variable ``password_env`` names,
-        else the text of ``password_file`` without its trailing line break; None when none
-        is set. Read on the driver (:func:`flowers_job.tracking.mlflow_run.use_credentials`).
+        """The basic-auth password from ``password``, ``password_env`` or ``password_file``
+        (:func:`~flowers_job.config.secrets.read_password`); None when none is set. Read on
+        the driver (:func:`flowers_job.tracking.mlflow_run.use_credentials`).
 
         Raises:
-            ConfigError: the variable is not set or empty, or the file cannot be read or is
-                empty; the message names the setting and the variable or file, never a value.
+            ConfigError: the variable or the file gives no password (naming the setting).
         """
-        if self.password is not None:
-            return self.password
-        if self.password_env:
-            value = os.environ.get(self.password_env)
-            if not value:
-                raise ConfigError(
-                    f"tracking.password_env: the environment variable {self.password_env} is "
-                    "not set or empty"
-                )
-            return SecretStr(value)
-        if self.password_file is not None:
-            path = self.password_file.expanduser()
-            try:
-                value = path.read_text(encoding="utf-8").rstrip("\r\n")
-            except (OSError, UnicodeDecodeError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-                raise ConfigError(f"tracking.password_file: cannot read {path}: {why}") from None
-            if not value:
-                raise ConfigError(f"tracking.password_file: {path} is empty")
-            return SecretStr(value)
-        return None
+        return read_password(self.password, self.password_env, self.password_file)
 
 
 class PathsConfig(Section):

@@ -4,18 +4,33 @@ A value is shown in no error, log or dump when its setting is secret: a
 :class:`~pydantic.SecretStr` field (``tracking.password``, ``tracking.token``), a name close
 to one (a misspelt ``tracking.pasword``), or any name with one of :data:`SECRET_WORDS` in it.
 Credentials inside a URI (``https://alice:pw@host``) are shown as ``https://alice:***@host``
-(:func:`redact_uri`) and taken out of ``tracking.tracking_uri`` (:func:`split_userinfo`) by
-:class:`flowers_job.config.model.TrackingConfig`, which sends them by MLflow's own variables.
+(:func:`redact_uri`) and taken out of ``tracking.tracking_uri``
+(:func:`credentials_out_of_uri`), to be sent by MLflow's own variables; a password given by
+a variable or a file is read when the job starts (:func:`read_password`).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-__all__ = ["SECRET_WORDS", "is_secret_name", "redact_uri", "shows_secret", "split_userinfo"]
+from pydantic import SecretStr
+
+from flowers_job.errors import ConfigError
+
+__all__ = [
+    "SECRET_WORDS",
+    "credentials_out_of_uri",
+    "is_secret_name",
+    "read_password",
+    "redact_uri",
+    "shows_secret",
+    "split_userinfo",
+]
 
 SECRET_WORDS = ("password", "passwd", "secret", "token", "key", "credential")
 """A setting whose name holds one of these is taken for a secret wherever it is printed."""
@@ -100,3 +115,91 @@ def split_userinfo(uri: str) -> tuple[str, str | None, str | None]:
     password = unquote(parts.password) if parts.password is not None else None
     bare = urlunsplit(parts._replace(netloc=_netloc(parts.hostname, port)))
     return bare, user, password
+
+
+def credentials_out_of_uri(data: Any) -> Any:
+    """The raw ``tracking`` section ``data`` with a server URI's credentials taken out (any
+    other value is returned as it is): ``https://alice:pw@host`` ->
+    ``tracking_uri="https://host"``, ``username="alice"``, ``password="pw"``: MLflow then sends them from MLFLOW_TRACKING_USERNAME/PASSWORD
+    (``mlflow.utils.credentials.get_default_host_creds``), and the URI the job stores,
+    logs and hands to the ranks holds no secret. A password in the URI of another store
+    (a database: SQLAlchemy would need it in the URI) is refused: its driver reads it
+    from its own files or variables (libpq's ``PGPASSWORD`` and ``~/.pgpass``).
+
+    Raises:
+        ValueError: an invalid URI, a password in another store's URI, or a user name or
+            password given both in the URI and in its own setting (pydantic reports it as
+            the setting's error; the message shows no secret).
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("tracking_uri"), str):
+        return data
+    uri = data["tracking_uri"]
+    head, sep, _ = uri.partition("://")
+    try:
+        bare, user, password = split_userinfo(uri)
+        scheme = urlsplit(uri).scheme.lower()
+        if sep and scheme != head.lower():  # "[https://a:pw@h]": no userinfo found
+            raise ValueError
+    except ValueError:
+        raise ValueError("tracking_uri: not a valid URI (scheme://host...)") from None
+    if user is None and password is None:
+        return data
+    if scheme not in ("http", "https"):
+        if password is None:
+            return data  # postgresql://user@host/db: the driver finds the password
+        raise ValueError(
+            f"tracking_uri: a password in the URI of the store {redact_uri(uri)} is "
+            "refused (it would show in the params, summary.json and logs); take it out "
+            "and give it to the database driver: PGPASSWORD or a ~/.pgpass file for "
+            "PostgreSQL, an option file (?read_default_file=...) for MySQL"
+        )
+    if user is not None and data.get("username") not in (None, user):
+        raise ValueError(
+            "username: differs from the user name in tracking.tracking_uri; give it once"
+        )
+    given = [k for k in ("password", "password_env", "password_file") if data.get(k)]
+    if password is not None and given:
+        raise ValueError(
+            f"password: given both in tracking.tracking_uri and as tracking.{given[0]}; "
+            "give it once"
+        )
+    out = {**data, "tracking_uri": bare}
+    if user is not None:
+        out["username"] = user
+    if password is not None:
+        out["password"] = password
+    return out
+
+
+def read_password(
+    password: SecretStr | None, password_env: str | None, password_file: Path | None
+) -> SecretStr | None:
+    """The basic-auth password of ``tracking``: ``password``, else the variable ``password_env``
+    names, else the text of ``password_file`` without its trailing line break; None when
+    none is set.
+
+    Raises:
+        ConfigError: the variable is not set or empty, or the file cannot be read or is
+            empty; the message names the setting and the variable or file, never a value.
+    """
+    if password is not None:
+        return password
+    if password_env:
+        value = os.environ.get(password_env)
+        if not value:
+            raise ConfigError(
+                f"tracking.password_env: the environment variable {password_env} is "
+                "not set or empty"
+            )
+        return SecretStr(value)
+    if password_file is not None:
+        path = password_file.expanduser()
+        try:
+            value = path.read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"tracking.password_file: cannot read {path}: {why}") from None
+        if not value:
+            raise ConfigError(f"tracking.password_file: {path} is empty")
+        return SecretStr(value)
+    return None
