@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from flowers_job.train.job_spec import TrainingJob
     from flowers_job.train.state import TrainState
 
 __all__ = ["main", "score_test_split", "train_worker"]
@@ -79,7 +80,7 @@ def scoring_test(run_epoch: EpochFn) -> EpochFn:
     return run_epoch_and_test
 
 
-def train_worker(job: dict[str, Any]) -> dict[str, Any]:
+def train_worker(job: TrainingJob) -> dict[str, Any]:
     """On every rank: the job's :func:`~flowers_job.train.rank.train_worker`, with each
     epoch followed by a test pass (:func:`scoring_test`). The ranks are fresh processes
     (torchrun's), whose ``flowers_job.train.rank`` is the job's own."""

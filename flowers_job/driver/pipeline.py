@@ -1,7 +1,7 @@
 """The job, driver side: checks -> ingest -> prepare -> TorchDistributor -> summary -> champion.
 
 Everything here runs on the Spark driver; the only code shipped to the training processes
-is :func:`flowers_job.train.rank.train_worker` with plain data (:func:`training_job`).
+is :func:`flowers_job.train.rank.train_worker` with a typed job (:func:`training_job`).
 
 Every check runs once, and the ones that leave nothing behind come first: :func:`preflight`
 (the loader on this stack, the images root, the packages the end of the run needs; no
@@ -64,6 +64,7 @@ from flowers_job.tables.delta_tables import TABLE_NAMES
 from flowers_job.tables.table_ref import table_ref
 from flowers_job.tracking.mlflow_run import TrackingError
 from flowers_job.tracking.mlflow_run import preflight as tracking_preflight
+from flowers_job.train.job_spec import SPLITS, TrainingJob
 
 __all__ = [
     "CheckedJob",
@@ -264,36 +265,38 @@ def training_job(
     spark: SparkSession,
     cfg: JobConfig,
     data: PreparedData,
-    failure_dir: str,
+    report_dir: str,
     use_gpu: bool,
     attempt: int = 0,
-) -> dict[str, Any]:
-    """What every rank receives: ``TorchDistributor.run(train_worker, job)``. Plain data, and
-    ``loader``, the loader class resolved on the driver (pickled by reference: each rank
-    imports its module), whose rank side reads the plans.
+) -> TrainingJob:
+    """What every rank receives: ``TorchDistributor.run(train_worker, job)``
+    (:class:`~flowers_job.train.job_spec.TrainingJob`).
 
     ``config`` is ``cfg.model_dump(mode="json")``, which leaves out the secret fields
     (``tracking.password``/``token``): the workers get those from the environment only
     (:func:`flowers_job.tracking.mlflow_run.use_credentials`). ``attempt``: 0, or the automatic
     restart (:mod:`flowers_job.driver.restarts`).
     """
-    return {
-        "config": cfg.model_dump(mode="json"),
-        "train": data.train.to_dict(),
-        "val": data.val.to_dict(),
-        "test": data.test.to_dict(),
-        "loader": data.loader,
-        "label_names": data.label_names,
-        "lineage": data.lineage,
-        "example_images": data.example_images,
-        "use_gpu": use_gpu,
-        "threads_per_process": _threads_per_process(cfg),
-        "executor_cores": {} if cfg.distributed.local_mode else executor_cores(spark),
-        "task_cpus": int(spark.conf.get("spark.task.cpus", "1") or 1),
-        "failure_dir": failure_dir,
-        "driver": driver_identity(),
-        "attempt": attempt,
-    }
+    return TrainingJob(
+        config=cfg.model_dump(mode="json"),
+        plans={split: getattr(data, split).to_dict() for split in SPLITS},
+        loader=data.loader,
+        report_dir=report_dir,
+        label_names=tuple(data.label_names),
+        lineage=dict(data.lineage),
+        example_images=tuple(data.example_images),
+        use_gpu=use_gpu,
+        threads_per_process=_threads_per_process(cfg),
+        executor_cores={} if cfg.distributed.local_mode else executor_cores(spark),
+        task_cpus=int(spark.conf.get("spark.task.cpus", "1") or 1),
+        memory_settings={
+            "train.per_device_batch_size": str(cfg.train.per_device_batch_size),
+            "data.loader_workers": str(cfg.data.loader_workers),
+            **data.loader.memory_settings(cfg),
+        },
+        driver=driver_identity(),
+        attempt=attempt,
+    )
 
 
 def _attempt(

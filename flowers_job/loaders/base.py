@@ -430,6 +430,13 @@ class Loader(ABC):
         return None
 
     @classmethod
+    def memory_settings(cls, cfg: JobConfig) -> dict[str, str]:
+        """This loader's settings that decide a rank's memory, by their dotted names, with
+        their values (as text): what an out-of-memory report names
+        (:func:`flowers_job.runtime.watchdog.memory_settings`). None here."""
+        return {}
+
+    @classmethod
     @abstractmethod
     def open(
         cls,

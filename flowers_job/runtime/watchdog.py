@@ -46,6 +46,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ _started: list[subprocess.Popen[bytes]] = []  # this process's watchdog (at most
 def start_watchdog(
     failure_dir: Path,
     rank: int | None,
-    config: dict[str, Any] | None = None,
+    settings: Mapping[str, str] | None = None,
     upload: str | None = None,
 ) -> int | None:
     """Start this rank's watchdog, and wait (at most :data:`READY_SECONDS`) until it watches.
@@ -95,8 +96,9 @@ def start_watchdog(
     Args:
         failure_dir: the job's report dir, where the watchdog writes ``rank-<rank>.killed``.
         rank: this process's rank (None, outside torchrun: no watchdog).
-        config: the job's configuration (``JobConfig.model_dump``), for the settings that
-            an OOM report names (:func:`memory_settings`); None names them without values.
+        settings: the job's settings that decide a rank's memory, by dotted name, with
+            their values (the driver's, :attr:`flowers_job.train.job_spec.TrainingJob.
+            memory_settings`), which an OOM report names (:func:`memory_settings`).
         upload: the report dir in an object store, where the watchdog copies what is in
             ``failure_dir`` (this host's) once the rank has died (``python -m
             flowers_job.location``, at most :data:`UPLOAD_SECONDS`).
@@ -117,7 +119,7 @@ def start_watchdog(
             "start_time": fields[19] if len(fields) > 19 else None,  # a reused pid differs
             "rank": rank,
             "dir": str(failure_dir),
-            "settings": memory_settings(config),
+            "settings": memory_settings(settings),
             "upload": upload,
         }
     except (AttributeError, OSError) as exc:
@@ -162,22 +164,12 @@ def watchdog_done() -> None:
             log.warning("the watchdog (pid %d) did not exit after done", proc.pid)
 
 
-def memory_settings(config: dict[str, Any] | None) -> dict[str, str | None]:
-    """The settings that decide a rank's memory, with their values in ``config`` (None where
-    absent): the batch, the decoding workers, each loader's prefetch depth, and
+def memory_settings(settings: Mapping[str, str] | None) -> dict[str, str | None]:
+    """The settings that decide a rank's memory, with their values: ``settings`` (the batch,
+    the decoding workers and the loader's own, from the driver), and
     ``spark.executor.memory`` (barrier mode) from ``SPARK_EXECUTOR_MEMORY`` if set."""
-
-    def get(*keys: str) -> str | None:
-        node: Any = config
-        for key in keys:
-            node = node.get(key) if isinstance(node, dict) else None
-        return None if node is None else str(node)
-
     return {
-        "train.per_device_batch_size": get("train", "per_device_batch_size"),
-        "data.loader_workers": get("data", "loader_workers"),
-        "loaders.streaming.prefetch_batches": get("loaders", "streaming", "prefetch_batches"),
-        "loaders.petastorm.shuffle_buffer_rows": get("loaders", "petastorm", "shuffle_buffer_rows"),
+        **(settings or {}),
         "spark.executor.memory": os.environ.get("SPARK_EXECUTOR_MEMORY") or None,
     }
 
@@ -373,10 +365,13 @@ def _settings_text(settings: dict[str, str | None]) -> str:
         return key if settings.get(key) is None else f"{key}={settings[key]}"
 
     memory = settings.get("spark.executor.memory")
+    common = ("train.per_device_batch_size", "data.loader_workers", "spark.executor.memory")
+    loader = [named(key) for key in settings if key not in common]
     return (
         f"{named('train.per_device_batch_size')}, {named('data.loader_workers')} (each a "
-        f"process of its own), the prefetch depth ({named('loaders.streaming.prefetch_batches')}"
-        f"; Petastorm: {named('loaders.petastorm.shuffle_buffer_rows')}) and "
+        "process of its own), "
+        + (f"the loader's read-ahead ({', '.join(loader)}), " if loader else "")
+        + "and "
         + (f"spark.executor.memory={memory}" if memory else "the executor's memory")
         + " (spark.executor.memory, barrier mode)"
     )

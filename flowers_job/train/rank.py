@@ -1,7 +1,7 @@
 """The function TorchDistributor runs on every rank, and how a rank reports its end.
 
-:func:`train_worker` takes plain data (the validated config as a dict and the driver's
-shard plans), joins the process group, trains (:func:`flowers_job.train.loop.fit`) and
+:func:`train_worker` takes the driver's :class:`~flowers_job.train.job_spec.TrainingJob` (the
+validated config as a dict and the shard plans), joins the process group, trains (:func:`flowers_job.train.loop.fit`) and
 returns a small summary dict, identical on every rank (rank 0's, broadcast: docs/known-issues.md,
 "Spark"). Around it, what makes a failure name its rank and never hang:
 
@@ -37,7 +37,6 @@ import torch
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import CollectiveTimeoutError
-from flowers_job.loaders.base import Loader
 from flowers_job.location import Location
 from flowers_job.runtime.allocator import tune_this_process
 from flowers_job.runtime.hooks import hook
@@ -59,6 +58,7 @@ from flowers_job.runtime.reports import (
     write_json,
 )
 from flowers_job.runtime.watchdog import start_watchdog, watchdog_done
+from flowers_job.train.job_spec import SPLITS, TrainingJob
 from flowers_job.train.loop import fit
 from flowers_job.train.state import Plans
 from flowers_job.vision.pillow_floor import check_pillow
@@ -83,45 +83,40 @@ class Terminated(SystemExit):
     """SIGTERM arrived: torchrun stops the other ranks this way when one fails."""
 
 
-def train_worker(job: dict[str, Any]) -> dict[str, Any]:
+def train_worker(job: TrainingJob) -> dict[str, Any]:
     """Entry point on every rank (top level and importable, so TorchDistributor can pickle it).
 
     Args:
-        job: from the driver (:func:`flowers_job.driver.pipeline.training_job`):
-            ``config`` (``JobConfig.model_dump(mode="json")``), ``train``/``val``/``test``
-            (:meth:`ShardPlan.to_dict`), ``loader`` (the resolved loader class, whose
-            ``plan_type`` rebuilds the plans), ``label_names``, ``lineage``, ``example_images``,
-            ``use_gpu``, ``threads_per_process``, ``executor_cores``, ``task_cpus``,
-            ``failure_dir`` and ``driver`` (:func:`~flowers_job.runtime.parent_watch.driver_identity`;
-            this rank exits if the driver dies).
+        job: from the driver (:func:`flowers_job.driver.pipeline.training_job`); this rank
+            exits if the driver it names dies.
 
     Returns:
         Rank 0's summary (:func:`flowers_job.train.rank0.finish`), on every rank.
 
     Raises:
-        Whatever failed, after writing ``<failure_dir>/rank-<rank>.json`` with the rank,
+        Whatever failed, after writing ``<report_dir>/rank-<rank>.json`` with the rank,
         the exception and its traceback for the driver to report.
     """
     _prepare_process(job)
     try:
         check_pillow()  # CVE-2026-25990: a rank's Python may differ from the driver's
-        cfg = JobConfig.model_validate(job["config"])
+        cfg = job.job_config()
         result, register = _train(cfg, job)
         if register is not None:
             # Rank 0 logs and registers the model after every collective has ended: a slow
             # registry never runs into distributed.timeout_seconds, and the other ranks
             # have already returned. The driver merges model.json into its result.
             registered = register()
-            write_json(Location.of(job["failure_dir"]) / MODEL_FILE, registered)
+            write_json(Location.of(job.report_dir) / MODEL_FILE, registered)
             result = {**result, **registered}
         watchdog_done()
         _remove_host_reports(job)
-        _report_done(Location.of(job["failure_dir"]))
+        _report_done(Location.of(job.report_dir))
         return result
     except BaseException as exc:
         _FAILING.set()  # from here on a SIGTERM waits for the report (_terminated)
         explained = _explain_timeout(exc, job)
-        _report_failure(Location.of(job["failure_dir"]), explained or exc)
+        _report_failure(Location.of(job.report_dir), explained or exc)
         watchdog_done()  # the report says how this rank ended
         _remove_host_reports(job)
         if "mlflow" in sys.modules:  # rank 0 had a run open: mark it failed, not running
@@ -133,7 +128,7 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
         raise
 
 
-def _prepare_process(job: dict[str, Any]) -> None:
+def _prepare_process(job: TrainingJob) -> None:
     """Logging with the rank, the fatal-signal report, the watchdog, the allocator, the driver
     watchdog and the SIGTERM handler: before anything can fail."""
     logging.basicConfig(
@@ -142,27 +137,27 @@ def _prepare_process(job: dict[str, Any]) -> None:
     logging.getLogger("botocore").setLevel(logging.WARNING)  # object stores: a line per client
     reports, here = _report_dirs(job)
     _enable_fatal_report(here)
-    hook("rank_start", rank=env_rank(), attempt=int(job.get("attempt", 0)))  # tests only
-    start_watchdog(here, env_rank(), job.get("config"), None if reports.is_local else reports.url)
+    hook("rank_start", rank=env_rank(), attempt=job.attempt)  # tests only
+    start_watchdog(here, env_rank(), job.memory_settings, None if reports.is_local else reports.url)
     # The environment should have carried the allocator tuning here (spark.executorEnv.*,
     # or the driver's environment in local mode); mallopt covers a cluster that lacks it.
     tune_this_process()
-    watch_driver(job.get("driver"))
+    watch_driver(job.driver)
     _FAILING.clear()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
 
 
 def _train(
-    cfg: JobConfig, job: dict[str, Any]
+    cfg: JobConfig, job: TrainingJob
 ) -> tuple[dict[str, Any], Callable[[], dict[str, Any]] | None]:
     """Join the process group, place the threads, train, and broadcast rank 0's result (the
     last collective); ``register`` is rank 0's, None elsewhere."""
     ctx = init_distributed(
-        use_gpu=bool(job["use_gpu"]),
+        use_gpu=job.use_gpu,
         backend=cfg.distributed.backend,
         timeout_seconds=cfg.distributed.timeout_seconds,
-        threads_per_process=job.get("threads_per_process"),
+        threads_per_process=job.threads_per_process,
     )
     try:
         ranks = _place_threads(ctx, job)
@@ -170,12 +165,12 @@ def _train(
             cfg,
             ctx,
             _plans(job),
-            list(job["label_names"]),
-            [bytes(b) for b in job.get("example_images", [])],
-            dict(job.get("lineage") or {}),
+            list(job.label_names),
+            list(job.example_images),
+            dict(job.lineage),
             ranks,
-            attempt=int(job.get("attempt", 0)),
-            report_dir=Location.of(job["failure_dir"]),
+            attempt=job.attempt,
+            report_dir=Location.of(job.report_dir),
         )
         result = broadcast_object(result, ctx)  # the last collective
     finally:
@@ -184,31 +179,31 @@ def _train(
     return result, register
 
 
-def _place_threads(ctx: DistContext, job: dict[str, Any]) -> list[dict[str, Any]]:
+def _place_threads(ctx: DistContext, job: TrainingJob) -> list[dict[str, Any]]:
     """Gather every rank's place, give each its intra-op threads (:func:`threads_for_rank`),
     and (rank 0) write ``ranks.json`` so the driver can name the host of a rank that dies
     silently."""
     ranks = gather_ranks(ctx)
     for r in ranks:
-        r["threads"] = job.get("threads_per_process") or threads_for_rank(job, ranks, r)
+        r["threads"] = job.threads_per_process or threads_for_rank(job, ranks, r)
     torch.set_num_threads(ranks[ctx.rank]["threads"])
     if ctx.is_main:
-        write_json(Location.of(job["failure_dir"]) / RANKS_FILE, {"ranks": ranks})
+        write_json(Location.of(job.report_dir) / RANKS_FILE, {"ranks": ranks})
     return ranks
 
 
-def threads_for_rank(job: dict[str, Any], ranks: list[dict[str, Any]], me: dict[str, Any]) -> int:
+def threads_for_rank(job: TrainingJob, ranks: list[dict[str, Any]], me: dict[str, Any]) -> int:
     """Intra-op threads of one barrier-mode rank: its executor's cores, shared by the ranks on
     its host, and never fewer than ``spark.task.cpus``.
 
-    ``job["executor_cores"]`` maps each executor's host (address or name, from the driver's
+    ``job.executor_cores`` maps each executor's host (address or name, from the driver's
     status store) to its cores; the rank's executor is found by its address or host name,
     else the smallest executor is assumed. Spark itself starts Python workers with
     ``OMP_NUM_THREADS=spark.task.cpus`` (1 by default), which would leave all but one core
     of an executor idle during training.
     """
-    task_cpus = int(job.get("task_cpus") or 1)
-    cores_by_host: dict[str, int] = job.get("executor_cores") or {}
+    task_cpus = max(1, job.task_cpus)
+    cores_by_host = job.executor_cores
     cores = cores_by_host.get(me.get("address") or "") or cores_by_host.get(me["host"])
     if cores is None:
         cores = min(cores_by_host.values()) if cores_by_host else task_cpus
@@ -228,24 +223,23 @@ def _enable_fatal_report(directory: Path) -> None:
         faulthandler.enable(all_threads=True)
 
 
-def _plans(job: dict[str, Any]) -> Plans:
+def _plans(job: TrainingJob) -> Plans:
     """The job's shard plans, rebuilt by the loader the driver resolved."""
-    loader: type[Loader] = job["loader"]
-    train, val, test = (loader.plan_type(**job[split]) for split in ("train", "val", "test"))
-    return Plans(train, val, test, loader)
+    train, val, test = (job.loader.plan_type(**job.plans[split]) for split in SPLITS)
+    return Plans(train, val, test, job.loader)
 
 
-def _report_dirs(job: dict[str, Any]) -> tuple[Location, Path]:
+def _report_dirs(job: TrainingJob) -> tuple[Location, Path]:
     """The run's report dir, and where on this host faulthandler and the watchdog write:
     the report dir itself, or (report dir in an object store) a folder of this host's temp
     dir, which the watchdog copies up after a death (:func:`start_watchdog`'s ``upload``)."""
-    reports = Location.of(job["failure_dir"])
+    reports = Location.of(job.report_dir)
     if reports.is_local:
         return reports, reports.local_path
     return reports, Path(tempfile.gettempdir()) / f"{reports.name}-rank{env_rank()}"
 
 
-def _remove_host_reports(job: dict[str, Any]) -> None:
+def _remove_host_reports(job: TrainingJob) -> None:
     """The rank reported (or had nothing to report): its host folder of a remote report dir
     goes (the watchdog removes it after a death, once it has copied it up)."""
     reports, here = _report_dirs(job)
@@ -275,14 +269,14 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def _explain_timeout(exc: BaseException, job: dict[str, Any]) -> CollectiveTimeoutError | None:
+def _explain_timeout(exc: BaseException, job: TrainingJob) -> CollectiveTimeoutError | None:
     """gloo says "Timed out waiting 20000ms for recv" or "Application timeout caused pair
     closure", NCCL's watchdog "Watchdog caught collective operation timeout"; say which
     setting and why."""
     text = str(exc).lower()
     if not isinstance(exc, RuntimeError) or not any(m in text for m in _TIMEOUT_MESSAGES):
         return None
-    seconds = job.get("config", {}).get("distributed", {}).get("timeout_seconds")
+    seconds = job.timeout_seconds
     return CollectiveTimeoutError(
         f"rank {env_rank()}: a collective waited more than distributed.timeout_seconds="
         f"{seconds} s for the other ranks (one of them hung or died): {exc}"

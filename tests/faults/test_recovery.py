@@ -196,7 +196,11 @@ def report_under_sigterm(directory, exc):
 
 
 rank._report_failure = report_under_sigterm
-rank.train_worker({"config": {"no_such_section": 1}, "failure_dir": sys.argv[2]})
+from flowers_job.loaders.streaming.streaming_loader import StreamingLoader
+from flowers_job.train.job_spec import TrainingJob
+
+job = TrainingJob({"no_such_section": 1}, {}, StreamingLoader, report_dir=sys.argv[2])
+rank.train_worker(job)
 """
 
 

@@ -81,6 +81,13 @@ class PetastormLoader(Loader):
         return super().import_library()
 
     @classmethod
+    def memory_settings(cls, cfg: JobConfig) -> dict[str, str]:
+        """The shuffling buffer: rows each reader holds decoded to draw from."""
+        return {
+            "loaders.petastorm.shuffle_buffer_rows": str(cfg.loaders.petastorm.shuffle_buffer_rows)
+        }
+
+    @classmethod
     def mid_epoch_problem(cls, cfg: JobConfig) -> str | None:
         """The 'process' reader pool decodes and augments in its own processes, with their
         own random state, and hands row groups back in the order they finish: a replayed

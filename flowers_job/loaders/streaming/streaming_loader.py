@@ -231,6 +231,11 @@ class StreamingLoader(Loader):
             )
 
     @classmethod
+    def memory_settings(cls, cfg: JobConfig) -> dict[str, str]:
+        """The prefetch depth: batches each reader holds decoded ahead of the loop."""
+        return {"loaders.streaming.prefetch_batches": str(cfg.loaders.streaming.prefetch_batches)}
+
+    @classmethod
     def open(
         cls,
         plan: ShardPlan,

@@ -39,10 +39,11 @@ from tests.support.processes import process_gone
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.tier("gate")]
 
-CONFIG = {
-    "train": {"per_device_batch_size": 32},
-    "data": {"loader_workers": 2},
-    "loaders": {"streaming": {"prefetch_batches": 4}, "petastorm": {"shuffle_buffer_rows": 256}},
+SETTINGS = {
+    "train.per_device_batch_size": "32",
+    "data.loader_workers": "2",
+    "loaders.streaming.prefetch_batches": "4",
+    "loaders.petastorm.shuffle_buffer_rows": "256",
 }
 _RANK = """
 import json, sys, time
@@ -75,7 +76,7 @@ def _start_rank(
     watchdog's pid."""
     directory.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _RANK, str(directory), mode, json.dumps(CONFIG)],
+        [sys.executable, "-c", _RANK, str(directory), mode, json.dumps(SETTINGS)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
