@@ -66,6 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
         "mode): docs/cluster.md.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    common, images, resume = _shared_options()
+    sub.add_parser("ingest", parents=[common, images], help="photos -> Delta tables")
+    sub.add_parser(
+        "train", parents=[common, resume], help="Delta tables -> trained, registered model"
+    )
+    sub.add_parser("run", parents=[common, images, resume], help="ingest, then train")
+    _add_predict(sub, common)
+    runs = sub.add_parser(
+        "runs",
+        parents=[common],
+        help="the MLflow runs of --output-dir and their state (ABANDONED: its driver is gone)",
+    )
+    runs.add_argument("--json", action="store_true", help="one JSON object per line")
+    return parser
+
+
+def _shared_options() -> tuple[argparse.ArgumentParser, ...]:
+    """The options several commands share, as argparse parents: every command's (config,
+    overrides, output dir, log level, Spark Connect), the photos' and the resume's."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, help="YAML file with any of the config sections")
     common.add_argument(
@@ -106,11 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train.resume_key, with --resume: continue only a checkpoint written under KEY "
         "(a Databricks job run id: the task's retries continue, the next run starts afresh)",
     )
-    sub.add_parser("ingest", parents=[common, images], help="photos -> Delta tables")
-    sub.add_parser(
-        "train", parents=[common, resume], help="Delta tables -> trained, registered model"
-    )
-    sub.add_parser("run", parents=[common, images, resume], help="ingest, then train")
+    return common, images, resume
+
+
+def _add_predict(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``flowers-job predict``: its source (photos or a table), model and output table."""
     predict = sub.add_parser(
         "predict",
         parents=[common],
@@ -150,13 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
         "tracking.tracking_uri nor MLFLOW_TRACKING_URI names one (without it: the sqlite "
         "store under --output-dir); only for a folder you trust, as the credentials go there",
     )
-    runs = sub.add_parser(
-        "runs",
-        parents=[common],
-        help="the MLflow runs of --output-dir and their state (ABANDONED: its driver is gone)",
-    )
-    runs.add_argument("--json", action="store_true", help="one JSON object per line")
-    return parser
 
 
 def _config(args: argparse.Namespace) -> JobConfig:

@@ -304,6 +304,36 @@ def _slot_problems(
     ]
 
 
+def _local_gpu_problems(spark: SparkSession, num_processes: int) -> list[str]:
+    """Why local mode cannot run ``num_processes`` ranks on the driver's GPUs: no CUDA
+    device, fewer devices than processes, or fewer ``gpu`` resources of the session's driver
+    (TorchDistributor would refuse only after the data is prepared); [] when it can."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    spark_gpus = driver_gpus(spark)
+    if gpus == 0:
+        return [
+            "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
+            "(local mode runs every process on the driver)"
+        ]
+    if num_processes > gpus:
+        return [
+            f"distributed.num_processes: {num_processes} processes, but the driver has "
+            f"{gpus} CUDA devices (local mode on GPUs: one device per process; set "
+            f"distributed.num_processes={gpus})"
+        ]
+    if len(spark_gpus) < num_processes:
+        return [
+            f"distributed.use_gpu: the Spark session's driver has {len(spark_gpus)} GPUs "
+            f"as a resource and TorchDistributor's local mode needs {num_processes}: "
+            "start the session with spark.driver.resource.gpu.amount and "
+            "spark.driver.resource.gpu.discoveryScript (flowers_job.cluster.session.get_spark does "
+            "when it finds CUDA devices; flowers_job.cluster.session.local_gpu_conf gives them)"
+        ]
+    return []
+
+
 def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> None:
     """Check ``distributed`` and ``tracking`` against this Spark cluster, and ``loader``'s
     placement of the ranks (the resolved loader), before any data is touched (seconds: on a cluster it waits for executors to register, at most
@@ -365,29 +395,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
             "spark.task.resource.gpu.amount) or distributed.use_gpu=false"
         )
     elif use_gpu(spark, cfg):
-        import torch
-
-        gpus = torch.cuda.device_count()
-        spark_gpus = driver_gpus(spark)
-        if gpus == 0:
-            problems.append(
-                "distributed.use_gpu: GPUs requested, but the driver has no CUDA device "
-                "(local mode runs every process on the driver)"
-            )
-        elif d.num_processes > gpus:
-            problems.append(
-                f"distributed.num_processes: {d.num_processes} processes, but the driver has "
-                f"{gpus} CUDA devices (local mode on GPUs: one device per process; set "
-                f"distributed.num_processes={gpus})"
-            )
-        elif len(spark_gpus) < d.num_processes:
-            problems.append(
-                f"distributed.use_gpu: the Spark session's driver has {len(spark_gpus)} GPUs "
-                f"as a resource and TorchDistributor's local mode needs {d.num_processes}: "
-                "start the session with spark.driver.resource.gpu.amount and "
-                "spark.driver.resource.gpu.discoveryScript (flowers_job.cluster.session.get_spark does "
-                "when it finds CUDA devices; flowers_job.cluster.session.local_gpu_conf gives them)"
-            )
+        problems.extend(_local_gpu_problems(spark, d.num_processes))
     if problems:
         raise ClusterError("invalid configuration:\n  " + "\n  ".join(problems))
     if not d.local_mode and not local_master and loader.places_ranks:

@@ -91,7 +91,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pyspark import StorageLevel
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from flowers_job.config import JobConfig
 from flowers_job.ingest.counts import TableCounts, scan_counts
@@ -306,16 +306,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
                 "label_names": labels,
                 "settings": settings,
             }
-            if full is not None:
-                log.info("full ingest: %s", full)
-                changes = write_full(spark, cfg, listing, labels, tables, meta, n_files, full)
-            else:
-                try:
-                    changes = write_incremental(spark, cfg, listing, labels, tables, meta, n_files)
-                except Resplit as exc:
-                    why = f"the split per class needs it: {exc}"
-                    log.info("full ingest: %s", why)
-                    changes = write_full(spark, cfg, listing, labels, tables, meta, n_files, why)
+            changes = _write(spark, cfg, listing, labels, tables, meta, n_files, full)
     finally:
         listing.unpersist()
     if changes.mode != "unchanged":
@@ -323,6 +314,29 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
 
         vacuum_tables(spark, cfg)
     return _report(spark, cfg, tables, n_files, fingerprint, labels, changes, start)
+
+
+def _write(
+    spark: SparkSession,
+    cfg: JobConfig,
+    listing: DataFrame,
+    labels: list[str],
+    tables: dict[str, TableRef],
+    meta: dict[str, object],
+    n_files: int,
+    full: str | None,
+) -> Changes:
+    """Both tables rewritten (``full``: why) or the changes applied; an incremental ingest
+    that cannot keep every class in every split becomes a full one (:class:`Resplit`)."""
+    if full is not None:
+        log.info("full ingest: %s", full)
+        return write_full(spark, cfg, listing, labels, tables, meta, n_files, full)
+    try:
+        return write_incremental(spark, cfg, listing, labels, tables, meta, n_files)
+    except Resplit as exc:
+        why = f"the split per class needs it: {exc}"
+        log.info("full ingest: %s", why)
+        return write_full(spark, cfg, listing, labels, tables, meta, n_files, why)
 
 
 def _full_rebuild_reason(

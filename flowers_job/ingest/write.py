@@ -19,6 +19,7 @@ from flowers_job.errors import IngestError
 from flowers_job.ingest.counts import TableCounts, split_counts
 from flowers_job.ingest.old_layout import own_old_split_tables, remove_old_split_tables
 from flowers_job.ingest.splits import full_splits, incremental_splits
+from flowers_job.location import Location
 from flowers_job.photos.files import DECODED_SCHEMA, decode_partitions
 from flowers_job.photos.listing import LISTING_REASONS, images_root
 from flowers_job.photos.verdicts import SKIPPED_REASONS
@@ -248,8 +249,9 @@ def write_incremental(
 ) -> Changes:
     """Decode the new and changed files and bring both tables up to date with them and the
     deletions: the quarantine by a MERGE (skipped when nothing there changes), ``images`` by
-    :func:`_write_images` (:mod:`flowers_job.ingest.job`'s docstring). Stored photos keep their split; new ones fill their class's
-    quotas (:func:`~flowers_job.ingest.splits.incremental_splits`).
+    :func:`_write_images` (:mod:`flowers_job.ingest.job`'s docstring). Stored photos keep
+    their split; new ones fill their class's quotas
+    (:func:`~flowers_job.ingest.splits.incremental_splits`).
 
     Raises:
         IngestError: as :func:`_check_after` and
@@ -262,65 +264,17 @@ def write_incremental(
     # without the rows that commit just wrote). The comparison is written too: the decode,
     # the checks and both writes read it instead of the tables.
     staging = cfg.paths.tables_dir / f"_staging-{meta['run_id']}"
-    diff_path, decoded_path = staging / "diff", staging / "decoded"
-    splits_path = staging / "splits"
     try:
-        # One pass over both tables' key columns; everything below reads this small file.
-        _diff(spark, listing, tables).write.parquet(str(diff_path))
-        diff = spark.read.parquet(str(diff_path))
-        todo = diff.where(F.col("_status") == "todo").drop("_status")
-        n_todo = todo.count()
-        _with_image_columns(_decode(spark, cfg, todo, n_todo), labels).write.parquet(
-            str(decoded_path)
+        staged = _stage_changes(spark, cfg, listing, labels, tables, n_files, staging)
+        meta["counts"] = staged.counts.to_meta()
+        log.info(
+            "decoded %d new or changed files in %.1f s",
+            staged.n_decoded,
+            time.perf_counter() - t0,
         )
-        decoded = spark.read.parquet(str(decoded_path))
-        gone = diff.where(F.col("_status") == "gone").select("relative_path")
-        columns = ["relative_path", "label", "reason_code", "reason"]
-        after = (
-            diff.where(F.col("_status") == "keep")
-            .select(*columns)
-            .unionByName(decoded.select(*columns))
-        )
-        reasons = _check_after(cfg, after, labels, n_files)
-        kept = (
-            tables["images"]
-            .read(spark)
-            .select("relative_path", "label", "content_sha256", "split")
-            .join(diff.where(F.col("_status") == "keep").select("relative_path"), "relative_path")
-        )
-        good = decoded.where(F.col("reason_code").isNull())
-        # written out: the images write must not read the table it changes
-        incremental_splits(cfg.data, kept, good).write.parquet(str(splits_path))
-        decoded = decoded.join(spark.read.parquet(str(splits_path)), "content_sha256", "left")
-        n_decoded = decoded.where(
-            F.col("reason_code").isNull() | ~F.col("reason_code").isin(*LISTING_REASONS)
-        ).count()
-        counts = TableCounts.from_rows(
-            split_counts(
-                kept.select("label", "split").unionByName(
-                    decoded.where(F.col("reason_code").isNull()).select("label", "split")
-                )
-            ),
-            reasons,
-        )
-        meta["counts"] = counts.to_meta()
-        log.info("decoded %d new or changed files in %.1f s", n_decoded, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        keep = "NOT s._gone"  # SQL text: the same MERGE on classic Spark and Connect
-        q_source = _source(decoded, gone, "quarantine")
-        q_changed = f"{keep} AND (" + null_safe_differs(*QUARANTINE_COMPARED) + ")"
-        quarantine = tables["quarantine"].read(spark).select("relative_path", *QUARANTINE_COMPARED)
-        if merge_changes(q_source, quarantine, keep=keep, changed=q_changed):
-            q = merge_table(
-                spark, q_source, tables["quarantine"], meta, keep=keep, changed=q_changed
-            )
-            hook("ingest_table_written", table="quarantine")
-        else:  # nothing to change there: keep its commit, named in the images commit
-            kept_run = (read_table_metadata(spark, tables["quarantine"]) or {}).get("run_id")
-            meta["kept"] = {"quarantine": kept_run}
-            q = {"inserted": 0, "updated": 0, "deleted": 0}
-            log.info("quarantine: no entry changed, no MERGE (its commit of run %s kept)", kept_run)
-        i = _write_images(spark, tables["images"], diff, decoded, gone, meta)
+        q = _merge_quarantine(spark, staged, tables["quarantine"], meta)
+        i = _write_images(spark, tables["images"], staged.diff, staged.decoded, staged.gone, meta)
         hook("ingest_table_written", table="images")
         log.info(
             "merged in %.1f s: images +%d ~%d -%d, quarantine +%d ~%d -%d",
@@ -337,13 +291,105 @@ def write_incremental(
             staging.rmtree()
     return Changes(
         mode="incremental",
-        files_decoded=n_decoded,
+        files_decoded=staged.n_decoded,
         inserted=i["inserted"],
         updated=i["updated"],
         deleted=i["deleted"],
         quarantined=q["inserted"] + q["updated"],
-        counts=counts,
+        counts=staged.counts,
     )
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """An incremental ingest's changes, decoded and split, before any table is written."""
+
+    diff: DataFrame
+    """Every listed and stored path with its ``_status``: ``todo``, ``keep`` or ``gone``."""
+    decoded: DataFrame
+    """The new and changed files, decoded, with their split (quarantined ones without)."""
+    gone: DataFrame
+    """``relative_path`` of the stored entries no longer listed."""
+    n_decoded: int
+    counts: TableCounts
+
+
+def _stage_changes(
+    spark: SparkSession,
+    cfg: JobConfig,
+    listing: DataFrame,
+    labels: list[str],
+    tables: dict[str, TableRef],
+    n_files: int,
+    staging: Location,
+) -> _Staged:
+    """Compare the listing with the tables, decode what is new or changed, check the set as
+    it would be after, and split the new photos; each step written under ``staging`` so that
+    the writes read files, not the tables they change.
+
+    Raises:
+        IngestError: as :func:`_check_after` and
+            :func:`~flowers_job.ingest.splits.split_quotas`.
+        Resplit: a class would miss a split unless stored photos moved.
+    """
+    diff_path, decoded_path = staging / "diff", staging / "decoded"
+    splits_path = staging / "splits"
+    # One pass over both tables' key columns; everything below reads this small file.
+    _diff(spark, listing, tables).write.parquet(str(diff_path))
+    diff = spark.read.parquet(str(diff_path))
+    todo = diff.where(F.col("_status") == "todo").drop("_status")
+    n_todo = todo.count()
+    _with_image_columns(_decode(spark, cfg, todo, n_todo), labels).write.parquet(str(decoded_path))
+    decoded = spark.read.parquet(str(decoded_path))
+    columns = ["relative_path", "label", "reason_code", "reason"]
+    after = (
+        diff.where(F.col("_status") == "keep")
+        .select(*columns)
+        .unionByName(decoded.select(*columns))
+    )
+    reasons = _check_after(cfg, after, labels, n_files)
+    kept = (
+        tables["images"]
+        .read(spark)
+        .select("relative_path", "label", "content_sha256", "split")
+        .join(diff.where(F.col("_status") == "keep").select("relative_path"), "relative_path")
+    )
+    good = decoded.where(F.col("reason_code").isNull())
+    # written out: the images write must not read the table it changes
+    incremental_splits(cfg.data, kept, good).write.parquet(str(splits_path))
+    decoded = decoded.join(spark.read.parquet(str(splits_path)), "content_sha256", "left")
+    n_decoded = decoded.where(
+        F.col("reason_code").isNull() | ~F.col("reason_code").isin(*LISTING_REASONS)
+    ).count()
+    stored = decoded.where(F.col("reason_code").isNull()).select("label", "split")
+    counts = TableCounts.from_rows(
+        split_counts(kept.select("label", "split").unionByName(stored)), reasons
+    )
+    gone = diff.where(F.col("_status") == "gone").select("relative_path")
+    return _Staged(diff, decoded, gone, n_decoded, counts)
+
+
+def _merge_quarantine(
+    spark: SparkSession, staged: _Staged, quarantine: TableRef, meta: dict[str, object]
+) -> dict[str, int]:
+    """MERGE the changes into the quarantine table, or, when none of its entries changes,
+    keep its commit and name it in ``meta`` (``kept``).
+
+    Returns:
+        ``inserted``, ``updated`` and ``deleted`` rows.
+    """
+    keep = "NOT s._gone"  # SQL text: the same MERGE on classic Spark and Connect
+    source = _source(staged.decoded, staged.gone, "quarantine")
+    changed = f"{keep} AND (" + null_safe_differs(*QUARANTINE_COMPARED) + ")"
+    stored = quarantine.read(spark).select("relative_path", *QUARANTINE_COMPARED)
+    if merge_changes(source, stored, keep=keep, changed=changed):
+        merged = merge_table(spark, source, quarantine, meta, keep=keep, changed=changed)
+        hook("ingest_table_written", table="quarantine")
+        return merged
+    kept_run = (read_table_metadata(spark, quarantine) or {}).get("run_id")
+    meta["kept"] = {"quarantine": kept_run}
+    log.info("quarantine: no entry changed, no MERGE (its commit of run %s kept)", kept_run)
+    return {"inserted": 0, "updated": 0, "deleted": 0}
 
 
 QUARANTINE_COMPARED = ("reason_code", "reason", "num_bytes", "mtime_ns", "content_sha256")

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import JobConfig
+    from flowers_job.config import CacheConfig, JobConfig
     from flowers_job.location import Location
 
-__all__ = ["Changes", "Growth", "MergedDeletions", "grow", "merged_deletions"]
+__all__ = ["Changes", "Growth", "MergedDeletions", "compaction_reason", "grow", "merged_deletions"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,20 @@ class Growth:
     """Its segments (data folders its marker reads)."""
 
 
+def compaction_reason(dead: int, stored: int, segments: int, cache: CacheConfig) -> str | None:
+    """Why an entry of ``stored`` rows, ``dead`` of them dead, in ``segments`` segments, is
+    written whole instead of grown: more dead rows than ``cache.compact_dead_fraction`` of
+    them, or more segments than ``cache.max_segments``; None when it may grow."""
+    if dead > cache.compact_dead_fraction * stored:
+        return (
+            f"{dead} of its {stored} rows would be dead, more than "
+            f"cache.compact_dead_fraction={cache.compact_dead_fraction}"
+        )
+    if segments > cache.max_segments:
+        return f"it would have {segments} segments, more than cache.max_segments"
+    return None
+
+
 def grow(
     cfg: JobConfig,
     spark: SparkSession,
@@ -137,14 +151,7 @@ def grow(
     stored = (plan.stored_rows or plan.dataset_size) + added
     dead = stored - change.rows
     segments = base.segments + 1
-    why = None
-    if dead > cfg.cache.compact_dead_fraction * stored:
-        why = (
-            f"{dead} of its {stored} rows would be dead, more than "
-            f"cache.compact_dead_fraction={cfg.cache.compact_dead_fraction}"
-        )
-    elif segments > cfg.cache.max_segments:
-        why = f"it would have {segments} segments, more than cache.max_segments"
+    why = compaction_reason(dead, stored, segments, cfg.cache)
     if why:
         log.info(
             "%s: compacting: writing the split whole instead of %s: %s", split, base.entry, why

@@ -228,29 +228,8 @@ def decode_partitions(
         if isinstance(rec.reason_code, str):  # refused at listing: never opened
             row.update(reason_code=rec.reason_code, reason=rec.reason)
             return row
-        ext = rec.relative_path.rsplit(".", 1)[-1].lower() if "." in rec.relative_path else ""
         try:
-            if ext not in exts:
-                raise ImageRejected(
-                    "unsupported_extension",
-                    f"extension {ext!r} is not one of data.extensions {sorted(exts)}; not read",
-                )
-            if num_bytes is not None and num_bytes > too_large:
-                raise ImageRejected("file_too_large", _too_large(num_bytes, too_large, limits))
-            # at most one byte past the limit is read: a file that grew since the listing
-            # costs no more memory than the limit
-            content = read_listed_file(root, rec.relative_path, max_bytes=too_large)
-            if len(content) > too_large:  # grew since the listing
-                raise ImageRejected(
-                    "file_too_large",
-                    _too_large(
-                        len(content),
-                        too_large,
-                        limits,
-                        "; it grew since the listing, and was read no further",
-                        at_least=True,
-                    ),
-                )
+            content = _read_checked(root, rec.relative_path, num_bytes, exts, too_large, limits)
             row.update(num_bytes=len(content), content_sha256=hashlib.sha256(content).hexdigest())
             out = normalize_image(content, short_side=short_side, quality=quality, limits=limits)
             row.update(image=out.jpeg, width=out.width, height=out.height, notes=out.notes)
@@ -268,6 +247,39 @@ def decode_partitions(
             yield pd.DataFrame([one(rec) for rec in pdf.itertuples(index=False)], columns=columns)
 
     return decode
+
+
+def _read_checked(
+    root: str,
+    relative_path: str,
+    num_bytes: int | None,
+    exts: set[str],
+    too_large: int,
+    limits: ImageLimits,
+) -> bytes:
+    """The bytes of a listed file, read only when its extension is one of ``exts`` and its
+    listed size (``num_bytes``) at most ``too_large``; at most one byte past the limit is
+    read, so that a file that grew since the listing costs no more memory than the limit.
+
+    Raises:
+        ImageRejected: ``unsupported_extension`` or ``file_too_large`` (before the read, or
+            after it for a file that grew).
+    """
+    ext = relative_path.rsplit(".", 1)[-1].lower() if "." in relative_path else ""
+    if ext not in exts:
+        raise ImageRejected(
+            "unsupported_extension",
+            f"extension {ext!r} is not one of data.extensions {sorted(exts)}; not read",
+        )
+    if num_bytes is not None and num_bytes > too_large:
+        raise ImageRejected("file_too_large", _too_large(num_bytes, too_large, limits))
+    content = read_listed_file(root, relative_path, max_bytes=too_large)
+    if len(content) > too_large:  # grew since the listing
+        grew = "; it grew since the listing, and was read no further"
+        raise ImageRejected(
+            "file_too_large", _too_large(len(content), too_large, limits, grew, at_least=True)
+        )
+    return content
 
 
 def _too_large(

@@ -357,6 +357,23 @@ def _counts(spark: SparkSession, table: TableRef) -> tuple[int, dict[str, int], 
     return sum(int(r["count"]) for r in stats), dict(sorted(labels.items())), reasons
 
 
+def _output_metadata(source: object, model: ModelRef) -> dict[str, object]:
+    """The output table's commit metadata: what was scored (``source``) by which model
+    version, and its ``fingerprint`` (SHA-256 of both and :data:`PREDICT_FORMAT_VERSION`),
+    which decides whether a later ``predict`` writes again."""
+    model_key = {"uri": model.uri, "name": model.name, "version": model.version}
+    text = json.dumps(
+        {"format": PREDICT_FORMAT_VERSION, "input": source, "model": model_key}, sort_keys=True
+    )
+    return {
+        "fingerprint": hashlib.sha256(text.encode()).hexdigest(),
+        "run_id": uuid.uuid4().hex,
+        "kind": "predictions",
+        "input": source,
+        "model": model_key,
+    }
+
+
 def predict(
     spark: SparkSession,
     model: ModelRef,
@@ -413,24 +430,12 @@ def predict(
             assert table is not None
             rows, input_rows, source = _table_rows(spark, table, split)
             partitions = _partitions(spark, input_rows)
-        model_key = {"uri": model.uri, "name": model.name, "version": model.version}
-        text = json.dumps(
-            {"format": PREDICT_FORMAT_VERSION, "input": source, "model": model_key},
-            sort_keys=True,
-        )
-        fingerprint = hashlib.sha256(text.encode()).hexdigest()
-        previous = read_table_metadata(spark, output_table) or {}
-        written = previous.get("fingerprint") != fingerprint
+        meta = _output_metadata(source, model)
+        fingerprint = str(meta["fingerprint"])
+        written = (read_table_metadata(spark, output_table) or {}).get("fingerprint") != fingerprint
         seconds = 0.0
         if written:
             scored = score_images(spark, model, rows, num_partitions=partitions)
-            meta: dict[str, object] = {
-                "fingerprint": fingerprint,
-                "run_id": uuid.uuid4().hex,
-                "kind": "predictions",
-                "input": source,
-                "model": model_key,
-            }
             t0 = time.perf_counter()
             with task_progress(spark, f"scoring {input_rows} rows with {model.version_uri}"):
                 write_table(spark, scored, output_table, meta)

@@ -1,6 +1,6 @@
-"""The package's shape, checked on its source (no Spark): short functions on the rank side,
-each loader in its own sub-package, no private name crossing modules, and every test file
-with its tier. The import rules and the module sizes: tests/project/test_imports.py.
+"""The package's shape, checked on its source (no Spark): short functions (on the rank side
+with their docstrings, elsewhere without), each loader in its own sub-package, no private
+name crossing modules, and every test file with its tier. The import rules and the module sizes: tests/project/test_imports.py.
 
 These hold the design of docs/architecture.md in place: a loader is one sub-package behind
 :class:`flowers_job.loaders.base.Loader`, resolved once, and the pipeline and the training
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.tier("gate")
 
 PACKAGE = ROOT_DIR / "flowers_job"
 MAX_TRAIN_FUNCTION_LINES = 60
+MAX_FUNCTION_LINES = 60
 LIBRARIES = {"petastorm": "petastorm", "streaming": "streaming"}
 """Loader name -> the top-level package of its library."""
 
@@ -55,6 +56,31 @@ def test_no_function_of_the_rank_side_is_over_60_lines() -> None:
         and node.end_lineno - node.lineno + 1 > MAX_TRAIN_FUNCTION_LINES
     }
     assert not long, f"functions in train/ over {MAX_TRAIN_FUNCTION_LINES} lines: {long}"
+
+
+def _docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = node.body[0] if node.body else None
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+        and first.end_lineno is not None
+    ):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_no_function_of_the_package_is_over_60_lines_without_its_docstring() -> None:
+    long = {
+        f"{_name(path)}:{node.name}": size
+        for path in _modules()
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and (size := node.end_lineno - node.lineno + 1 - _docstring_lines(node))
+        > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines besides their docstring: {long}"
 
 
 def _imports(tree: ast.Module) -> list[str]:

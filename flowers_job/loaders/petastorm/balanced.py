@@ -34,6 +34,7 @@ __all__ = [
     "cache_partitions",
     "partition_counts",
     "partition_keys",
+    "row_sums_by_file",
     "url_path",
     "write_balanced",
 ]
@@ -191,6 +192,30 @@ def write_balanced(
         raise DataError(f"{what} is empty")
     num_partitions = cache_partitions(image_bytes, world_size, min_partitions)
     data = balance(df, counts, partition_keys(spark, num_partitions))
+    _write_parquet(data, out_url, what)
+    written = spark.read.parquet(out_url)
+    file_urls = sorted(written.inputFiles())
+    sums = row_sums_by_file(written.select("row_id", F.input_file_name().alias("f")))
+    file_checksums = [sums.get(url_path(u), (0, 0)) for u in file_urls]
+    per_file = [n for n, _ in file_checksums]
+    footers = footer_rows(file_urls)
+    q = rows // num_partitions
+    if footers != per_file or sum(per_file) != rows or any(n not in (q, q + 1) for n in per_file):
+        raise DataError(
+            f"the Petastorm cache of {what} under {out_url} holds {per_file} rows per file "
+            f"(footers: {footers}), {sum(per_file)} in all; {rows} rows were written as "
+            f"{num_partitions} partitions of {q} or {q + 1}: the table's partitions changed "
+            "between two reads"
+        )
+    return ParquetCache(file_urls, file_checksums, rows, image_bytes, max_image_bytes)
+
+
+def _write_parquet(data: DataFrame, out_url: str, what: str) -> None:
+    """``data`` to ``out_url``: Parquet, uncompressed, one row group per file.
+
+    Raises:
+        DataError: the volume filled up ("No space left on device"), naming the directory.
+    """
     try:
         (
             data.write.option("compression", "uncompressed")
@@ -210,30 +235,23 @@ def write_balanced(
                 "paths.cache_url to a larger volume"
             ) from exc
         raise
-    written = spark.read.parquet(out_url)
-    file_urls = sorted(written.inputFiles())
-    sums = {
+
+
+def row_sums_by_file(rows: DataFrame) -> dict[str, tuple[int, int]]:
+    """Per file of ``rows`` (``row_id``, ``f``: ``input_file_name()``), its rows and the
+    int64 sum of their ``row_id`` (mod 2**64), keyed by the file's path (:func:`url_path`):
+    one Spark aggregation."""
+    from pyspark.sql import functions as F
+
+    return {
         url_path(str(r["f"])): (int(r["n"]), wrap_int64(int(r["s"])))
-        for r in written.select("row_id", F.input_file_name().alias("f"))
-        .groupBy("f")
+        for r in rows.groupBy("f")
         .agg(
             F.count(F.lit(1)).alias("n"),
             F.sum(F.col("row_id").cast("decimal(38,0)")).alias("s"),
         )
         .collect()
     }
-    file_checksums = [sums.get(url_path(u), (0, 0)) for u in file_urls]
-    per_file = [n for n, _ in file_checksums]
-    footers = footer_rows(file_urls)
-    q = rows // num_partitions
-    if footers != per_file or sum(per_file) != rows or any(n not in (q, q + 1) for n in per_file):
-        raise DataError(
-            f"the Petastorm cache of {what} under {out_url} holds {per_file} rows per file "
-            f"(footers: {footers}), {sum(per_file)} in all; {rows} rows were written as "
-            f"{num_partitions} partitions of {q} or {q + 1}: the table's partitions changed "
-            "between two reads"
-        )
-    return ParquetCache(file_urls, file_checksums, rows, image_bytes, max_image_bytes)
 
 
 def url_path(url: str) -> str:

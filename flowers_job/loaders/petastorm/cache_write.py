@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 from flowers_job.errors import DataError
 from flowers_job.loaders.base import SEGMENT_COLUMN, ShardPlan, wrap_int64
 from flowers_job.loaders.petastorm import balanced
-from flowers_job.loaders.petastorm.balanced import ParquetCache, url_path
+from flowers_job.loaders.petastorm.balanced import ParquetCache, row_sums_by_file, url_path
 from flowers_job.loaders.petastorm.logs import quiet_petastorm
 from flowers_job.loaders.petastorm.plan import PetastormPlan, footer_rows, plan_shards
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["append_cache", "write_balanced", "write_cache"]
+__all__ = ["append_cache", "live_file_checksums", "write_balanced", "write_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +99,13 @@ def write_cache(
         t1 - t0,
         time.perf_counter() - t1,
     )
-    return PetastormPlan(
-        loader="petastorm",
-        cache_dir_url=out_url,
-        dataset_size=cache.rows,
-        checksum=wrap_int64(sum(checksum)),
-        rows_per_shard=rows,
-        checksum_per_shard=checksum,
-        steps_per_epoch=steps,
-        per_device_batch_size=per_device_batch_size,
-        file_urls=cache.file_urls,
-        max_image_bytes=cache.max_image_bytes,
-        file_checksums=[list(c) for c in cache.file_checksums],
+    return _plan(
+        out_url,
+        cache.file_urls,
+        cache.file_checksums,
+        (rows, checksum, steps),
+        per_device_batch_size,
+        cache.max_image_bytes,
     )
 
 
@@ -129,17 +124,14 @@ def append_cache(
 ) -> PetastormPlan:
     """``base``'s files, then ``added`` written as balanced Parquet under
     ``<cache_url>/petastorm-<split>`` (:func:`write_balanced`, as many files as ranks at
-    least), planned together: each file's rows and checksum less its dead rows (one
-    Spark aggregation of the ``row_id`` and ``segment`` columns of every file against
-    ``deletions``), Petastorm's shard rule over all files (:func:`plan_shards`). The
-    ranks skip the dead rows (:func:`~flowers_job.loaders.base.live_mask`).
+    least), planned together: each file's rows and checksum less its dead rows
+    (:func:`live_file_checksums`), Petastorm's shard rule over all files
+    (:func:`plan_shards`). The ranks skip the dead rows (:func:`~flowers_job.loaders.base.live_mask`).
 
     Raises:
         DataError: shards too uneven to plan, or files whose live rows are not
             ``current``'s (count and checksum).
     """
-    from pyspark.sql import functions as F
-
     from flowers_job.loaders.base import row_stats
 
     assert isinstance(base, PetastormPlan), base
@@ -147,7 +139,7 @@ def append_cache(
     if not base.file_checksums:
         raise DataError("the older entry's plan has no per-file checksums")
     files = list(base.file_urls)
-    raw = [tuple(c) for c in base.file_checksums]
+    raw = [(int(c[0]), int(c[1])) for c in base.file_checksums]
     out_url = f"{cache_url.rstrip('/')}/petastorm-{split}"
     max_bytes = base.max_image_bytes
     segment_dirs = list(base.segment_dirs)
@@ -166,30 +158,10 @@ def append_cache(
         segment_dirs.append(base.cache_dir_url)
     else:
         out_url = base.cache_dir_url
-    dead = {
-        url_path(str(r["f"])): (int(r["n"]), int(r["s"]))
-        for r in spark.read.parquet(*files)
-        .select("row_id", SEGMENT_COLUMN, F.input_file_name().alias("f"))
-        .join(deletions, "row_id")
-        .where(F.col(SEGMENT_COLUMN) < F.col("before"))
-        .groupBy("f")
-        .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.sum(F.col("row_id").cast("decimal(38,0)")).alias("s"),
-        )
-        .collect()
-    }
-    live = []
-    for url, (n, total) in zip(files, raw, strict=True):
-        dn, ds = dead.get(url_path(url), (0, 0))
-        live.append((n - dn, wrap_int64(total - ds)))
+    live = live_file_checksums(spark, files, raw, deletions)
+    full = split == "train"
     rows, checksum, steps = plan_shards(
-        files,
-        live,
-        world_size,
-        per_device_batch_size,
-        full_batches=split == "train",
-        split=split,
+        files, live, world_size, per_device_batch_size, full_batches=full, split=split
     )
     expected = row_stats(current)
     if (sum(rows), wrap_int64(sum(checksum))) != expected:
@@ -197,6 +169,22 @@ def append_cache(
             f"the {split} split's segments hold {sum(rows)} live rows (checksum "
             f"{wrap_int64(sum(checksum))}), the table {expected[0]} ({expected[1]})"
         )
+    shards = (rows, checksum, steps)
+    return _plan(out_url, files, raw, shards, per_device_batch_size, max_bytes, segment_dirs)
+
+
+def _plan(
+    out_url: str,
+    file_urls: list[str],
+    file_checksums: list[tuple[int, int]],
+    shards: tuple[list[int], list[int], int],
+    per_device_batch_size: int,
+    max_image_bytes: int,
+    segment_dirs: list[str] | None = None,
+) -> PetastormPlan:
+    """The plan of a cache under ``out_url``: its files and their checksums as written, and
+    ``shards``, :func:`plan_shards`' rows and checksum per shard and steps per epoch."""
+    rows, checksum, steps = shards
     return PetastormPlan(
         loader="petastorm",
         cache_dir_url=out_url,
@@ -206,8 +194,36 @@ def append_cache(
         checksum_per_shard=checksum,
         steps_per_epoch=steps,
         per_device_batch_size=per_device_batch_size,
-        segment_dirs=segment_dirs,
-        file_urls=files,
-        max_image_bytes=max_bytes,
-        file_checksums=[list(c) for c in raw],
+        segment_dirs=list(segment_dirs or []),
+        file_urls=list(file_urls),
+        max_image_bytes=max_image_bytes,
+        file_checksums=[list(c) for c in file_checksums],
     )
+
+
+def live_file_checksums(
+    spark: SparkSession,
+    files: list[str],
+    written: list[tuple[int, int]],
+    deletions: DataFrame,
+) -> list[tuple[int, int]]:
+    """Each file's rows and int64 ``row_id`` checksum as ``written``, less its dead rows: one
+    Spark aggregation of the ``row_id`` and ``segment`` columns of every file against
+    ``deletions`` (``row_id``, ``before``: a row of a segment older than ``before`` is dead).
+
+    Returns:
+        ``(live rows, live checksum)`` per file, in ``files``' order.
+    """
+    from pyspark.sql import functions as F
+
+    dead = row_sums_by_file(
+        spark.read.parquet(*files)
+        .select("row_id", SEGMENT_COLUMN, F.input_file_name().alias("f"))
+        .join(deletions, "row_id")
+        .where(F.col(SEGMENT_COLUMN) < F.col("before"))
+    )
+    live = []
+    for url, (n, total) in zip(files, written, strict=True):
+        dn, ds = dead.get(url_path(url), (0, 0))
+        live.append((n - dn, wrap_int64(total - ds)))
+    return live

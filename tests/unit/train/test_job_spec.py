@@ -61,4 +61,4 @@ def test_a_barrier_rank_gets_its_executors_cores_shared_by_its_host(
 ) -> None:
     ranks = [{"host": "h1"}, {"host": "h1"}, {"host": "h2"}, {"host": "h3"}]
     job = _job(executor_cores=cores, task_cpus=3 if not cores else 1)
-    assert threads_for_rank(job, ranks, me) == expected  # type: ignore[arg-type]
+    assert threads_for_rank(job, ranks, me) == expected
