@@ -1,84 +1,13 @@
 """Ingest (driver side): photo folders -> Delta tables, with nothing lost, decoding only
 what changed.
 
-The images root ``<images>/<label>/**/<file>``, a directory or an object-store prefix
-(``s3a://bucket/photos``, read through pyarrow: :mod:`flowers_job.photos.object_listing`), is
-listed on the executors (:mod:`flowers_job.photos.listing`), each new or changed file is read
-and decoded there (:func:`~flowers_job.vision.images.normalize_image`), and two Delta tables under
-``<output_dir>/tables`` are brought up to date (:mod:`flowers_job.tables.delta_tables`):
-
-- ``images``: every photo that decoded (source_path, label, label_index, image, width, height,
-  split, row_id, content_sha256, num_bytes, mtime_ns, notes), partitioned by ``split``
-  (``train``, ``val`` picks the best epoch and early-stops, ``test`` is held out of both and
-  scored once at the end);
-- ``quarantine``: every other entry under the root, with ``reason_code`` and ``reason``
-  (undecodable files, and hidden, linked, misplaced or special entries that are never read).
-
-Every entry of the listing ends in exactly one of ``images`` and ``quarantine``; set-level
-problems (no label folder, a label without images, too many bad files, counted over the
-whole table after the change) stop ingest before anything is written. Neither the listing
-nor any image passes through the driver: it collects only counts per label and reason.
-
-The tables are path tables under ``<output_dir>/tables`` by default, or managed tables in a
-catalog, by name, with ``tables.schema`` (:mod:`flowers_job.tables.table_ref`): the same
-writes, commits, metadata and checks either way.
-
-**Incremental.** A re-run compares the listing with what the tables hold (``relative_path``,
-``num_bytes``, ``mtime_ns``) in one outer join that reads no image bytes, written to a
-staging folder that the decode, the set-level checks and both MERGEs read instead of the
-tables, and decodes only new and changed files. It MERGEs the quarantine's changes
-(:func:`~flowers_job.tables.delta_tables.merge_table`), or keeps its commit when none of its
-entries changed (named under ``kept`` in the images commit); in ``images`` it deletes the
-rows of files that are gone or changed and appends the new rows
-(:func:`~flowers_job.tables.delta_tables.delete_then_append`: deletion vectors, no stored
-image read). An entry that now decodes leaves quarantine and one that no longer does
-enters it. Each commit carries the tables' row counts after it
-(:mod:`flowers_job.ingest.counts`), so an unchanged ingest reads neither table. Entries refused at listing (links, special files, hidden names) are never
-opened, so their verdicts are re-derived on every run at no cost. A full rebuild (both
-tables overwritten, every file decoded) happens on the first run, after a change of the
-ingest settings or of the label folders (every ``label_index`` would change), after an
-interrupted ingest, and with ``data.full_ingest`` (``--full``).
-
-**The split is stratified per class.** Each photo has a split hash (SHA-256 of
-``split_seed`` and its bytes). A full rebuild ranks each class's distinct photos by that
-hash: the first ``round(n * val_fraction)`` go to val, the next ``round(n * test_fraction)``
-to test (each at least 1, and at least 1 left), the rest to train, so every class is in
-every split in proportion (:func:`~flowers_job.ingest.splits.split_quotas`); a class with
-fewer than 3 distinct photos stops ingest with an error naming it. An incremental ingest
-never moves a stored photo: new photos of a class fill what the class lacks of its quotas
-for its new size (val, then test, by the same ranking), the rest go to train; only if a
-class would miss a split (its last photo of it is gone and no new one came) is it a full
-rebuild instead. So the split is the same whatever the partitioning and an unchanged photo
-keeps its split across incremental ingests, but it depends on the order photos arrived in:
-a full rebuild (``--full``, changed settings) splits every class afresh and may move
-photos. Byte-identical duplicates are one photo, in the class of the first of their labels,
-and share a split (no leakage between train, val and test).
-
-**Hidden files** (``.DS_Store``, ``._x.jpg``) are skipped and counted apart: recorded in
-quarantine as ``hidden_path``, not counted towards ``data.max_bad_fraction``, and reported
-as ``hidden_skipped`` ("N hidden files skipped" in the log).
-
-**Deletion.** A full ingest removes the split tables of an older layout
-(``<output_dir>/tables/{train,val,test}``) only when their commits carry ingest's metadata;
-another Delta table there stops it before anything is written
-(:func:`~flowers_job.ingest.old_layout.own_old_split_tables`).
-
-Consistency: each table's Delta commit carries, in its ``userMetadata``, a fingerprint of
-the listing (relative path, kind, size and modification time of every entry) and of the
-ingest settings, plus the ``run_id`` of the ingest that wrote it. The two tables form one
-ingest only if their latest commits carry the same fingerprint and run id
-(:func:`~flowers_job.tables.delta_tables.tables_mismatch`); each run that writes commits to both
-(or names the quarantine commit it kept), so an interrupted run leaves tables that training
-refuses and that the next ingest rebuilds; one stopped between its DELETE and its append
-of ``images`` leaves tables that the next ingest brings up to date incrementally.
-Re-running on unchanged input writes nothing.
-
-Retention: after an ingest that writes, both tables are vacuumed
-(:func:`flowers_job.ingest.retention.vacuum_tables`).
-
-Test hook: the ``ingest_table_written`` hook point (:mod:`flowers_job.runtime.hooks`) right
-after each table is written; the tests' injector pauses there, so that a test can kill
-ingest there.
+The images root (a directory or an object-store prefix) is listed on the executors
+(:mod:`flowers_job.photos.listing`), each new or changed file is read and decoded there
+(:func:`~flowers_job.vision.images.normalize_image`), and the ``images`` and ``quarantine``
+tables are brought up to date (:mod:`flowers_job.ingest.write`): every entry ends in exactly
+one of them, set-level problems stop ingest before anything is written, and an unchanged
+input writes nothing. Why it works this way (listing, the stratified split, incremental and
+idempotent commits, retention): docs/architecture.md, "Design decisions".
 """
 
 from __future__ import annotations

@@ -24,28 +24,11 @@ Layout of the root (a local or mounted directory, or an ``s3a://`` prefix)::
     locks/<key>.lock        a disk only: held while an entry is written (saves duplicate work)
     run-<id>/owner.json     a run's identity, while it runs (the sweep of dead writers)
 
-**One publish protocol, two stores.** A writer writes its files under its own prefix
-``data-run-<id>/`` and then publishes them by one put-if-absent of ``entry.json``
-(:meth:`flowers_job.location.Location.create_bytes`: ``link(2)`` of a complete temp file on
-a disk, ``PutObject`` with ``If-None-Match: *`` on S3, whose reads are strongly consistent
-after a write since 2020-12). Readers trust only a published marker, and read only the
-data folder it names, so a partly written folder is never read. Concurrent writers of the
-same key duplicate work but never corrupt an entry: one put wins; the losers remove their
-own folder and read the winner's. On a disk, writers of a key also take its file lock
-(``filelock``) first, so that the second waits (``cache.lock_timeout_seconds``) and reuses
-the entry instead of writing it again; S3 has no locks, and needs none for correctness.
-
-**Bounded** (:mod:`flowers_job.loaders.cache_eviction`): entries are evicted least-recently-used
-first past ``cache.max_bytes``, never under a reader; what a killed run left is swept at the
-next start (:mod:`flowers_job.loaders.cache_sweep`), and a disk's free space is checked
-before a write (:mod:`flowers_job.loaders.cache_space`).
-
-A store without a put-if-absent here (``gs://``, ``abfss://``, or S3 from a Python without
-boto3's conditional writes) gets the old behaviour, said in the log: each split is written
-under the run's folder for that run only, and removed when it ends.
-
-Entries of the layout before :data:`CACHE_FORMAT` 3 (published by a rename, with a separate
-``plan.json``) have other keys: they are never read again, and are evicted by age.
+A writer writes under its own ``data-run-<id>/`` and publishes by one put-if-absent of
+``entry.json`` (:meth:`flowers_job.location.Location.create_bytes`); readers trust only a
+published marker and lease the entry first, so a partial entry is never read and an entry is
+never evicted under a reader. Why, and what a store without a put-if-absent gets:
+docs/architecture.md, "A loader cache written once per content".
 
 The marker's layout and checks are :mod:`flowers_job.loaders.cache_marker`; an entry grown by
 appending to an older one is :mod:`flowers_job.loaders.cache_growth`.
