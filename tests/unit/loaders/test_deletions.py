@@ -1,6 +1,6 @@
 """The deletion list of an appended cache entry: which copies of a row are dead (a copy in a
 segment before the row's ``before``), stored as one int64 ``.npy`` array and loaded without
-pickle, refusing anything else."""
+pickle, refusing anything else; and when an entry is written whole instead of grown."""
 
 from __future__ import annotations
 
@@ -59,3 +59,23 @@ def test_the_list_round_trips_and_anything_else_is_refused(tmp_path: Path) -> No
     np.save(tmp_path / "objects.npy", np.array([[{"x": 1}], [{"y": 2}]], dtype=object))
     with pytest.raises(DataError, match="cannot be read"):  # no pickle is loaded
         read_deletions((tmp_path / "objects.npy").as_uri())
+
+
+@pytest.mark.parametrize(
+    ("dead", "stored", "segments", "why"),
+    [
+        (20, 100, 16, None),  # at both limits: it grows
+        (21, 100, 2, "21 of its 100 rows would be dead"),
+        (0, 100, 17, "it would have 17 segments"),
+    ],
+)
+def test_an_entry_is_compacted_past_its_dead_rows_or_segments(
+    dead: int, stored: int, segments: int, why: str | None
+) -> None:
+    """``cache.compact_dead_fraction`` (0.2) and ``cache.max_segments`` (16), their
+    defaults: past either, the split is written whole, and the log says which."""
+    from flowers_job.config.model import CacheConfig
+    from flowers_job.loaders.cache_growth import compaction_reason
+
+    reason = compaction_reason(dead, stored, segments, CacheConfig())
+    assert reason == why if why is None else (reason or "").startswith(why)
