@@ -240,7 +240,7 @@ def _work(args: argparse.Namespace, job: pipeline.CheckedJob) -> int:
     cfg = job.cfg
     if args.command != "ingest":
         pipeline.check_tracking(cfg)
-    stores = [str(cfg.paths.output_dir), cfg.paths.cache_parent_url, str(cfg.data.images)]
+    stores = [str(cfg.paths.output_dir), str(cfg.paths.cache_root), str(cfg.data.images)]
     spark = _spark(args.remote, stores)
     if args.command != "ingest":
         pipeline.check_on_cluster(spark, job)

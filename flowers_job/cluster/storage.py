@@ -52,7 +52,7 @@ def shared_dirs(cfg: JobConfig) -> dict[str, Location]:
     dirs = {
         "paths.output_dir": cfg.paths.output_dir,
         "paths.output_dir (checkpoints)": cfg.paths.checkpoint_dir,
-        "paths.cache_url": Location.of(cfg.paths.cache_parent_url),
+        "paths.cache_url": cfg.paths.cache_root,
     }
     uri = cfg.tracking_uri
     if uri.startswith("sqlite:///"):

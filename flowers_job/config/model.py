@@ -24,7 +24,7 @@ from flowers_job.config.data import (
 )
 from flowers_job.config.deprecated import migrate_deprecated
 from flowers_job.config.secrets import credentials_out_of_uri, read_password
-from flowers_job.location import Location, LocationValue, to_location
+from flowers_job.location import Location, LocationValue
 
 __all__ = [
     "EFFICIENTNET_LITE",
@@ -418,20 +418,13 @@ class PathsConfig(Section):
     """Holds ``tables/``, ``checkpoints/``, ``loader_cache/``, the failure reports and
     ``summary.json``: a directory every host mounts, or an object-store URI
     (``s3a://bucket/prefix``: docs/cluster.md) where the hosts share no disk."""
-    cache_url: str | None = None
+    cache_url: LocationValue | None = None
     """Root of the loader cache (Petastorm's Parquet files or Streaming's MDS shards, one
     entry per images version, split and settings, reused across runs: ``cache``); must be
     visible to every rank (a ``file://`` URL on shared storage, e.g.
     ``file:///dbfs/tmp/flowers_cache`` or a ``/Volumes`` path on Databricks, or an
     object-store URI, from which Streaming copies each host's shards to its local disk).
     None = ``<output_dir>/loader_cache``."""
-
-    @field_validator("cache_url")
-    @classmethod
-    def _check_cache_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            to_location(value)  # refuses credentials in the URI
-        return value
 
     @property
     def tables_dir(self) -> Location:
@@ -451,11 +444,9 @@ class PathsConfig(Section):
         return self.output_dir / "summary.json"
 
     @property
-    def cache_parent_url(self) -> str:
-        """``cache_url`` without a trailing slash, or ``<output_dir>/loader_cache`` as a URL."""
-        if self.cache_url:
-            return self.cache_url.rstrip("/")
-        return (self.output_dir / "loader_cache").as_uri()
+    def cache_root(self) -> Location:
+        """The loader cache's root: ``cache_url``, or ``<output_dir>/loader_cache``."""
+        return self.cache_url if self.cache_url is not None else self.output_dir / "loader_cache"
 
 
 class CacheConfig(Section):

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from flowers_job.config import JobConfig
     from flowers_job.loaders.position import EpochStart
+    from flowers_job.location import Location
     from flowers_job.runtime.layout import HostLayout
     from flowers_job.vision.decode_transform import DecodeTransform
 
@@ -340,9 +341,11 @@ class Loader(ABC):
     # ---------------------------------------------------------------- driver side
 
     @abstractmethod
-    def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
+    def write(
+        self, spark: SparkSession, df: DataFrame, cache_dir: Location, split: str
+    ) -> ShardPlan:
         """Write ``df`` (``row_id`` long, ``image`` binary, ``label_index`` long) into this
-        run's cache folder ``cache_url`` and plan its shards.
+        run's cache folder ``cache_dir`` and plan its shards.
 
         Raises:
             DataError: an empty split, unworkable shards, or no space left (naming the
@@ -356,11 +359,11 @@ class Loader(ABC):
         current: DataFrame,
         added: DataFrame,
         deletions: DataFrame,
-        cache_url: str,
+        cache_dir: Location,
         split: str,
     ) -> ShardPlan:
         """Grow ``base`` (the plan of an older version's entry of the same lineage) to the
-        current version: write ``added`` as a new segment under ``cache_url`` (nothing when
+        current version: write ``added`` as a new segment under ``cache_dir`` (nothing when
         it is empty) and plan every segment together, skipping the dead rows.
 
         Args:
@@ -372,7 +375,7 @@ class Loader(ABC):
             deletions: ``row_id`` long, ``before`` long: every row of ``base``'s segments
                 that is dead (:class:`Deletions`; the caller stores the same list at the
                 plan's ``deletions_url``).
-            cache_url: this entry's own folder.
+            cache_dir: this entry's own folder.
             split: the split's name.
 
         Raises:

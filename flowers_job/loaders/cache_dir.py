@@ -111,7 +111,7 @@ def cached_versions(cfg: JobConfig, table: str) -> set[int]:
     """The Delta versions of ``table`` (its path or catalog name, as the cache entries record
     it: :meth:`~flowers_job.tables.table_ref.TableRef.describe`) that published entries of
     the loader cache were built from (what retention keeps readable), on any store."""
-    root = Location.of(cfg.paths.cache_parent_url)
+    root = cfg.paths.cache_root
     versions = set()
     for entry in (root / ENTRIES).iterdir():
         info = entry_info(entry)
@@ -123,12 +123,11 @@ def cached_versions(cfg: JobConfig, table: str) -> set[int]:
 class LoaderCache:
     """One run's view of the loader cache (:func:`loader_cache` makes it)."""
 
-    def __init__(self, cfg: JobConfig, root_url: str, run_id: str, staging_url: str) -> None:
+    def __init__(self, cfg: JobConfig, root: Location, run_id: str, staging: Location) -> None:
         self.cfg = cfg
-        self.root_url = root_url
-        self.root = Location.of(root_url)
+        self.root = root
         self.run_id = run_id
-        self.staging_url = staging_url
+        self.staging = staging
         self.used: list[Location] = []
         """Entries this run reads."""
         self.written: list[Location] = []
@@ -141,7 +140,7 @@ class LoaderCache:
         if self.publish_problem is not None:
             log.warning(
                 "the loader cache %s is written for this run only and not reused: %s",
-                root_url,
+                root,
                 self.publish_problem,
             )
 
@@ -180,8 +179,8 @@ class LoaderCache:
         key = entry_key(fields)
         name = f"{loader.name}-{split}-v{fields['version']}-{key}"
         if self.publish_problem is not None:  # written for this run only
-            staging = Location.of(self.staging_url) / name
-            once = loader.write(spark, frame(), staging.as_uri(), split)
+            staging = self.staging / name
+            once = loader.write(spark, frame(), staging, split)
             size = staging.size_bytes()
             return once, CacheUse(name, False, size, round(time.perf_counter() - t0, 3))
         entry = self.root / ENTRIES / name
@@ -190,7 +189,7 @@ class LoaderCache:
         written, won, grown = 0, False, None
         if plan is None:
             # before the lock file is made: a volume without room is left as it was
-            check_cache_space(self.root_url, needed_bytes, f"the {split} split")
+            check_cache_space(self.root, needed_bytes, f"the {split} split")
             with self._lock(entry, key) as waited:
                 plan = self._use(entry, loader, fields)  # published while this run waited
                 if plan is None:
@@ -342,7 +341,7 @@ class LoaderCache:
             if stale == data or not (alive or (entry.name, stale.name) in referenced):
                 with contextlib.suppress(OSError):
                     stale.rmtree()
-        check_cache_space(data.as_uri(), needed_bytes, f"the {split} split")
+        check_cache_space(data, needed_bytes, f"the {split} split")
         t0 = time.perf_counter()
         segments: list[tuple[str, str]] = []
         grown = None
@@ -355,7 +354,7 @@ class LoaderCache:
         if plan is None:
             with contextlib.suppress(OSError):
                 data.rmtree()  # what a failed append left
-            plan = loader.write(spark, frame(), data.as_uri(), split)
+            plan = loader.write(spark, frame(), data, split)
         seconds = time.perf_counter() - t0
         size = data.size_bytes()
         info = {
@@ -443,10 +442,9 @@ def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
     removed on exit whatever happens; then this run's entries are released, the loader's
     state on this host for them swept (:meth:`Loader.release`), and the cache evicted down
     to ``cache.max_bytes`` (keeping this run's entries)."""
-    root_url = cfg.paths.cache_parent_url
-    with run_cache(root_url) as (staging_url, _folder):
-        run_id = staging_url.rsplit("/", 1)[-1]
-        cache = LoaderCache(cfg, root_url, run_id, staging_url)
+    root = cfg.paths.cache_root
+    with run_cache(root) as (staging, _folder):
+        cache = LoaderCache(cfg, root, staging.name, staging)
         try:
             yield cache
         finally:
@@ -457,4 +455,4 @@ def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
             if cache.publish_problem is None:
                 cache.unpublish_superseded()
                 keep = {e.name for e in cache.used} - {e.name for e in cache.superseded}
-                evict(cache.root, cfg.cache.max_bytes, keep, run_id)
+                evict(cache.root, cfg.cache.max_bytes, keep, cache.run_id)

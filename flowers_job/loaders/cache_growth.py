@@ -161,7 +161,7 @@ def grow(
     t0 = time.perf_counter()
     try:
         grown = loader.append(
-            spark, plan, change.current, change.added, deletions.frame, data.as_uri(), split
+            spark, plan, change.current, change.added, deletions.frame, data, split
         )
     except DataError as exc:
         log.warning("%s: not appending to %s: %s; writing the split whole", split, base.entry, exc)

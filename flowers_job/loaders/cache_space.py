@@ -7,7 +7,7 @@ import math
 import shutil
 
 from flowers_job.errors import DataError
-from flowers_job.loaders.base import local_dir
+from flowers_job.location import Location
 
 __all__ = [
     "CACHE_SPACE_FACTOR",
@@ -30,13 +30,13 @@ def cache_bytes_needed(table_bytes: int, fraction: float = 1.0) -> int:
     return math.ceil(table_bytes * fraction * CACHE_SPACE_FACTOR) + CACHE_SPACE_HEADROOM_BYTES
 
 
-def check_cache_space(cache_dir_url: str, needed_bytes: int, what: str) -> None:
+def check_cache_space(cache_dir: Location, needed_bytes: int, what: str) -> None:
     """Fail before writing when the cache's file system has less than ``needed_bytes`` free.
 
     Raises:
         DataError: not enough space; names the directory, the bytes needed and free.
     """
-    folder = local_dir(cache_dir_url)
+    folder = cache_dir.local_path if cache_dir.is_local else None
     if folder is None:
         return  # object stores and DBFS report no meaningful free space
     while not folder.exists() and folder != folder.parent:

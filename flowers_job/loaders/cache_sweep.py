@@ -38,7 +38,7 @@ def owner_alive(owner: dict[str, Any]) -> bool:
     return time.time() - float(owner.get("create_time", 0.0)) < ORPHAN_AGE_SECONDS
 
 
-def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
+def sweep_orphaned_caches(parent: Location) -> list[Location]:
     """Remove what runs whose driver is dead left in the cache root (local or object store):
     their ``run-*`` folder and their unpublished writer folders under ``entries/``.
 
@@ -51,7 +51,6 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
     Returns:
         The ``run-*`` folders removed.
     """
-    parent = Location.of(cache_parent_url)
     for trash in parent.glob("trash-*"):  # an evicted layout-2 entry, its removal cut short
         with contextlib.suppress(OSError):
             trash.rmtree()
@@ -82,25 +81,24 @@ def sweep_orphaned_caches(cache_parent_url: str) -> list[Location]:
 
 
 @contextmanager
-def run_cache(cache_parent_url: str) -> Iterator[tuple[str, Path | None]]:
-    """This run's folder ``<cache_parent_url>/run-<id>``: created with its ``owner.json``
+def run_cache(parent: Location) -> Iterator[tuple[Location, Path | None]]:
+    """This run's folder ``<parent>/run-<id>``: created with its ``owner.json``
     (after sweeping orphans), removed on exit whatever happens (in an object store too:
     every key under it).
 
     Yields:
-        ``(cache_url, local_folder)``; the folder is None for a cache that is not local.
+        ``(run folder, local_folder)``; the folder is None for a cache that is not local.
     """
-    sweep_orphaned_caches(cache_parent_url)
-    cache_url = f"{cache_parent_url.rstrip('/')}/run-{uuid.uuid4().hex[:12]}"
-    run = Location.of(cache_url)
+    sweep_orphaned_caches(parent)
+    run = parent / f"run-{uuid.uuid4().hex[:12]}"
     folder = run.local_path if run.is_local else None
     if folder is not None:
         folder.mkdir(parents=True)
     (run / OWNER_FILE).write_text(json.dumps(driver_identity()))
     try:
-        yield cache_url, folder
+        yield run, folder
     finally:
         try:
             run.rmtree()  # local or in an object store
         except OSError as exc:
-            log.warning("could not remove this run's loader cache %s: %s", cache_url, exc)
+            log.warning("could not remove this run's loader cache %s: %s", run, exc)

@@ -22,6 +22,7 @@ import pytest
 
 from flowers_job.config import load_config
 from flowers_job.loaders.cache_sweep import ORPHAN_AGE_SECONDS, OWNER_FILE, sweep_orphaned_caches
+from flowers_job.location import Location
 from flowers_job.runtime.parent_watch import driver_identity, process_alive, watched_processes
 from flowers_job.tracking.mlflow_run import RunTracker
 
@@ -109,13 +110,14 @@ def test_sweep_removes_the_caches_of_dead_drivers_only(tmp_path: Path) -> None:
     (tmp_path / "run-not-ours").mkdir()  # no owner.json: never touched
     (tmp_path / "unrelated").mkdir()
 
-    removed = sweep_orphaned_caches(tmp_path.as_uri())
+    removed = sweep_orphaned_caches(Location.of(tmp_path))
 
     assert sorted(p.name for p in removed) == ["run-dead", "run-elsewhere-old"]
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["run-alive", "run-elsewhere-recent", "run-not-ours", "unrelated"]
-    assert sweep_orphaned_caches((tmp_path / "missing").as_uri()) == []
-    assert sweep_orphaned_caches("dbfs:/tmp/petastorm") == []  # not a local file system
+    assert sweep_orphaned_caches(Location.of(tmp_path / "missing")) == []
+    # not a local file system
+    assert sweep_orphaned_caches(Location.of("dbfs:/tmp/petastorm")) == []
 
 
 def test_a_resumed_run_logs_no_param_and_no_epoch_twice(tmp_path: Path) -> None:

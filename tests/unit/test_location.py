@@ -109,7 +109,7 @@ def test_an_object_store_output_dir_needs_a_tracking_server() -> None:
     cfg = load_config(
         None, [], **{"paths.output_dir": "s3a://bucket/out", "tracking.tracking_uri": "http://x"}
     )
-    assert cfg.paths.cache_parent_url == "s3a://bucket/out/loader_cache"
+    assert cfg.paths.cache_root.as_uri() == "s3a://bucket/out/loader_cache"
     assert cfg.model_dump(mode="json")["paths"]["output_dir"] == "s3a://bucket/out"
 
 

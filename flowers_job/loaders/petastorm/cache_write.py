@@ -20,6 +20,8 @@ from flowers_job.loaders.petastorm.plan import PetastormPlan, footer_rows, plan_
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from flowers_job.location import Location
+
 __all__ = ["append_cache", "live_file_checksums", "write_balanced", "write_cache"]
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ def write_balanced(
 def write_cache(
     spark: SparkSession,
     df: DataFrame,
-    cache_url: str,
+    cache_dir: Location,
     split: str,
     *,
     world_size: int,
@@ -58,7 +60,7 @@ def write_cache(
     per_device_batch_size: int,
     source: str,
 ) -> PetastormPlan:
-    """The cache of one split: write ``df`` as balanced Parquet partitions under ``<cache_url>/petastorm-<split>``
+    """The cache of one split: write ``df`` as balanced Parquet partitions under ``<cache_dir>/petastorm-<split>``
     (:func:`write_balanced`) and plan its shards from the files' metadata
     (:func:`plan_shards`): row group ``i`` -> rank ``i % world_size``.
 
@@ -68,7 +70,7 @@ def write_cache(
             (naming the directory).
     """
     quiet_petastorm()
-    out_url = f"{cache_url.rstrip('/')}/petastorm-{split}"
+    out_url = (cache_dir / f"petastorm-{split}").as_uri()
     t0 = time.perf_counter()
     cache = write_balanced(
         spark,
@@ -115,7 +117,7 @@ def append_cache(
     current: DataFrame,
     added: DataFrame,
     deletions: DataFrame,
-    cache_url: str,
+    cache_dir: Location,
     split: str,
     *,
     world_size: int,
@@ -123,7 +125,7 @@ def append_cache(
     source: str,
 ) -> PetastormPlan:
     """``base``'s files, then ``added`` written as balanced Parquet under
-    ``<cache_url>/petastorm-<split>`` (:func:`write_balanced`, as many files as ranks at
+    ``<cache_dir>/petastorm-<split>`` (:func:`write_balanced`, as many files as ranks at
     least), planned together: each file's rows and checksum less its dead rows
     (:func:`live_file_checksums`), Petastorm's shard rule over all files
     (:func:`plan_shards`). The ranks skip the dead rows (:func:`~flowers_job.loaders.base.live_mask`).
@@ -140,7 +142,7 @@ def append_cache(
         raise DataError("the older entry's plan has no per-file checksums")
     files = list(base.file_urls)
     raw = [(int(c[0]), int(c[1])) for c in base.file_checksums]
-    out_url = f"{cache_url.rstrip('/')}/petastorm-{split}"
+    out_url = (cache_dir / f"petastorm-{split}").as_uri()
     max_bytes = base.max_image_bytes
     segment_dirs = list(base.segment_dirs)
     if not added.isEmpty():

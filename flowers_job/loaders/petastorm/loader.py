@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from flowers_job.config import JobConfig
+    from flowers_job.location import Location
     from flowers_job.vision.decode_transform import DecodeTransform
 
 __all__ = ["PetastormLoader"]
@@ -99,13 +100,15 @@ class PetastormLoader(Loader):
             )
         return None
 
-    def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
+    def write(
+        self, spark: SparkSession, df: DataFrame, cache_dir: Location, split: str
+    ) -> ShardPlan:
         """:func:`~flowers_job.loaders.petastorm.cache_write.write_cache`: balanced Parquet
-        under ``<cache_url>/petastorm-<split>``, its shards planned from the files' metadata."""
+        under ``<cache_dir>/petastorm-<split>``, its shards planned from the files' metadata."""
         return write_cache(
             spark,
             df,
-            cache_url,
+            cache_dir,
             split,
             world_size=self.cfg.world_size,
             min_partitions=self.cfg.num_partitions,
@@ -120,7 +123,7 @@ class PetastormLoader(Loader):
         current: DataFrame,
         added: DataFrame,
         deletions: DataFrame,
-        cache_url: str,
+        cache_dir: Location,
         split: str,
     ) -> ShardPlan:
         """:func:`~flowers_job.loaders.petastorm.cache_write.append_cache`: ``base``'s files
@@ -131,7 +134,7 @@ class PetastormLoader(Loader):
             current,
             added,
             deletions,
-            cache_url,
+            cache_dir,
             split,
             world_size=self.cfg.world_size,
             per_device_batch_size=self.cfg.train.per_device_batch_size,

@@ -122,7 +122,9 @@ class StreamingLoader(Loader):
     def import_library(cls) -> types.ModuleType:
         return import_streaming()
 
-    def write(self, spark: SparkSession, df: DataFrame, cache_url: str, split: str) -> ShardPlan:
+    def write(
+        self, spark: SparkSession, df: DataFrame, cache_dir: Location, split: str
+    ) -> ShardPlan:
         """Write ``df`` as MDS shards in ``<cache>/mds-<split>`` (:func:`write_mds`).
 
         Raises:
@@ -131,7 +133,7 @@ class StreamingLoader(Loader):
         cfg = self.cfg
         return write_mds(
             df,
-            Location.of(cache_url) / f"mds-{split}",
+            cache_dir / f"mds-{split}",
             world_size=cfg.world_size,
             num_partitions=cfg.num_partitions,
             per_device_batch_size=cfg.train.per_device_batch_size,
@@ -146,11 +148,11 @@ class StreamingLoader(Loader):
         current: DataFrame,
         added: DataFrame,
         deletions: DataFrame,
-        cache_url: str,
+        cache_dir: Location,
         split: str,
     ) -> ShardPlan:
         """``base``'s MDS folders, then ``added`` written as MDS under
-        ``<cache_url>/mds-<split>`` with the padding rows (``valid = 0``) that make the
+        ``<cache_dir>/mds-<split>`` with the padding rows (``valid = 0``) that make the
         samples of all segments divide by ``world_size``. The ranks read every segment as
         one ``StreamingDataset`` of several streams and mask the dead rows like padding
         (:func:`~flowers_job.loaders.base.live_mask`): every rank still reads
@@ -172,7 +174,7 @@ class StreamingLoader(Loader):
         n_added = added.count()
         padding = (-(stored + n_added)) % world_size
         if n_added:
-            out = Location.of(cache_url) / f"mds-{split}"
+            out = cache_dir / f"mds-{split}"
             data = added.withColumn("valid", F.lit(1).cast("tinyint"))
             if padding:  # copies of added rows, as many times as needed
                 copies = -(-padding // n_added)

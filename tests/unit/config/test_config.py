@@ -15,6 +15,7 @@ from flowers_job.config import (
     load_config,
     parse_overrides,
 )
+from flowers_job.location import Location
 from tests.support import ROOT_DIR
 from tests.support.processes import run_cli
 
@@ -213,14 +214,15 @@ def test_the_finetune_preset_is_valid_and_trains_the_backbone(tmp_path: Path) ->
         ("data.reader_pool_type", "loaders.petastorm.reader_pool_type", "process"),
         ("data.shuffle_buffer_rows", "loaders.petastorm.shuffle_buffer_rows", 16),
         ("data.prefetch_batches", "loaders.streaming.prefetch_batches", 4),
-        ("paths.petastorm_cache_url", "paths.cache_url", "file:///tmp/flowers-cache"),
+        ("paths.petastorm_cache_url", "paths.cache_url", Location.of("/tmp/flowers-cache")),
     ],
 )
 def test_a_renamed_key_still_works_for_one_release_and_its_warning_names_the_new_key(
     tmp_path: Path, old: str, new: str, value: object
 ) -> None:
     with pytest.warns(ConfigDeprecationWarning, match=rf"{old} is deprecated: use {new}"):
-        cfg = load_config(None, [f"{old}={value}"], **{"paths.output_dir": tmp_path})
+        given = value.as_uri() if isinstance(value, Location) else value
+        cfg = load_config(None, [f"{old}={given}"], **{"paths.output_dir": tmp_path})
     section, *path = new.split(".")
     node: object = getattr(cfg, section)
     for part in path:
@@ -258,7 +260,7 @@ def test_a_config_file_with_the_old_keys_loads_with_warnings(tmp_path: Path) -> 
         "configuration key paths.petastorm_cache_url",
     }
     assert cfg.loaders.petastorm.reader_pool_type == "process"
-    assert cfg.data.loader_workers == 2 and cfg.paths.cache_url == "file:///tmp/c"
+    assert cfg.data.loader_workers == 2 and str(cfg.paths.cache_url) == "/tmp/c"
 
 
 def test_cli_refuses_a_missing_images_root_before_spark_starts(tmp_path: Path) -> None:

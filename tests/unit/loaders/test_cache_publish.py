@@ -49,8 +49,8 @@ class FileLoader(Loader):
     extra = "flowers-job"
     before_write: ClassVar[Callable[[], None] | None] = None
 
-    def write(self, spark: Any, df: Any, cache_url: str, split: str) -> ShardPlan:
-        folder = Location.of(cache_url) / f"files-{split}"
+    def write(self, spark: Any, df: Any, cache_dir: Location, split: str) -> ShardPlan:
+        folder = cache_dir / f"files-{split}"
         for i in range(FILES):
             (folder / f"part-{i}").write_bytes(bytes([i]) * FILE_BYTES)
         return ShardPlan(
@@ -91,7 +91,7 @@ def _cache(root: str, run_id: str) -> LoaderCache:
     cfg = _cfg(root)
     run = Location.of(root) / run_id
     (run / OWNER_FILE).write_text(json.dumps(driver_identity()))
-    return LoaderCache(cfg, root, run_id, run.as_uri())
+    return LoaderCache(cfg, Location.of(root), run_id, run)
 
 
 def _split(
@@ -202,7 +202,7 @@ def test_a_dead_writers_folder_is_swept_and_a_published_one_never_is(root: str) 
     # run-a's driver "died" too: its published folder must stay
     for run_id in ("run-dead", "run-a"):
         (Location.of(root) / run_id / OWNER_FILE).write_text(json.dumps(_dead_identity()))
-    swept = sorted(f.name for f in sweep_orphaned_caches(root))
+    swept = sorted(f.name for f in sweep_orphaned_caches(Location.of(root)))
     assert swept == ["run-a", "run-dead"]
     assert not (entry / "data-run-dead").exists()
     assert (entry / "data-run-a" / "files-train" / "part-0").is_file()

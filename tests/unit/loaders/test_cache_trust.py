@@ -19,6 +19,7 @@ from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import DataError
 from flowers_job.loaders.cache_dir import CACHE_FORMAT, LoaderCache
 from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
+from flowers_job.location import Location
 from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support import LABELS, PHOTOS
 from tests.support.data import loader_skip_reason
@@ -186,7 +187,7 @@ def _split(tmp_path: Path) -> Any:
 
     cfg = _cfg(tmp_path)
     root = tmp_path / "cache"
-    cache = LoaderCache(cfg, root.as_uri(), "run-test", (root / "run-test").as_uri())
+    cache = LoaderCache(cfg, Location.of(root), "run-test", Location.of(root / "run-test"))
 
     def written() -> Any:
         raise AssertionError("a published entry is reused, never written again")

@@ -29,6 +29,7 @@ from flowers_job.loaders.petastorm.balanced import cache_partitions
 from flowers_job.loaders.petastorm.loader import PetastormLoader
 from flowers_job.loaders.petastorm.plan import PetastormPlan, footer_rows, plan_shards
 from flowers_job.loaders.petastorm.reader import shard_batches
+from flowers_job.location import Location
 from flowers_job.train.metrics import PassSums, check_shard, check_totals
 from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support.data import loader_skip_reason
@@ -243,7 +244,7 @@ def test_petastorm_shards_stay_within_one_row_whatever_the_input_partitions(
         **{"paths.output_dir": tmp_path},
     )
     plan = PetastormLoader(cfg, "a test frame").write(
-        spark, df, (tmp_path / "cache").as_uri(), "train"
+        spark, df, Location.of(tmp_path / "cache"), "train"
     )
     assert isinstance(plan, PetastormPlan)
     partitions = cache_partitions(rows * len(jpeg), world_size, cfg.num_partitions)
