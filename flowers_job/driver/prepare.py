@@ -28,8 +28,14 @@ from flowers_job.loaders.cache_dir import loader_cache
 from flowers_job.loaders.cache_growth import Changes
 from flowers_job.loaders.cache_space import cache_bytes_needed
 from flowers_job.photos.files import digest, hash_sums
-from flowers_job.tables.delta_tables import SPLITS, CheckedTables, checked_tables, split_frame
-from flowers_job.tables.table_ref import table_ref
+from flowers_job.tables.delta_tables import (
+    SPLITS,
+    TABLE_NAMES,
+    CheckedTables,
+    checked_tables,
+    split_frame,
+)
+from flowers_job.tables.table_ref import TableRef, table_ref
 
 __all__ = [
     "LOADER_COLUMNS",
@@ -82,7 +88,9 @@ def split_digest(df: DataFrame, label_names: list[str]) -> str:
     return digest(hash_sums(df, ["content_sha256", "label"]), labels=label_names)
 
 
-def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict[str, object]:
+def lineage(
+    spark: SparkSession, tables: dict[str, TableRef], checked: CheckedTables
+) -> dict[str, object]:
     """What a run reads, for its MLflow run (rank 0 logs it; :mod:`flowers_job.tracking.mlflow_run`):
     the checked tables (:func:`~flowers_job.tables.delta_tables.checked_tables`).
 
@@ -93,13 +101,12 @@ def lineage(spark: SparkSession, cfg: JobConfig, checked: CheckedTables) -> dict
         (``main.flowers.images``: :meth:`~flowers_job.tables.table_ref.TableRef.lineage`);
         a split is the ``images`` table's rows with that ``split`` at that version.
     """
-    images = table_ref(cfg, "images")
+    images = tables["images"]
     version = checked.versions["images"]
     test = split_frame(spark, images, version, "test")
     return {
         "tables": {
-            name: {**table_ref(cfg, name).lineage(), "version": v}
-            for name, v in checked.versions.items()
+            name: {**tables[name].lineage(), "version": v} for name, v in checked.versions.items()
         },
         "splits": {
             split: {**images.lineage(), "version": version, "split": split} for split in SPLITS
@@ -143,12 +150,12 @@ def check_resume(cfg: JobConfig, data: PreparedData) -> None:
             check_same_data(saved, now, cfg)
 
 
-def example_images(spark: SparkSession, cfg: JobConfig, version: int, n: int = 2) -> list[bytes]:
+def example_images(spark: SparkSession, images: TableRef, version: int, n: int = 2) -> list[bytes]:
     """Up to ``n`` stored images of the val split at Delta ``version`` of ``images`` (the
     smallest ``row_id`` first): the registered model's input example. Bytes of re-encoded
     JPEGs, a few kB each. The smallest ids are found on the ``row_id`` column alone, then
     only their images are read."""
-    val = split_frame(spark, table_ref(cfg, "images"), version, "val")
+    val = split_frame(spark, images, version, "val")
     ids = [int(r["row_id"]) for r in val.select("row_id").orderBy("row_id").limit(n).collect()]
     rows = val.where(F.col("row_id").isin(ids)).orderBy("row_id").select("image").collect()
     return [bytes(r["image"]) for r in rows]
@@ -164,13 +171,13 @@ def _loader_rows(df: DataFrame, version: int) -> DataFrame:
     )
 
 
-def _split(spark: SparkSession, cfg: JobConfig, split: str, version: int) -> DataFrame:
+def _split(spark: SparkSession, images: TableRef, split: str, version: int) -> DataFrame:
     """The loader's columns of ``split`` at Delta ``version`` of ``images``."""
-    return _loader_rows(split_frame(spark, table_ref(cfg, "images"), version, split), version)
+    return _loader_rows(split_frame(spark, images, version, split), version)
 
 
 def split_changes(
-    spark: SparkSession, cfg: JobConfig, split: str, version: int, base: int, rows: int
+    spark: SparkSession, images: TableRef, split: str, version: int, base: int, rows: int
 ) -> Changes:
     """``split``'s changes from Delta ``base`` to ``version`` of ``images``: rows compared
     by ``(row_id, content_sha256)``, so that a file rewritten in place is removed and added
@@ -185,7 +192,6 @@ def split_changes(
     """
     import numpy as np
 
-    images = table_ref(cfg, "images")
     keys = ["row_id", "content_sha256"]
     now = split_frame(spark, images, version, split)
     old = split_frame(spark, images, base, split).select(*keys)
@@ -225,7 +231,8 @@ def prepare_data(
         )
     checked = checked_tables(spark, cfg)
     version = checked.versions["images"]
-    images = table_ref(cfg, "images")
+    tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
+    images = tables["images"]
     writer = loader(cfg, images.describe())
     detail = images.detail(spark)
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
@@ -248,10 +255,10 @@ def prepare_data(
                 writer,
                 split,
                 fields,
-                lambda split=split: _split(spark, cfg, split, version),  # type: ignore[misc]
+                lambda split=split: _split(spark, images, split, version),  # type: ignore[misc]
                 cache_bytes_needed(size, rows / total),
                 lambda base, split=split, rows=rows: split_changes(  # type: ignore[misc]
-                    spark, cfg, split, version, base, rows
+                    spark, images, split, version, base, rows
                 ),
             )
             uses[split] = use.to_dict()
@@ -262,8 +269,8 @@ def prepare_data(
             cfg.num_partitions,
             checked.label_names,
             plans["train"].cache_dir_url,
-            example_images(spark, cfg, version),
-            lineage(spark, cfg, checked),
+            example_images(spark, images, version),
+            lineage(spark, tables, checked),
             loader,
             uses,
         )

@@ -88,11 +88,12 @@ def test_intact_tables_pass_and_the_checked_versions_are_the_ones_read(
     assert checked.meta == read_table_metadata(spark, table_ref(tables, "images"))
     assert sum(checked.split_rows.values()) == 20 and all(checked.split_rows.values())
     version = checked.versions["images"]
-    examples = example_images(spark, tables, version)
+    images = table_ref(tables, "images")
+    examples = example_images(spark, images, version)
     assert len(examples) == 2
     _rewrite(spark, tables, "images", _read(spark, tables, "images").where("split != 'val'"))
-    assert example_images(spark, tables, version) == examples
-    assert example_images(spark, tables, version + 1) == []
+    assert example_images(spark, images, version) == examples
+    assert example_images(spark, images, version + 1) == []
 
 
 def test_a_label_set_that_differs_from_the_recorded_one(
