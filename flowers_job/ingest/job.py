@@ -193,7 +193,7 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     real_root, labels, others = check_images_root(cfg)
     settings = _settings(cfg)
     tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
-    sweep_staging(cfg)
+    sweep_staging(cfg.paths.tables_dir)
     ensure_schema(spark, cfg)
 
     t0 = time.perf_counter()

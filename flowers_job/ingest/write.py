@@ -14,7 +14,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from flowers_job.cluster.connect import default_parallelism
-from flowers_job.config import JobConfig
+from flowers_job.config import DataConfig, JobConfig
 from flowers_job.errors import IngestError
 from flowers_job.ingest.counts import TableCounts, split_counts
 from flowers_job.ingest.old_layout import own_old_split_tables, remove_old_split_tables
@@ -72,7 +72,7 @@ class Changes:
 
 
 def _check_after(
-    cfg: JobConfig, after: DataFrame, labels: list[str], n_files: int
+    data: DataConfig, after: DataFrame, labels: list[str], n_files: int
 ) -> dict[str, int]:
     """The set-level checks on the tables as they would be after this ingest: one row per
     listed entry (``label``, ``reason_code``, ``relative_path``, ``reason``).
@@ -104,14 +104,14 @@ def _check_after(
     no_image = [label for label in labels if label not in good_labels]
     if no_image:
         raise IngestError(
-            f"data.images: label folder(s) {no_image} under {cfg.data.images} contain no "
+            f"data.images: label folder(s) {no_image} under {data.images} contain no "
             "decodable image; nothing was written"
         )
     reasons = dict(bad_by_reason)
     skipped = sum(bad_by_reason.pop(code, 0) for code in SKIPPED_REASONS)
     considered = total - skipped
     bad = sum(bad_by_reason.values())
-    limit = cfg.data.max_bad_fraction
+    limit = data.max_bad_fraction
     if bad / considered > limit:  # considered > 0: every label has an image
         examples = (
             after.where(
@@ -124,7 +124,7 @@ def _check_after(
         )
         hidden = f" ({skipped} hidden files skipped, not counted)" if skipped else ""
         raise IngestError(
-            f"{bad} of {considered} files under {cfg.data.images}{hidden} "
+            f"{bad} of {considered} files under {data.images}{hidden} "
             f"({bad / considered:.1%}) would be "
             f"quarantined, more than data.max_bad_fraction={limit}: "
             + ", ".join(f"{code} {n}" for code, n in sorted(bad_by_reason.items()))
@@ -136,11 +136,11 @@ def _check_after(
     return reasons
 
 
-def _decode(spark: SparkSession, cfg: JobConfig, entries: DataFrame, n: int) -> DataFrame:
+def _decode(spark: SparkSession, data: DataConfig, entries: DataFrame, n: int) -> DataFrame:
     """Read and decode the listed ``entries`` (about ``n`` of them) on the executors, one
     :data:`DECODED_SCHEMA` row each, with the split, ``label_index`` and ``row_id`` of the
     images. Lazy: the caller persists it."""
-    d = cfg.data
+    d = data
     root = images_root(d.images)
     partitions = max(2 * default_parallelism(spark), math.ceil(n / FILES_PER_PARTITION))
     return (
@@ -189,12 +189,12 @@ def write_full(
     """
     old_tables = own_old_split_tables(spark, cfg)
     before = _rows_or_zero(spark, tables["images"])
-    decoded = _with_image_columns(_decode(spark, cfg, listing, n_files), labels).persist(
+    decoded = _with_image_columns(_decode(spark, cfg.data, listing, n_files), labels).persist(
         StorageLevel.DISK_ONLY
     )
     try:
         t0 = time.perf_counter()
-        reasons = _check_after(cfg, decoded, labels, n_files)
+        reasons = _check_after(cfg.data, decoded, labels, n_files)
         log.info("decoded %d files in %.1f s", n_files, time.perf_counter() - t0)
         good = decoded.where(F.col("reason_code").isNull())
         images = good.join(full_splits(cfg.data, good), "content_sha256")
@@ -339,7 +339,9 @@ def _stage_changes(
     diff = spark.read.parquet(str(diff_path))
     todo = diff.where(F.col("_status") == "todo").drop("_status")
     n_todo = todo.count()
-    _with_image_columns(_decode(spark, cfg, todo, n_todo), labels).write.parquet(str(decoded_path))
+    _with_image_columns(_decode(spark, cfg.data, todo, n_todo), labels).write.parquet(
+        str(decoded_path)
+    )
     decoded = spark.read.parquet(str(decoded_path))
     columns = ["relative_path", "label", "reason_code", "reason"]
     after = (
@@ -347,7 +349,7 @@ def _stage_changes(
         .select(*columns)
         .unionByName(decoded.select(*columns))
     )
-    reasons = _check_after(cfg, after, labels, n_files)
+    reasons = _check_after(cfg.data, after, labels, n_files)
     kept = (
         tables["images"]
         .read(spark)
@@ -514,10 +516,10 @@ def _source(decoded: DataFrame, gone: DataFrame, table: str) -> DataFrame:
     )
 
 
-def sweep_staging(cfg: JobConfig) -> None:
-    """Remove the staging folders of incremental ingests that were killed (older than
+def sweep_staging(tables_dir: Location) -> None:
+    """Remove the staging folders under ``tables_dir`` of incremental ingests that were killed (older than
     :data:`STAGING_MAX_AGE_SECONDS`)."""
-    for folder in cfg.paths.tables_dir.glob("_staging-*"):
+    for folder in tables_dir.glob("_staging-*"):
         try:  # an object store's folder: the age of its oldest object
             born = folder.mtime() if folder.is_local else min(f.mtime() for f in folder.walk())
             if time.time() - born > STAGING_MAX_AGE_SECONDS:
