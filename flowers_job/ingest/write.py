@@ -517,8 +517,8 @@ def _source(decoded: DataFrame, gone: DataFrame, table: str) -> DataFrame:
 
 
 def sweep_staging(tables_dir: Location) -> None:
-    """Remove the staging folders under ``tables_dir`` of incremental ingests that were killed (older than
-    :data:`STAGING_MAX_AGE_SECONDS`)."""
+    """Remove the staging folders under ``tables_dir`` of incremental ingests that were
+    killed (older than :data:`STAGING_MAX_AGE_SECONDS`)."""
     for folder in tables_dir.glob("_staging-*"):
         try:  # an object store's folder: the age of its oldest object
             born = folder.mtime() if folder.is_local else min(f.mtime() for f in folder.walk())
