@@ -98,9 +98,9 @@ class DataConfig(Section):
     """File extensions (case-insensitive) treated as images; other files are quarantined."""
     max_image_pixels: int = Field(89_478_485, ge=1)
     """Decompression-bomb guard (Pillow's default): larger images are quarantined
-    (``too_many_pixels``). Applied by the job's own decode, which raises Pillow's
-    process-wide limit to this value for the decode (:func:`flowers_job.vision.limits.pillow_pixel_limit`),
-    so it may be set above Pillow's default too."""
+    (``too_many_pixels``). Applied by the job's own decode, which raises Pillow's process-wide limit
+    to this value for the decode (:func:`flowers_job.vision.limits.pillow_pixel_limit`), so it may
+    be set above Pillow's default too."""
     image_formats: tuple[ImageFormat, ...] = ("JPEG", "PNG")
     """Image formats decoded (Pillow's names, case-insensitive): Pillow's ``formats=`` in every
     decode of ingest, predict and the served model, so that no other decoder ever reads a

@@ -351,8 +351,8 @@ class TrackingConfig(Section):
 
     tracking_uri: str | None = None
     """None = ``sqlite:///<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts``.
-    Credentials in a server's URI (``https://alice:pw@host``) are taken out of it, into
-    ``username`` and ``password`` (:func:`~flowers_job.config.secrets.credentials_out_of_uri`); a password in any
+    Credentials in a server's URI (``https://alice:pw@host``) are taken out of it, into ``username``
+    and ``password`` (:func:`~flowers_job.config.secrets.credentials_out_of_uri`); a password in any
     other store's URI (``postgresql://user:pw@host/db``) is refused."""
     experiment_name: str = Field("flowers_job", min_length=1)
     registered_model_name: str | None = Field("flowers_classifier", min_length=1)

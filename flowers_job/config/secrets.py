@@ -118,12 +118,12 @@ def split_userinfo(uri: str) -> tuple[str, str | None, str | None]:
 
 
 def credentials_out_of_uri(data: Any) -> Any:
-    """The raw ``tracking`` section ``data`` with a server URI's credentials taken out (any
-    other value is returned as it is): ``https://alice:pw@host`` ->
-    ``tracking_uri="https://host"``, ``username="alice"``, ``password="pw"``: MLflow then sends them from MLFLOW_TRACKING_USERNAME/PASSWORD
-    (``mlflow.utils.credentials.get_default_host_creds``), and the URI the job stores,
-    logs and hands to the ranks holds no secret. A password in the URI of another store
-    (a database: SQLAlchemy would need it in the URI) is refused: its driver reads it
+    """The raw ``tracking`` section ``data`` with a server URI's credentials taken out (any other
+    value is returned as it is): ``https://alice:pw@host`` -> ``tracking_uri="https://host"``,
+    ``username="alice"``, ``password="pw"``: MLflow then sends them from
+    MLFLOW_TRACKING_USERNAME/PASSWORD (``mlflow.utils.credentials.get_default_host_creds``), and the
+    URI the job stores, logs and hands to the ranks holds no secret. A password in the URI of
+    another store (a database: SQLAlchemy would need it in the URI) is refused: its driver reads it
     from its own files or variables (libpq's ``PGPASSWORD`` and ``~/.pgpass``).
 
     Raises:

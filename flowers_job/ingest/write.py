@@ -162,7 +162,8 @@ def _decode(spark: SparkSession, data: DataConfig, entries: DataFrame, n: int) -
 
 def _with_image_columns(decoded: DataFrame, labels: list[str]) -> DataFrame:
     """``decoded`` plus ``label_index`` (the label's position in ``labels``) and ``row_id``
-    (xxhash64 of the relative path); the split comes after (:func:`~flowers_job.ingest.splits.full_splits`,
+    (xxhash64 of the relative path); the split comes after
+    (:func:`~flowers_job.ingest.splits.full_splits`,
     :func:`~flowers_job.ingest.splits.incremental_splits`)."""
     return decoded.withColumn(
         "label_index", F.array_position(F.array(*map(F.lit, labels)), F.col("label")) - 1
@@ -179,13 +180,15 @@ def write_full(
     n_files: int,
     why: str,
 ) -> Changes:
-    """Decode every entry, split each class in proportion (:func:`~flowers_job.ingest.splits.full_splits`) and
-    overwrite both tables; then remove the split tables of an older layout that ingest
-    wrote (:func:`~flowers_job.ingest.old_layout.own_old_split_tables`, checked first).
+    """Decode every entry, split each class in proportion
+    (:func:`~flowers_job.ingest.splits.full_splits`) and overwrite both tables; then remove the
+    split tables of an older layout that ingest wrote
+    (:func:`~flowers_job.ingest.old_layout.own_old_split_tables`, checked first).
 
     Raises:
         IngestError: as :func:`_check_after`, :func:`~flowers_job.ingest.splits.split_quotas` and
-            :func:`~flowers_job.ingest.old_layout.own_old_split_tables`, before any table is written.
+            :func:`~flowers_job.ingest.old_layout.own_old_split_tables`, before any table is
+            written.
     """
     old_tables = own_old_split_tables(spark, cfg)
     before = _rows_or_zero(spark, tables["images"])

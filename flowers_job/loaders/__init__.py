@@ -81,8 +81,8 @@ def task_library_importers() -> dict[str, Callable[[], list[str]]]:
 
 
 def registered_loaders() -> list[type[Loader]]:
-    """Every registered loader, in :data:`LOADERS` order: for what concerns them all (the
-    sweep of a killed run's cache folder, :func:`flowers_job.loaders.cache_sweep.sweep_orphaned_caches`)."""
+    """Every registered loader, in :data:`LOADERS` order: for what concerns them all (the sweep of a
+    killed run's cache folder, :func:`flowers_job.loaders.cache_sweep.sweep_orphaned_caches`)."""
     return [_registered(name) for name in LOADERS]
 
 

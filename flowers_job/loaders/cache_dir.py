@@ -165,7 +165,8 @@ class LoaderCache:
                 lineage) shared by the entries an entry can grow from.
             frame: the split's rows (``row_id``, ``image``, ``label_index``, ``segment``),
                 built only when the entry must be written.
-            needed_bytes: the space the write needs (:func:`~flowers_job.loaders.cache_space.cache_bytes_needed`).
+            needed_bytes: the space the write needs
+                (:func:`~flowers_job.loaders.cache_space.cache_bytes_needed`).
             changes: given an older version of the lineage, the split's changes since
                 (:class:`Changes`); None: no appending.
 

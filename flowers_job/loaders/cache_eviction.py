@@ -1,12 +1,12 @@
-"""The loader cache bounded: When a run's entries are ready, entries are evicted least-recently-used first
-while the cache holds more than ``cache.max_bytes``, except this run's and any that a live
-driver reads (its lease in ``users/``). A reader writes its lease before it reads the
-marker; the evictor removes the marker, looks at the leases again, and puts the marker back
-if a reader came meanwhile, so an entry is never removed under a reader (on either store).
-A writer's folder whose driver is dead (killed with SIGKILL, say) is swept at the next
-start (:func:`sweep_orphaned_caches`), with what each loader left on this host
-(:meth:`~flowers_job.loaders.base.Loader.sweep`). Before a split is written to a disk, its
-free space is checked against the split's size (:func:`check_cache_space`).
+"""The loader cache bounded: when a run's entries are ready, entries are evicted least-recently-used
+first while the cache holds more than ``cache.max_bytes``, except this run's and any that a live
+driver reads (its lease in ``users/``). A reader writes its lease before it reads the marker; the
+evictor removes the marker, looks at the leases again, and puts the marker back if a reader came
+meanwhile, so an entry is never removed under a reader (on either store). A writer's folder whose
+driver is dead (killed with SIGKILL, say) is swept at the next start
+(:func:`sweep_orphaned_caches`), with what each loader left on this host
+(:meth:`~flowers_job.loaders.base.Loader.sweep`). Before a split is written to a disk, its free
+space is checked against the split's size (:func:`check_cache_space`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The function TorchDistributor runs on every rank, and how a rank reports its end.
 
 :func:`train_worker` takes the driver's :class:`~flowers_job.train.job_spec.TrainingJob` (the
-validated config as a dict and the shard plans), joins the process group, trains (:func:`flowers_job.train.loop.fit`) and
-returns a small summary dict, identical on every rank (rank 0's, broadcast: docs/known-issues.md,
-"Spark"). Around it, what makes a failure name its rank and never hang:
+validated config as a dict and the shard plans), joins the process group, trains
+(:func:`flowers_job.train.loop.fit`) and returns a small summary dict, identical on every rank (rank
+0's, broadcast: docs/known-issues.md, "Spark"). Around it, what makes a failure name its rank and
+never hang:
 
 - a rank whose Python code raises writes ``rank-<r>.json`` (exception and traceback) into the
   job's report dir; a process-group timeout is named as such (:class:`CollectiveTimeoutError`);

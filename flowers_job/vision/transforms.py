@@ -32,8 +32,8 @@ def _eval_steps(image_size: int, resize_size: int) -> list[Callable[..., object]
 
 def train_pixels(image_size: int) -> Callable[[Image.Image | torch.Tensor], torch.Tensor]:
     """Training augmentation: PIL RGB (or uint8 ``[3, H, W]``) -> uint8
-    ``[3, image_size, image_size]`` (not normalised:
-    the training loop normalises on the device, :class:`flowers_job.vision.precision.DeviceNormalize`).
+    ``[3, image_size, image_size]`` (not normalised: the training loop normalises on the
+    device, :class:`flowers_job.vision.precision.DeviceNormalize`).
 
     RandomResizedCrop (scale 0.35-1) and horizontal flip, as in torchvision's reference
     classification recipe, with a milder crop scale suited to a frozen backbone.

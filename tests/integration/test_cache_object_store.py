@@ -83,11 +83,11 @@ def test_a_day_on_s3_appends_to_the_cache_and_the_ranks_read_every_current_row(
     tmp_path: Path,
     day_loader: str,
 ) -> None:
-    """The output in the bucket: `run`, then a day's change of the photos (two added, one
-    removed, one rewritten in place), `run` again (ingest, then train). The train appends to each split's
-    entry: at most 5% of the first run's cache bytes; its ranks check every epoch that they
-    read every current row once (count and checksum), and the run passes. Both loaders
-    wherever they can run (the local stack has both; the DBR suite has no S3 server)."""
+    """The output in the bucket: `run`, then a day's change of the photos (two added, one removed,
+    one rewritten in place), `run` again (ingest, then train). The train appends to each split's
+    entry: at most 5% of the first run's cache bytes; its ranks check every epoch that they read
+    every current row once (count and checksum), and the run passes. Both loaders wherever they can
+    run (the local stack has both; the DBR suite has no S3 server)."""
     if (problem := loader_problem(day_loader)) is not None:
         pytest.skip(f"data.loader={day_loader} cannot run on this stack: {problem}")
     images = sample_photos(tmp_path / "images", per_label=DAY_SAMPLE_PER_LABEL)

@@ -1,6 +1,7 @@
-"""The package's shape, checked on its source (no Spark): short functions (on the rank side
-with their docstrings, elsewhere without), each loader in its own sub-package, no private
-name crossing modules, and every test file with its tier. The import rules and the module sizes: tests/project/test_imports.py.
+"""The package's shape, checked on its source (no Spark): short functions (on the rank side with
+their docstrings, elsewhere without), each loader in its own sub-package, no private name crossing
+modules, and every test file with its tier. The import rules and the module sizes:
+tests/project/test_imports.py.
 
 These hold the design of docs/architecture.md in place: a loader is one sub-package behind
 :class:`flowers_job.loaders.base.Loader`, resolved once, and the pipeline and the training

@@ -1,14 +1,14 @@
-"""The files a Petastorm plan may name: nothing of the cache is unpickled. Petastorm's readers unpickle a ``Unischema`` from the
-``dataset-toolkit.unischema.v1`` key of a dataset's ``_common_metadata`` (or ``_metadata``)
-file (``petastorm.etl.dataset_metadata.get_schema``, whose "restricted" unpickler still
-allows ``builtins.exec``); ``make_batch_reader`` tries that first, then infers the schema from
-Arrow. pyarrow's legacy ``ParquetDataset`` reads those files only when it is given a
-directory; given a list of files, it reads only their footers, and Petastorm infers the
-schema from Arrow (``Unischema.from_arrow_schema``). So the ranks open only a plan's own list
-of Parquet files, and :func:`check_cache_files` refuses a plan that names a directory, a
-file outside its cache folder or a file that is not a Spark ``part-*.parquet`` before
-Petastorm sees it: a cache folder on a shared path (``/dbfs/tmp``, which Petastorm's docs
-suggest) cannot run code in the job, whatever was planted in it.
+"""The files a Petastorm plan may name: nothing of the cache is unpickled. Petastorm's readers
+unpickle a ``Unischema`` from the ``dataset-toolkit.unischema.v1`` key of a dataset's
+``_common_metadata`` (or ``_metadata``) file (``petastorm.etl.dataset_metadata.get_schema``, whose
+"restricted" unpickler still allows ``builtins.exec``); ``make_batch_reader`` tries that first, then
+infers the schema from Arrow. pyarrow's legacy ``ParquetDataset`` reads those files only when it is
+given a directory; given a list of files, it reads only their footers, and Petastorm infers the
+schema from Arrow (``Unischema.from_arrow_schema``). So the ranks open only a plan's own list of
+Parquet files, and :func:`check_cache_files` refuses a plan that names a directory, a file outside
+its cache folder or a file that is not a Spark ``part-*.parquet`` before Petastorm sees it: a cache
+folder on a shared path (``/dbfs/tmp``, which Petastorm's docs suggest) cannot run code in the job,
+whatever was planted in it.
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ def write_cache(
     per_device_batch_size: int,
     source: str,
 ) -> PetastormPlan:
-    """The cache of one split: write ``df`` as balanced Parquet partitions under ``<cache_dir>/petastorm-<split>``
-    (:func:`write_balanced`) and plan its shards from the files' metadata
-    (:func:`plan_shards`): row group ``i`` -> rank ``i % world_size``.
+    """The cache of one split: write ``df`` as balanced Parquet partitions under
+    ``<cache_dir>/petastorm-<split>`` (:func:`write_balanced`) and plan its shards from the files'
+    metadata (:func:`plan_shards`): row group ``i`` -> rank ``i % world_size``.
 
     Raises:
         DataError: an empty split, unworkable shards (:func:`plan_shards`), a cache that
@@ -125,10 +125,10 @@ def append_cache(
     source: str,
 ) -> PetastormPlan:
     """``base``'s files, then ``added`` written as balanced Parquet under
-    ``<cache_dir>/petastorm-<split>`` (:func:`write_balanced`, as many files as ranks at
-    least), planned together: each file's rows and checksum less its dead rows
-    (:func:`live_file_checksums`), Petastorm's shard rule over all files
-    (:func:`plan_shards`). The ranks skip the dead rows (:func:`~flowers_job.loaders.base.live_mask`).
+    ``<cache_dir>/petastorm-<split>`` (:func:`write_balanced`, as many files as ranks at least),
+    planned together: each file's rows and checksum less its dead rows
+    (:func:`live_file_checksums`), Petastorm's shard rule over all files (:func:`plan_shards`). The
+    ranks skip the dead rows (:func:`~flowers_job.loaders.base.live_mask`).
 
     Raises:
         DataError: shards too uneven to plan, or files whose live rows are not

@@ -1,4 +1,5 @@
-"""Petastorm (``data.loader=petastorm``): the loader, both sides behind :class:`~flowers_job.loaders.base.Loader`.
+"""Petastorm (``data.loader=petastorm``): the loader, both sides behind
+:class:`~flowers_job.loaders.base.Loader`.
 
 The driver writes the cache (:mod:`~flowers_job.loaders.petastorm.cache_write`, balanced by
 :mod:`~flowers_job.loaders.petastorm.balanced`) and plans its shards
