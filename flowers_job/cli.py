@@ -298,7 +298,7 @@ def _predict(args: argparse.Namespace) -> int:
     # paths.output_dir only locates the defaults (summary.json, the sqlite store); "."
     # makes the default store ./mlflow.db, MLflow's own default
     cfg = load_config(args.config, args.overrides, **{"paths.output_dir": args.output_dir or "."})
-    use_credentials(cfg)
+    use_credentials(cfg.tracking)
     model_uri, summary_uri = args.model, None
     if args.output_dir is not None and (args.model is None or cfg.paths.summary_path.exists()):
         default_uri, summary_uri = predict.default_model(args.output_dir)
@@ -348,7 +348,7 @@ def _runs(args: argparse.Namespace) -> int:
     from flowers_job.tracking.mlflow_run import use_credentials
 
     cfg = _config(args)
-    use_credentials(cfg)
+    use_credentials(cfg.tracking)
     found = list_runs(cfg.paths.output_dir, cfg.tracking_uri, cfg.tracking.experiment_name)
     if not found:
         print(

@@ -140,7 +140,7 @@ def check_executors(
     """
     from flowers_job.tracking.mlflow_run import PREFLIGHT_TIMEOUT_SECONDS
 
-    dirs = {} if is_local_master(spark) else shared_dirs(cfg)
+    dirs = {} if is_local_master(spark) else shared_dirs(cfg.paths, cfg.tracking_uri)
     tracking = executor_tracking(
         cfg.tracking_uri,
         cfg.tracking.experiment_name,

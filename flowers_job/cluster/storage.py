@@ -22,7 +22,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from flowers_job.cluster.connect import spark_master
-from flowers_job.config import JobConfig
+from flowers_job.config import PathsConfig
 from flowers_job.location import Location
 
 __all__ = [
@@ -44,17 +44,17 @@ def is_local_master(spark: SparkSession) -> bool:
     return spark_master(spark).startswith("local")
 
 
-def shared_dirs(cfg: JobConfig) -> dict[str, Location]:
+def shared_dirs(paths: PathsConfig, tracking_uri: str) -> dict[str, Location]:
     """The directories the driver and the executors both use, by the setting that names
-    them: the output dir, its checkpoints, the loader cache, and a ``sqlite:`` tracking
-    store declared shared (``tracking.store_is_shared``). Each a local path or an
-    object-store URI."""
+    them: the output dir, its checkpoints, the loader cache, and the folder of a ``sqlite:``
+    or ``file:`` tracking store (``tracking_uri``, the job's resolved one). Each a local path
+    or an object-store URI."""
     dirs = {
-        "paths.output_dir": cfg.paths.output_dir,
-        "paths.output_dir (checkpoints)": cfg.paths.checkpoint_dir,
-        "paths.cache_url": cfg.paths.cache_root,
+        "paths.output_dir": paths.output_dir,
+        "paths.output_dir (checkpoints)": paths.checkpoint_dir,
+        "paths.cache_url": paths.cache_root,
     }
-    uri = cfg.tracking_uri
+    uri = tracking_uri
     if uri.startswith("sqlite:///"):
         dirs["tracking.tracking_uri"] = Location.of(Path(uri.removeprefix("sqlite:///")).parent)
     elif uri.startswith("file:"):

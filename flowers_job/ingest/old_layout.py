@@ -8,7 +8,6 @@ import logging
 
 from pyspark.sql import SparkSession
 
-from flowers_job.config import JobConfig
 from flowers_job.errors import IngestError
 from flowers_job.location import Location
 from flowers_job.tables.delta_tables import is_ingest_metadata, latest_commit
@@ -24,21 +23,24 @@ first rebuild in layout 4, and only when their commits carry ingest's metadata
 (:func:`own_old_split_tables`)."""
 
 
-def own_old_split_tables(spark: SparkSession, cfg: JobConfig) -> list[Location]:
-    """The split tables of an older layout (:data:`OLD_SPLIT_TABLES`) under
-    ``<output_dir>/tables`` that a full ingest removes: those whose latest commit carries
+def own_old_split_tables(
+    spark: SparkSession, tables_dir: Location, in_catalog: bool
+) -> list[Location]:
+    """The split tables of an older layout (:data:`OLD_SPLIT_TABLES`) under ``tables_dir``
+    (``<output_dir>/tables``) that a full ingest removes: those whose latest commit carries
     ingest's metadata (:func:`~flowers_job.tables.delta_tables.is_ingest_metadata`). Path
-    tables only (catalog tables came after layout 4). Checked before anything is written.
+    tables only: none when the tables are catalog tables (``in_catalog``; they came after
+    layout 4). Checked before anything is written.
 
     Raises:
         IngestError: a Delta table there that ingest did not write, naming its path and
             what to do; nothing is removed or written.
     """
-    if cfg.tables.in_catalog:
+    if in_catalog:
         return []
     own = []
     for name in OLD_SPLIT_TABLES:
-        path = cfg.paths.table(name)
+        path = tables_dir / name
         if not (path / "_delta_log").is_dir():
             continue
         commit = latest_commit(spark, TableRef(path=path))
@@ -47,7 +49,7 @@ def own_old_split_tables(spark: SparkSession, cfg: JobConfig) -> list[Location]:
                 f"{path} is a Delta table that flowers_job's ingest did not write (its latest "
                 "commit carries no ingest metadata), where an older layout kept its "
                 f"{name} split: a full ingest removes only the split tables it wrote. Move "
-                f"that table out of {cfg.paths.tables_dir}, or use another paths.output_dir; "
+                f"that table out of {tables_dir}, or use another paths.output_dir; "
                 "nothing was removed or written"
             )
         own.append(path)

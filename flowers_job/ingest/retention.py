@@ -53,7 +53,7 @@ from pyspark.sql import SparkSession
 
 from flowers_job.cluster.connect import default_parallelism
 from flowers_job.config import JobConfig
-from flowers_job.config.data import SAFE_RETENTION_HOURS
+from flowers_job.config.data import SAFE_RETENTION_HOURS, DataConfig
 from flowers_job.location import Location
 from flowers_job.tables.delta_tables import TABLE_NAMES, session_settings
 from flowers_job.tables.table_ref import TableRef, table_ref
@@ -102,16 +102,16 @@ def is_sole_writer(output_dir: Location | str | os.PathLike[str]) -> bool:
     return Location.of(output_dir).url in _SOLE_WRITER
 
 
-def retention_hours(cfg: JobConfig) -> int:
+def retention_hours(data: DataConfig, output_dir: Location) -> int:
     """``data.retention_hours``, or Delta's safe minimum when it is below it and this process
-    does not hold the output's lease (logged: module docstring)."""
-    hours = int(cfg.data.retention_hours)
-    if hours < SAFE_RETENTION_HOURS and not is_sole_writer(cfg.paths.output_dir):
+    does not hold the lease of ``output_dir`` (logged: module docstring)."""
+    hours = int(data.retention_hours)
+    if hours < SAFE_RETENTION_HOURS and not is_sole_writer(output_dir):
         log.warning(
             "data.retention_hours=%d is below Delta's safe minimum, which VACUUM uses only "
             "under the lease of %s; this process does not hold it: keeping %d h",
             hours,
-            cfg.paths.output_dir,
+            output_dir,
             SAFE_RETENTION_HOURS,
         )
         return SAFE_RETENTION_HOURS
@@ -133,7 +133,7 @@ def _registered_versions(cfg: JobConfig, table: TableRef) -> set[int]:
     from flowers_job.tracking.credentials import store_client
     from flowers_job.tracking.mlflow_run import use_credentials
 
-    use_credentials(cfg)
+    use_credentials(cfg.tracking)
     found = set()
     with store_client(uri) as client:
         for mv in client.search_model_versions(f"name = '{name}'"):
@@ -196,7 +196,7 @@ def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
             exc,
         )
         return None
-    base = retention_hours(cfg)
+    base = retention_hours(cfg.data, cfg.paths.output_dir)
     hours = {name: base for name in TABLE_NAMES}
     if protected:
         oldest = min(protected)

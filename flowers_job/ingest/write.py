@@ -190,7 +190,7 @@ def write_full(
             :func:`~flowers_job.ingest.old_layout.own_old_split_tables`, before any table is
             written.
     """
-    old_tables = own_old_split_tables(spark, cfg)
+    old_tables = own_old_split_tables(spark, cfg.paths.tables_dir, cfg.tables.in_catalog)
     before = _rows_or_zero(spark, tables["images"])
     decoded = _with_image_columns(_decode(spark, cfg.data, listing, n_files), labels).persist(
         StorageLevel.DISK_ONLY

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import mlflow
 from mlflow import environment_variables as mlflow_env
 
-from flowers_job.config import JobConfig
+from flowers_job.config import JobConfig, TrackingConfig
 from flowers_job.errors import TrackingError
 from flowers_job.tracking.class_report import TestReport
 from flowers_job.tracking.credentials import fail_fast, redact, store_client
@@ -93,8 +93,8 @@ def _strict_table(columns: list[str], rows: list[list[Any]]) -> dict[str, Any]:
     return table
 
 
-def use_credentials(cfg: JobConfig) -> None:
-    """Export the configured tracking credentials to this process's environment.
+def use_credentials(tracking: TrackingConfig) -> None:
+    """Export the tracking section's credentials to this process's environment.
 
     ``tracking.username``/``password``/``token`` become MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN,
     which MLflow reads, and which the training processes inherit (the password may come from
@@ -110,12 +110,12 @@ def use_credentials(cfg: JobConfig) -> None:
         ConfigError: ``tracking.password_env`` names an unset variable, or
             ``tracking.password_file`` cannot be read (:meth:`TrackingConfig.resolved_password`).
     """
-    t = cfg.tracking
-    password = t.resolved_password()
+    password = tracking.resolved_password()
+    token = tracking.token
     values = {
-        mlflow_env.MLFLOW_TRACKING_USERNAME: t.username,
+        mlflow_env.MLFLOW_TRACKING_USERNAME: tracking.username,
         mlflow_env.MLFLOW_TRACKING_PASSWORD: password.get_secret_value() if password else None,
-        mlflow_env.MLFLOW_TRACKING_TOKEN: t.token.get_secret_value() if t.token else None,
+        mlflow_env.MLFLOW_TRACKING_TOKEN: token.get_secret_value() if token else None,
     }
     for var, value in values.items():
         if value:
@@ -160,7 +160,7 @@ def preflight(cfg: JobConfig, timeout_seconds: int = PREFLIGHT_TIMEOUT_SECONDS) 
     """
     from mlflow.store.db.db_types import DATABASE_ENGINES
 
-    use_credentials(cfg)
+    use_credentials(cfg.tracking)
     if not cfg.tracking.tracking_uri:
         cfg.paths.output_dir.mkdir(parents=True, exist_ok=True)
     uri = cfg.tracking_uri

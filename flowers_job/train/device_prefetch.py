@@ -34,7 +34,6 @@ from flowers_job.errors import ShardError
 from flowers_job.vision.batch_decode import JPEG_KEY, LENGTH_KEY, BatchDecoder, step_seed
 
 if TYPE_CHECKING:
-    from flowers_job.config import JobConfig
     from flowers_job.loaders.base import Batch, ShardReader
     from flowers_job.loaders.position import EpochStart
 
@@ -48,11 +47,10 @@ hanging it (``distributed.timeout_seconds``' default: the peers give up as late)
 _DONE = object()
 
 
-def decodes_on_device(cfg: JobConfig, device: torch.device) -> bool:
-    """``data.decode_device``: True when the rank decodes whole batches on ``device``
-    ('device', or 'auto' on a GPU); False when the loader decodes (Pillow)."""
-    choice = cfg.data.decode_device
-    return choice == "device" or (choice == "auto" and device.type == "cuda")
+def decodes_on_device(decode_device: str, device: torch.device) -> bool:
+    """``data.decode_device`` (``decode_device``): True when the rank decodes whole batches
+    on ``device`` ('device', or 'auto' on a GPU); False when the loader decodes (Pillow)."""
+    return decode_device == "device" or (decode_device == "auto" and device.type == "cuda")
 
 
 class DeviceReader:

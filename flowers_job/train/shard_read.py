@@ -78,7 +78,7 @@ def _open(job: dict[str, Any], ctx: DistContext) -> DeviceReader:
     plan = loader.plan_type(**job["plan"])
     cfg = JobConfig.model_validate(job["config"])
     train, size, resize = bool(job["shuffle"]), cfg.data.image_size, cfg.data.stored_short_side
-    on_device = decodes_on_device(cfg, ctx.device)
+    on_device = decodes_on_device(cfg.data.decode_device, ctx.device)
     tf = DecodeTransform(train, size, resize, undecoded=on_device).warm_up()
     layout = describe_hosts(ctx)
     loader.check_layout(layout)

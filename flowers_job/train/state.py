@@ -233,7 +233,7 @@ def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> DeviceReader
     :func:`decodes_on_device`, read ahead by ``data.prefetch_to_device`` on a GPU."""
     cfg, ctx = state.cfg, state.ctx
     size, resize = cfg.data.image_size, cfg.data.stored_short_side
-    on_device = decodes_on_device(cfg, ctx.device)
+    on_device = decodes_on_device(cfg.data.decode_device, ctx.device)
     reader = state.plans.loader.open(
         plan,
         DecodeTransform(train, size, resize, undecoded=on_device),

@@ -118,13 +118,13 @@ def test_the_lease_is_reentrant_in_one_process_and_lets_short_retention_run(
         ["data.retention_hours=0", "data.allow_short_retention=true"],
         **{"paths.output_dir": out},
     )
-    assert retention_hours(cfg) == 168  # no lease: the safe minimum
+    assert retention_hours(cfg.data, cfg.paths.output_dir) == 168  # no lease: the safe minimum
     with output_lease(out, "run") as outer:
         with output_lease(out, "ingest") as inner:  # the inner one ends first
             assert inner is outer
-            assert retention_hours(cfg) == 0
+            assert retention_hours(cfg.data, cfg.paths.output_dir) == 0
         assert is_sole_writer(out) and read_holder(out) == outer.holder
-        assert retention_hours(cfg) == 0
+        assert retention_hours(cfg.data, cfg.paths.output_dir) == 0
     assert not is_sole_writer(out) and read_holder(out) is None
 
 

@@ -160,7 +160,9 @@ def test_vacuum_on_connect(connect_url: str, tmp_path: Path) -> None:
                 df = remote.createDataFrame(rows, TABLE_SCHEMAS[name])
                 write_table(remote, df, ref, {"run_id": f"v{version}"})
         before = {n: _parquet_files(Path(str(r.path))) for n, r in refs.items()}
-        assert retention_hours(cfg) == SAFE_RETENTION_HOURS  # no lease: the job's guard
+        assert (
+            retention_hours(cfg.data, cfg.paths.output_dir) == SAFE_RETENTION_HOURS
+        )  # no lease: the job's guard
         with sole_writer(cfg.paths.output_dir):
             assert vacuum_tables(remote, cfg) == {"images": 0, "quarantine": 0}
         for name, ref in refs.items():

@@ -60,7 +60,7 @@ def _with_password(url: str, password: str = PASSWORD) -> str:
 
 
 def test_credentials_of_the_uri_are_exported_as_mlflows_variables(tmp_path: Path) -> None:
-    use_credentials(_cfg(tmp_path, "https://alice:pw-from-uri@mlflow.example.com"))
+    use_credentials(_cfg(tmp_path, "https://alice:pw-from-uri@mlflow.example.com").tracking)
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice"
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw-from-uri"
 
@@ -69,12 +69,14 @@ def test_credentials_of_the_uri_are_exported_as_mlflows_variables(tmp_path: Path
     use_credentials(
         _cfg(
             tmp_path, "https://h", "tracking.username=bob", f"tracking.password_file={secret_file}"
-        )
+        ).tracking
     )
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "bob"
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw-from-file"
     with pytest.raises(ConfigError, match=r"tracking\.password_env: .*H4_UNSET_VARIABLE"):
-        use_credentials(_cfg(tmp_path, "https://h", "tracking.password_env=H4_UNSET_VARIABLE"))
+        use_credentials(
+            _cfg(tmp_path, "https://h", "tracking.password_env=H4_UNSET_VARIABLE").tracking
+        )
 
 
 def test_a_run_on_a_server_whose_uri_carried_the_password_keeps_it_nowhere(
