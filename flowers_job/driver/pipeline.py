@@ -292,7 +292,7 @@ def training_job(
         memory_settings={
             "train.per_device_batch_size": str(cfg.train.per_device_batch_size),
             "data.loader_workers": str(cfg.data.loader_workers),
-            **data.loader.memory_settings(cfg),
+            **data.loader.memory_settings(cfg.loaders),
         },
         driver=driver_identity(),
         attempt=attempt,

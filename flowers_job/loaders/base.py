@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import JobConfig
+    from flowers_job.config import JobConfig, LoadersConfig
     from flowers_job.loaders.position import EpochStart
     from flowers_job.location import Location
     from flowers_job.runtime.layout import HostLayout
@@ -427,13 +427,13 @@ class Loader(ABC):
         return None
 
     @classmethod
-    def mid_epoch_problem(cls, cfg: JobConfig) -> str | None:
+    def mid_epoch_problem(cls, settings: LoadersConfig) -> str | None:
         """Why this loader, so configured, cannot continue an epoch exactly from a mid-epoch
         checkpoint (the epoch then restarts from its beginning); None when it can."""
         return None
 
     @classmethod
-    def memory_settings(cls, cfg: JobConfig) -> dict[str, str]:
+    def memory_settings(cls, settings: LoadersConfig) -> dict[str, str]:
         """This loader's settings that decide a rank's memory, by their dotted names, with
         their values (as text): what an out-of-memory report names
         (:func:`flowers_job.runtime.watchdog.memory_settings`). None here."""
@@ -451,7 +451,8 @@ class Loader(ABC):
         num_nodes: int,
         shuffle: bool,
         seed: int,
-        cfg: JobConfig,
+        settings: LoadersConfig,
+        workers: int,
         pin_memory: bool = False,
     ) -> ShardReader:
         """This rank's reader of ``plan``.
@@ -464,8 +465,9 @@ class Loader(ABC):
             world_size: number of ranks (shards); num_nodes: hosts the ranks run on.
             shuffle: a new order every epoch (training) or the stored order.
             seed: the order of epoch ``e`` is a function of ``(seed, e)``.
-            cfg: the job's configuration (the loader reads its own section and
-                ``data.loader_workers``).
+            settings: the ``loaders`` section (the loader reads its own part).
+            workers: decoding processes (``data.loader_workers``; 0: the loader's own
+                thread).
             pin_memory: page-locked batches, for asynchronous copies to a CUDA device.
         """
 

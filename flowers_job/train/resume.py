@@ -58,7 +58,7 @@ def _why_not_continued(
     changed = sorted(k for k, v in now.items() if saved.get(k) != v)
     if changed:
         return f"the train split's plan changed since ({', '.join(changed)})"
-    return plans.loader.mid_epoch_problem(cfg)
+    return plans.loader.mid_epoch_problem(cfg.loaders)
 
 
 def choose_checkpoint(cfg: JobConfig, ctx: DistContext, plans: Plans) -> dict[str, Any] | None:

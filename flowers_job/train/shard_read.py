@@ -90,7 +90,8 @@ def _open(job: dict[str, Any], ctx: DistContext) -> DeviceReader:
         num_nodes=layout.num_nodes,
         shuffle=train,
         seed=int(job["seed"]),
-        cfg=cfg,
+        settings=cfg.loaders,
+        workers=cfg.data.loader_workers,
     )
     decoder = BatchDecoder(train, size, resize, ctx.device) if on_device else None
     return DeviceReader(reader, ctx.device, decoder, seed=int(job["seed"]), shard=layout.shard)

@@ -242,7 +242,8 @@ def open_reader(state: TrainState, plan: ShardPlan, train: bool) -> DeviceReader
         num_nodes=state.num_nodes,
         shuffle=train,
         seed=cfg.train.seed,
-        cfg=cfg,
+        settings=cfg.loaders,
+        workers=cfg.data.loader_workers,
         pin_memory=False,  # the DeviceReader pins, in its own thread
     )
     prefetch = cfg.data.prefetch_to_device

@@ -33,7 +33,7 @@ from flowers_job.loaders.petastorm.reader import PetastormReader
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import JobConfig
+    from flowers_job.config import LoadersConfig
     from flowers_job.location import Location
     from flowers_job.vision.decode_transform import DecodeTransform
 
@@ -83,18 +83,18 @@ class PetastormLoader(Loader):
         return super().import_library()
 
     @classmethod
-    def memory_settings(cls, cfg: JobConfig) -> dict[str, str]:
+    def memory_settings(cls, settings: LoadersConfig) -> dict[str, str]:
         """The shuffling buffer: rows each reader holds decoded to draw from."""
         return {
-            "loaders.petastorm.shuffle_buffer_rows": str(cfg.loaders.petastorm.shuffle_buffer_rows)
+            "loaders.petastorm.shuffle_buffer_rows": str(settings.petastorm.shuffle_buffer_rows)
         }
 
     @classmethod
-    def mid_epoch_problem(cls, cfg: JobConfig) -> str | None:
+    def mid_epoch_problem(cls, settings: LoadersConfig) -> str | None:
         """The 'process' reader pool decodes and augments in its own processes, with their
         own random state, and hands row groups back in the order they finish: a replayed
         epoch would not repeat its batches."""
-        if cfg.loaders.petastorm.reader_pool_type == "process":
+        if settings.petastorm.reader_pool_type == "process":
             return (
                 "loaders.petastorm.reader_pool_type='process' augments in its own processes and "
                 "returns row groups in the order they finish, which a replay does not repeat"
@@ -158,7 +158,8 @@ class PetastormLoader(Loader):
         num_nodes: int,
         shuffle: bool,
         seed: int,
-        cfg: JobConfig,
+        settings: LoadersConfig,
+        workers: int,
         pin_memory: bool = False,
     ) -> PetastormReader:
         quiet_petastorm()
@@ -166,7 +167,7 @@ class PetastormLoader(Loader):
         if transform.undecoded:  # rows as wide as the split's largest image (plan_format 2)
             transform = copy.copy(transform)
             transform.jpeg_width = plan.max_image_bytes
-        settings = cfg.loaders.petastorm
+        petastorm = settings.petastorm
         return PetastormReader(
             plan,
             rank,
@@ -174,9 +175,9 @@ class PetastormLoader(Loader):
             transform,
             shuffle=shuffle,
             seed=seed,
-            reader_pool_type=settings.reader_pool_type,
-            shuffle_buffer_rows=settings.shuffle_buffer_rows,
-            workers_count=cfg.data.loader_workers or 1,
+            reader_pool_type=petastorm.reader_pool_type,
+            shuffle_buffer_rows=petastorm.shuffle_buffer_rows,
+            workers_count=workers or 1,
             pin_memory=pin_memory,
             deletions=read_deletions(plan.deletions_url),
         )

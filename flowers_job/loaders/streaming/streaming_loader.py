@@ -70,7 +70,7 @@ from flowers_job.vision.batch_decode import JPEG_KEY, LENGTH_KEY
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import JobConfig
+    from flowers_job.config import LoadersConfig
     from flowers_job.config.model import StreamingConfig
     from flowers_job.runtime.layout import HostLayout
     from flowers_job.vision.decode_transform import DecodeTransform
@@ -233,9 +233,9 @@ class StreamingLoader(Loader):
             )
 
     @classmethod
-    def memory_settings(cls, cfg: JobConfig) -> dict[str, str]:
+    def memory_settings(cls, settings: LoadersConfig) -> dict[str, str]:
         """The prefetch depth: batches each reader holds decoded ahead of the loop."""
-        return {"loaders.streaming.prefetch_batches": str(cfg.loaders.streaming.prefetch_batches)}
+        return {"loaders.streaming.prefetch_batches": str(settings.streaming.prefetch_batches)}
 
     @classmethod
     def open(
@@ -248,7 +248,8 @@ class StreamingLoader(Loader):
         num_nodes: int,
         shuffle: bool,
         seed: int,
-        cfg: JobConfig,
+        settings: LoadersConfig,
+        workers: int,
         pin_memory: bool = False,
     ) -> StreamingReader:
         """``StreamingDataset`` reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
@@ -263,10 +264,10 @@ class StreamingLoader(Loader):
             seed=seed,
             rank=rank,
             num_nodes=num_nodes,
-            num_workers=cfg.data.loader_workers,
-            prefetch_factor=cfg.loaders.streaming.prefetch_batches,
+            num_workers=workers,
+            prefetch_factor=settings.streaming.prefetch_batches,
             pin_memory=pin_memory,
-            settings=cfg.loaders.streaming,
+            settings=settings.streaming,
         )
 
 

@@ -39,10 +39,10 @@ def test_the_job_is_frozen_and_pickles_with_its_loader_by_reference() -> None:
 
 def test_each_loader_names_its_own_memory_settings(tmp_path: Path) -> None:
     cfg = load_config(None, [f"paths.output_dir={tmp_path}"])
-    assert StreamingLoader.memory_settings(cfg) == {
+    assert StreamingLoader.memory_settings(cfg.loaders) == {
         "loaders.streaming.prefetch_batches": str(cfg.loaders.streaming.prefetch_batches)
     }
-    assert PetastormLoader.memory_settings(cfg) == {
+    assert PetastormLoader.memory_settings(cfg.loaders) == {
         "loaders.petastorm.shuffle_buffer_rows": str(cfg.loaders.petastorm.shuffle_buffer_rows)
     }
 
