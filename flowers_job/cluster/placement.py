@@ -32,7 +32,7 @@ from flowers_job.cluster.connect import is_connect_session, run_probe, spark_mas
 from flowers_job.cluster.executor_probe import PROBE_TIMEOUT_SECONDS
 from flowers_job.cluster.slots import driver_gpus, task_slots, wait_for_slots
 from flowers_job.cluster.storage import is_local_master
-from flowers_job.config import JobConfig
+from flowers_job.config import DistributedConfig, JobConfig
 from flowers_job.errors import ClusterError
 from flowers_job.loaders.base import Loader
 from flowers_job.runtime.layout import HostLayout, rank_hosts
@@ -243,13 +243,13 @@ def check_placement(
     return layout.describe()
 
 
-def use_gpu(spark: SparkSession, cfg: JobConfig) -> bool:
+def use_gpu(spark: SparkSession, distributed: DistributedConfig) -> bool:
     """Whether the ranks train on GPUs: ``distributed.use_gpu`` when set; otherwise, in local
     mode, a CUDA device on the driver; in barrier mode, tasks that ask for GPUs
     (``spark.task.resource.gpu.amount`` > 0)."""
-    if cfg.distributed.use_gpu is not None:
-        return cfg.distributed.use_gpu
-    if cfg.distributed.local_mode:
+    if distributed.use_gpu is not None:
+        return distributed.use_gpu
+    if distributed.local_mode:
         import torch
 
         return torch.cuda.is_available()
@@ -372,7 +372,9 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
     if not d.local_mode:
         task_gpus = spark.conf.get(TASK_GPUS, "0") or "0"
         try:
-            stage = barrier_stage(d.num_processes, task_gpus if use_gpu(spark, cfg) else None)
+            stage = barrier_stage(
+                d.num_processes, task_gpus if use_gpu(spark, cfg.distributed) else None
+            )
         except ClusterError as exc:
             problems.append(str(exc))
         if stage is not None:
@@ -385,7 +387,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
                 "or set tracking.store_is_shared=true if the path is on storage every host "
                 "shares (checked; sqlite over NFS or FUSE is unreliable)"
             )
-    elif use_gpu(spark, cfg) and is_connect_session(spark):
+    elif use_gpu(spark, cfg.distributed) and is_connect_session(spark):
         problems.append(
             "distributed.use_gpu: GPUs requested with distributed.local_mode=true on a Spark "
             "Connect session: local mode runs the processes on this client, and pyspark's "
@@ -394,7 +396,7 @@ def check_cluster(spark: SparkSession, cfg: JobConfig, loader: type[Loader]) -> 
             "distributed.local_mode=false (barrier tasks on the executors' GPUs, "
             "spark.task.resource.gpu.amount) or distributed.use_gpu=false"
         )
-    elif use_gpu(spark, cfg):
+    elif use_gpu(spark, cfg.distributed):
         problems.extend(_local_gpu_problems(spark, d.num_processes))
     if problems:
         raise ClusterError("invalid configuration:\n  " + "\n  ".join(problems))

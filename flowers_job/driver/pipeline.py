@@ -387,7 +387,7 @@ def _train(
     """Train on the Delta tables with TorchDistributor (checks done), restarting after a
     failure that may be transient (:mod:`flowers_job.driver.restarts`), write ``summary.json`` and
     decide the champion; errors as :func:`run_training`'s after its checks."""
-    use_gpu = placement.use_gpu(spark, cfg)
+    use_gpu = placement.use_gpu(spark, cfg.distributed)
     wanted = cfg.distributed.num_processes
     restarts: list[Restart] = []
     errors: list[TrainingError] = []

@@ -183,7 +183,9 @@ def restart_processes(spark: SparkSession, cfg: JobConfig, wanted: int) -> int:
     if d.local_mode:
         return wanted
     task_gpus = spark.conf.get(TASK_GPUS, "0") or "0"
-    per_task = barrier_stage(wanted, task_gpus if use_gpu(spark, cfg) else None).processes_per_task
+    per_task = barrier_stage(
+        wanted, task_gpus if use_gpu(spark, cfg.distributed) else None
+    ).processes_per_task
     tasks = wanted // per_task
     least = None if d.min_processes is None else -(-d.min_processes // per_task)  # tasks
     wait_for_slots(spark, tasks, d.executor_wait_seconds)

@@ -155,7 +155,9 @@ def protected_versions(cfg: JobConfig) -> set[int]:
     from flowers_job.loaders.cache_dir import cached_versions
 
     table = table_ref(cfg, "images")
-    return cached_versions(cfg, table.describe()) | _registered_versions(cfg, table)
+    return cached_versions(cfg.paths.cache_root, table.describe()) | _registered_versions(
+        cfg, table
+    )
 
 
 def _hours_since_commit(spark: SparkSession, table: TableRef, version: int) -> float | None:

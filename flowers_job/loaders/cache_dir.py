@@ -107,11 +107,11 @@ class CacheUse:
         return asdict(self)
 
 
-def cached_versions(cfg: JobConfig, table: str) -> set[int]:
+def cached_versions(root: Location, table: str) -> set[int]:
     """The Delta versions of ``table`` (its path or catalog name, as the cache entries record
     it: :meth:`~flowers_job.tables.table_ref.TableRef.describe`) that published entries of
-    the loader cache were built from (what retention keeps readable), on any store."""
-    root = cfg.paths.cache_root
+    the loader cache under ``root`` (``paths.cache_root``) were built from (what retention
+    keeps readable), on any store."""
     versions = set()
     for entry in (root / ENTRIES).iterdir():
         info = entry_info(entry)

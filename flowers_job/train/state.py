@@ -200,7 +200,7 @@ def build_state(
         stopper=EarlyStopping(es.mode, es.min_delta, es.patience, es.stopping_threshold),
         lr=lr,
         val_features=FrozenFeatures() if frozen else None,
-        clock=CheckpointClock(cfg, ctx, plans.train.steps_per_epoch),
+        clock=CheckpointClock(cfg.train, ctx, plans.train.steps_per_epoch),
         ema=ema,
     )
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flowers_job.config import JobConfig
+from flowers_job.config import TrainConfig
 from flowers_job.loaders.base import ShardReader
 from flowers_job.loaders.position import EpochStart
 from flowers_job.runtime.process_group import DistContext, all_gather_object, broadcast_flag
@@ -126,9 +126,9 @@ class CheckpointClock:
     follows it.
     """
 
-    def __init__(self, cfg: JobConfig, ctx: DistContext, steps_per_epoch: int) -> None:
-        self.every_steps = cfg.train.checkpoint_every_steps
-        self.every_seconds = cfg.train.checkpoint_every_seconds
+    def __init__(self, train: TrainConfig, ctx: DistContext, steps_per_epoch: int) -> None:
+        self.every_steps = train.checkpoint_every_steps
+        self.every_seconds = train.checkpoint_every_seconds
         self.ctx, self.steps_per_epoch = ctx, steps_per_epoch
         self.last = time.monotonic()
 

@@ -124,7 +124,7 @@ def test_a_day_appends_to_each_split_and_the_ranks_read_every_current_row_once(
         for u in second.values()
     }
     assert len(versions) == 1
-    assert cached_versions(cfg, table_ref(cfg, "images").describe()) == versions
+    assert cached_versions(cfg.paths.cache_root, table_ref(cfg, "images").describe()) == versions
     again, third = _prepare(spark, cfg)
     assert all(u["reused"] and u["bytes_written"] == 0 for u in third.values()), third
     _check_epoch(again["train"], cfg, _current(spark, cfg, "train"), set())
