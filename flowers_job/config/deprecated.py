@@ -7,6 +7,10 @@ A tree that sets an old key and its new one to different values is refused: whic
 was meant cannot be known. A configuration dumped after validation holds only new keys, so
 the ranks, checkpoints and MLflow params never see the old ones.
 
+Not pydantic's ``AliasChoices``: an alias names another key of the same model, and these
+keys moved between sections (``data`` to ``loaders.petastorm``); nor does an alias warn or
+refuse two conflicting values. So the raw tree is rewritten before validation.
+
 ======================================= ================================================
 old key (0.1)                           new key (0.2; the old one goes in 0.3)
 ======================================= ================================================

@@ -200,14 +200,23 @@ def _settle(work: dist.Work | None, tensor: torch.Tensor) -> None:
     """Wait for ``work``; then, for a CPU tensor (gloo), until the process group's threads
     hold no reference to ``tensor`` (its use count is back to this frame's one), polling
     every millisecond with the GIL released, for at most :data:`SETTLE_SECONDS`; past that,
-    log and go on. Costs about 1.6 ms per broadcast here (2 ranks, 50 broadcasts)."""
+    log and go on.
+
+    Why: gloo's worker threads can still hold the finished work, and its tensor, after
+    ``wait()`` returns; a rank that exits then aborts (SIGABRT) in interpreter teardown
+    (docs/known-issues.md, "torch"; pytorch/pytorch#179291). torch offers no public count
+    of a tensor's holders, so this reads the private ``Tensor._use_count``; a torch without
+    it skips the wait."""
     if work is not None:
         work.wait()
         del work  # the Work object holds the tensor too
     if tensor.device.type != "cpu":
         return  # NCCL's watchdog retires its work items on its own schedule (untested here)
+    use_count = getattr(tensor, "_use_count", None)
+    if use_count is None:
+        return
     deadline = time.monotonic() + SETTLE_SECONDS
-    while tensor._use_count() > 1:
+    while use_count() > 1:
         if time.monotonic() > deadline:
             log.warning(
                 "the process group still holds a tensor %.0f s after its collective",
