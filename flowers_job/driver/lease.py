@@ -1,44 +1,13 @@
 """One writer per output: the lease a command takes on ``paths.output_dir`` before it writes
-anything there (driver side, no Spark).
-
-``flowers-job run``, ``train`` and ``ingest`` (and :func:`flowers_job.driver.pipeline.run_job`,
-:func:`~flowers_job.driver.pipeline.run_training`) hold :class:`OutputLease` for their whole
-run, automatic restarts included (they happen inside the same driver process). A second
-command on the same output finds the lease held and stops with :class:`OutputInUseError`
-(exit status 2) naming the holder (host, pid, start time), having written nothing.
-
-Where the lease lives:
-
-- **A disk** (local, NFS, a mounted volume): an OS lock on ``<output>/.flowers_job.lease``
-  (:class:`filelock.FileLock`, ``flock``; never waited for) and, beside it, the holder's
-  record ``<output>/.flowers_job.lease.json``; both are removed at the end, the lock file
-  while still locked (a lock taken on an unlinked file is retried). The kernel releases
-  the lock when its process dies, however it dies, so a record whose lock is free is a
-  stale lease: it is taken over, and logged. (A file system whose ``flock`` is not shared between hosts, as
-  some FUSE mounts are, protects only against writers on the same host.)
-- **S3** (``s3``/``s3a``/``s3n``): the object ``<output>/.flowers_job.lease.json``, created
-  with a conditional put (``If-None-Match: *``, S3's conditional writes since 2024-08): of
-  two drivers, exactly one creates it. Its holder rewrites it every
-  :data:`HEARTBEAT_SECONDS` (``If-Match`` its own ETag) in a daemon thread and deletes it at
-  the end. A lease whose object has not been rewritten for :data:`STALE_AFTER_SECONDS`
-  (three missed heartbeats, by the store's own clock: its ``Last-Modified`` against its
-  ``Date``), or whose holder ran on this host and is gone, is stale: it is taken over with a
-  put conditional on the stale object's ETag (``If-Match``), so two drivers taking it over
-  at once cannot both win. Credentials and endpoint come from boto3's standard chain
-  (``AWS_ACCESS_KEY_ID``..., ``AWS_ENDPOINT_URL``), as for the rest of the job
-  (:mod:`flowers_job.location`).
-- **Other object stores** (``gs://``, ``abfss://``...), and S3 from a Python whose boto3 is
-  missing or older than S3's conditional writes (botocore's ``PutObject`` without
-  ``IfNoneMatch``/``IfMatch``): no lease is taken, with a warning.
-
-The lease protects the output against other flowers_job commands only: a writer outside
-flowers_job (a notebook writing the tables) never asks for it. It is also what lets VACUUM
-use a ``data.retention_hours`` below Delta's safe minimum
-(:func:`flowers_job.ingest.retention.sole_writer`).
-
-The lease is per process and re-entrant: a process that holds the lease of an output and
-asks for it again (the CLI, then :func:`~flowers_job.driver.pipeline.run_job` inside it)
-gets the same lease, released when the outermost holder ends.
+anything there (driver side, no Spark), held for the whole run, automatic restarts
+included. A second command on the same output stops with :class:`OutputInUseError` naming
+the holder. On a disk the lease is an OS lock (``flock``, through :class:`filelock.FileLock`)
+beside the holder's record; on S3, an object created by a conditional put and renewed every
+:data:`HEARTBEAT_SECONDS`, stale after :data:`STALE_AFTER_SECONDS`; elsewhere none, with a
+warning. The lease is per process and re-entrant (the CLI, then
+:func:`~flowers_job.driver.pipeline.run_job` inside it, hold one lease), and it is what lets
+VACUUM use a short retention (:func:`flowers_job.ingest.retention.sole_writer`). The
+protocol, stale leases and the limits: docs/failures.md, "One writer per output".
 """
 
 from __future__ import annotations

@@ -1,41 +1,11 @@
 """Retention (driver side): VACUUM the tables after an ingest, never removing what a kept
-loader cache or a registered model still names.
-
-An incremental ingest adds files and deletion vectors (the older versions' data files stay
-in use), and a full one rewrites every file; the files the latest version no longer uses
-(replaced data files and deletion vectors) stay on disk for time travel until VACUUM
-removes them. VACUUM ``RETAIN h HOURS`` deletes every such file that was removed from the table more
-than ``h`` hours ago (Delta's documentation, "Remove files no longer referenced by a Delta
-table"; the time is the remove action's ``deletionTimestamp``). A file that version ``v``
-reads is removed by a later commit, whose remove actions are made after ``v`` was
-committed, so keeping every file removed since ``v``'s commit keeps ``v`` readable:
-
-``retain_hours = max(data.retention_hours, ceil(age of the commit of v_min) + 1)``
-
-in whole hours: Delta rounds the retention to whole hours (``VacuumCommand``:
-``TimeUnit.HOURS.toMillis(math.round(h))``; seen here as ``specifiedRetentionMillis`` 0 for
-0.01 h), so the extra hour keeps a rounding from cutting into the protected version.
-
-where ``v_min`` is the oldest protected version of ``images``: one that an entry of the
-loader cache was built from (:func:`flowers_job.loaders.cache_dir.cached_versions`) or that a
-registered model version was trained on (its run's ``flowers_job.images_version`` tag,
-:meth:`flowers_job.tracking.mlflow_run.RunTracker.log_lineage`). When the registry cannot be read, the
-tables are not vacuumed: a file is never removed on a guess.
-
-A table younger than its retention is not vacuumed: no file of it can be old enough, and a
-VACUUM lists every file of the table, seconds even for a table of a few files
-(docs/performance.md), which every fresh ingest would pay.
-
-Delta's log itself is kept for ``delta.logRetentionDuration`` (30 days by default); a
-version whose log entries are gone cannot be read, whatever VACUUM keeps.
-
-A ``data.retention_hours`` below Delta's safe minimum (``SAFE_RETENTION_HOURS``, 168 h;
-allowed only with ``data.allow_short_retention``) turns Delta's retention check off, and
-such a VACUUM can delete the files that a concurrent writer has written but not yet
-committed. It is used only while this process holds the output's lease
-(:mod:`flowers_job.driver.lease` enters :func:`sole_writer`), so that no other flowers_job
-command writes the tables meanwhile; otherwise VACUUM keeps the safe minimum, logged. A
-writer outside flowers_job never asks for the lease: nothing here protects against it.
+loader cache or a registered model still names. The retention is ``data.retention_hours``,
+raised to keep the oldest protected version of ``images`` readable (a loader cache entry's,
+:func:`flowers_job.loaders.cache_dir.cached_versions`, or a registered model's, from its
+run's ``flowers_job.images_version`` tag); nothing is vacuumed when the registry cannot be
+read. A retention below Delta's safe minimum is used only while this process holds the
+output's lease (:func:`sole_writer`). The formula and why: docs/architecture.md, "One copy
+of every image".
 """
 
 from __future__ import annotations
@@ -104,7 +74,7 @@ def is_sole_writer(output_dir: Location | str | os.PathLike[str]) -> bool:
 
 def retention_hours(data: DataConfig, output_dir: Location) -> int:
     """``data.retention_hours``, or Delta's safe minimum when it is below it and this process
-    does not hold the lease of ``output_dir`` (logged: module docstring)."""
+    does not hold the lease of ``output_dir`` (logged)."""
     hours = int(data.retention_hours)
     if hours < SAFE_RETENTION_HOURS and not is_sole_writer(output_dir):
         log.warning(
@@ -182,7 +152,8 @@ def _table_age_hours(spark: SparkSession, table: TableRef) -> float | None:
 def vacuum_tables(spark: SparkSession, cfg: JobConfig) -> dict[str, int] | None:
     """VACUUM ``images`` and ``quarantine`` with ``data.retention_hours`` (Delta's safe minimum
     when it is below it and this process does not hold the output's lease), raised to keep
-    every protected version of ``images`` readable (module docstring).
+    every protected version of ``images`` readable (docs/architecture.md, "One copy of every
+    image").
 
     Returns:
         Table name -> the retention used (whole hours); None when the protected versions could

@@ -4,17 +4,11 @@ Pure Python (``os``, ``stat``), no Spark: :func:`list_entry` runs on the executo
 top-level entry of the images root, or one shard of it (:func:`entry_shard`), per call, and
 :func:`read_listed_file` reads a file for the decode UDF.
 
-The root may also be an object-store URI (``s3a://bucket/photos``): :func:`label_folders`,
-:func:`list_entry` and :func:`read_listed_file` then hand over to
-:mod:`flowers_job.photos.object_listing` (pyarrow's file systems; the same contract, and the
-reasons that apply to keys), and :func:`listing_units` gives that root's units (one per
-top-level prefix, not sharded: that module says why).
-
-Why not Spark's ``binaryFile`` source: it silently skips names starting with ``.`` or ``_``
-(Hadoop's hidden-file filter) and zero-length files, and it follows symbolic links out of
-the images root and reads what they point to. Here every entry is listed and given either
-no reason (ingest reads and decodes it) or a ``reason_code`` (it goes to quarantine and is
-never opened):
+An object-store root (``s3a://bucket/photos``) is handed over to
+:mod:`flowers_job.photos.object_listing`: the same contract, for keys. Why not Spark's
+``binaryFile`` source (it skips hidden and empty files silently and follows links out of the
+root): docs/architecture.md, "Nothing is lost". Every entry is given either no reason
+(ingest reads and decodes it) or a ``reason_code`` (it goes to quarantine, never opened):
 
 ======================== ================================================================
 reason_code              entry
@@ -31,12 +25,9 @@ reason_code              entry
 ``bad_file_name``        a name that is not valid UTF-8 (shown with ``\\xNN`` escapes)
 ======================== ================================================================
 
-Hidden entries (``.DS_Store``, ``._x.jpg``) are *skipped*, not bad
-(:data:`~flowers_job.photos.verdicts.SKIPPED_REASONS`): still recorded in quarantine, but
-ingest reports them as "N hidden files skipped" and leaves them out of the bad fraction.
-
-Symbolic links to files inside the root are followed: the file is ingested under the
-link's path and label (a byte-identical target gets the same split, see ``ingest``).
+Hidden entries are skipped, not bad (:data:`~flowers_job.photos.verdicts.SKIPPED_REASONS`).
+Links to files inside the root are followed: the file is ingested under the link's path and
+label.
 """
 
 from __future__ import annotations

@@ -1,50 +1,10 @@
 """An images root in an object store (``data.images = s3a://bucket/photos``): the listing
-contract of :mod:`flowers_job.photos.listing`, through pyarrow's file systems
-(:func:`flowers_job.location.filesystem`), never through a local path or Spark's file
-sources.
-
-Every key under the root ends either readable (ingest reads and decodes it) or with a
-``reason_code`` (quarantine), as for a local root. An object store has no symbolic links,
-special files or unreadable directories, so of the listing's reasons only these apply:
-
-- ``hidden_path``: a segment of the key (between ``/``) starts with ``.`` or ``_``
-  (skipped, as a local root's hidden files: not counted towards ``data.max_bad_fraction``);
-- ``not_in_label_folder``: a key directly under the root;
-- ``bad_file_name``: a key with an empty segment (``daisy//a.jpg``), which no file-system
-  path (pyarrow's, Hadoop's, a mounted volume's) can name. Keys are UTF-8 by the S3 API, so
-  the local meaning (a name that is not UTF-8) cannot arise.
-
-A zero-length object is listed like a zero-length file: it goes to decode, which gives it
-``empty_file``. ``num_bytes`` and ``mtime_ns`` are the object's size and ``LastModified``
-(pyarrow's ``FileInfo.size`` and ``mtime_ns``), so incremental ingest compares path, size and
-time as for files; S3 gives ``LastModified`` to the millisecond in a listing (some servers,
-moto among them, to the second): an object rewritten within that time with the same size is
-seen as unchanged, and ``--full`` reads it again.
-
-Keys ending in ``/`` are folder markers (the S3 console's "Create folder", Hadoop's ``s3a``
-directories), not files: pyarrow lists an empty one as a directory and the listing skips it
-silently, only because it is a directory marker. A non-empty key ending in ``/`` (no tool
-makes one as a marker) is listed by pyarrow as a file under the name without the ``/``; it
-cannot be read under that name and is quarantined as ``unreadable``.
-
-**Where the listing runs.** On the executors, like a local root's, and for the same reason:
-neither the listing nor any image passes through the driver, which collects only counts per
-label and reason. The driver makes one LIST of the root's first level (with a delimiter:
-:func:`object_label_folders`) to find the label folders, then splits each label's keys into
-**key ranges** (:func:`object_units`), which the executors LIST in parallel
-(:func:`list_object_unit`). A LIST returns a prefix's keys in key order, 1,000 per page, one
-page after the other, so one LIST per label folder is a serial walk of pages: at 10 million
-photos in 5 folders, 2,000 pages of one folder in a row. So on S3 (with boto3), each label's
-keys are split by their first character after ``<label>/``: the driver finds the characters
-that occur with one ``ListObjectsV2`` of one key per character (``StartAfter`` just past the
-keys that start with the previous one, ``MaxKeys=1``: a skip scan, in threads, one per label),
-and each range is one LIST of the prefix ``<label>/<character>``. Names that start with
-digits, as cameras and Flickr give them, make about 10 ranges a folder; more than
-:data:`MAX_RANGES` characters end in one last range of the keys after them. Other object
-stores (``gs://``, ``abfss://``, through pyarrow and fsspec), and S3 without boto3, are listed
-one recursive LIST per top-level prefix, as before.
-The decode reads each object on the executors with :func:`read_object` (one GET through
-pyarrow).
+contract of :mod:`flowers_job.photos.listing` for keys, through pyarrow's file systems
+(:func:`flowers_job.location.filesystem`). The driver finds the label folders
+(:func:`object_label_folders`) and splits each into key ranges (:func:`object_units`, a skip
+scan on S3); the executors LIST the ranges (:func:`list_object_unit`) and read each object
+with one GET (:func:`read_object`). The verdicts that apply to keys, folder markers, and why
+the ranges: docs/architecture.md, "An images root in an object store".
 """
 
 from __future__ import annotations

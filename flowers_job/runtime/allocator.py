@@ -1,48 +1,12 @@
-"""The memory allocator of every process that runs torch or decodes images.
-
-glibc's malloc hands every block above its mmap threshold (at most 32 MiB, adjusted at run
-time) to ``mmap`` and gives it back to the kernel on ``free``; it also trims the top of the
-heap back to the kernel once more than its trim threshold (128 KiB by default) is free. A
-CPU forward pass allocates and frees activation tensors of several MiB each, so with the
-defaults every step page-faults its activations afresh: on this project's 2-core machine,
-half of a training rank's CPU time went to the kernel ([known issues](docs/known-issues.md#torch),
-and the measurements in benchmarks/README.md).
-
-The cure chosen here is glibc's own tuning, set in the environment before a process starts
-(glibc reads it once, at its first ``malloc``):
-
-- ``MALLOC_MMAP_MAX_=0``: no block is mapped on its own; large tensors come from the heap
-  and are reused from step to step (raising ``MALLOC_MMAP_THRESHOLD_`` is not enough: glibc
-  caps it at 32 MiB, below the first activations of a 224 px batch of 32). A thread arena
-  that cannot hold a block still falls back to ``mmap``, and so does the main heap when
-  ``brk`` fails, so no allocation fails for it;
-- ``MALLOC_TRIM_THRESHOLD_`` at 1 GiB: freed memory stays in the process for the next step
-  instead of going back to the kernel and being faulted in again;
-- ``MALLOC_TOP_PAD_`` at 64 MiB: the heap grows in large steps.
-
-Measured with benchmarks/allocators.py (frozen Lite0 + head, 2 ranks of 1 thread, 224 px,
-batch 32; benchmarks/README.md has the table): glibc's defaults 55 img/s with 27 of 50 CPU
-seconds in the kernel, ``MALLOC_MMAP_THRESHOLD_`` raised alone 52, this tuning 155 (2.5 s in
-the kernel), jemalloc with its default decay 40, and with decay off
-(``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1``) 169. jemalloc is not the default
-because it must be installed on every host and preloaded (``LD_PRELOAD``, an init script on
-Databricks), for about 9% over the tuned glibc, which needs nothing. The cost of the tuning:
-a process keeps up to ``MALLOC_TRIM_THRESHOLD_`` of freed memory, at most about one training
-step's peak.
-
-The variables reach:
-
-- the ranks in local mode (TorchDistributor's ``torchrun`` inherits the driver's
-  environment: :func:`apply_to_environ`);
-- every rank also applies them to itself with ``mallopt`` when it starts
-  (:func:`tune_this_process`): a rank on a cluster whose executors lack the variables is
-  still tuned, though only from then on;
-- Spark's Python workers, which decode on ingest and run the ranks in barrier mode, on this
-  machine and on a cluster: ``spark.executorEnv.<NAME>`` (:func:`spark_conf`; PySpark passes
-  every ``spark.executorEnv.*`` setting to the Python workers it starts, and a cluster's
-  executors get them in their own environment). On Databricks, set them in the cluster's
-  Spark config (``spark.executorEnv.MALLOC_MMAP_MAX_ 0`` ...) or its
-  environment variables; the bundle in databricks.yml does.
+"""The memory allocator of every process that runs torch or decodes images: glibc's malloc
+tuned so that a CPU step's activations of several MiB are reused from the heap instead of
+mapped and unmapped on every step (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` 1 GiB,
+``MALLOC_TOP_PAD_`` 64 MiB), set in the environment before a process starts: glibc reads it
+at its first ``malloc``. The variables reach the ranks in local mode (:func:`apply_to_environ`),
+Spark's Python workers (:func:`spark_conf`: ``spark.executorEnv.*``) and every rank as it
+starts (:func:`tune_this_process`, with ``mallopt``). Why, the alternatives measured
+(jemalloc among them), and what it costs: docs/performance.md, "An allocator that does not
+thrash"; the trap: docs/known-issues.md, "torch".
 """
 
 from __future__ import annotations
