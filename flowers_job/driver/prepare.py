@@ -23,7 +23,7 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
-from flowers_job.loaders.base import SEGMENT_COLUMN, Loader, ShardPlan
+from flowers_job.loaders.base import SEGMENT_COLUMN, Loader, Sharding, ShardPlan
 from flowers_job.loaders.cache_dir import loader_cache
 from flowers_job.loaders.cache_growth import Changes
 from flowers_job.loaders.cache_space import cache_bytes_needed
@@ -233,11 +233,12 @@ def prepare_data(
     version = checked.versions["images"]
     tables = {name: table_ref(cfg, name) for name in TABLE_NAMES}
     images = tables["images"]
-    writer = loader(cfg, images.describe())
+    sharding = Sharding(cfg.world_size, cfg.num_partitions, cfg.train.per_device_batch_size)
+    writer = loader(sharding, images.describe())
     detail = images.detail(spark)
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())
-    with loader_cache(cfg, writer) as cache:
+    with loader_cache(cfg.paths.cache_root, cfg.cache, writer) as cache:
         plans: dict[str, ShardPlan] = {}
         uses = {}
         for split in SPLITS:

@@ -3,7 +3,7 @@
 A loader turns a split's Delta table into a cache that ``world_size`` ranks read in exactly
 ``steps_per_epoch`` batches each, every row once per epoch:
 
-- **driver side** (Spark, :mod:`flowers_job.driver.prepare` calls it): ``Loader(cfg, source)``, then
+- **driver side** (Spark, :mod:`flowers_job.driver.prepare` calls it): ``Loader(sharding, source)``, then
   :meth:`Loader.write` once per split (write the split's cache, plan its shards: a
   :class:`ShardPlan`), :meth:`Loader.release` when the run ends, and
   :meth:`Loader.sweep` for what a killed run left on this host;
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import JobConfig, LoadersConfig
+    from flowers_job.config import LoadersConfig
     from flowers_job.loaders.position import EpochStart
     from flowers_job.location import Location
     from flowers_job.runtime.layout import HostLayout
@@ -58,6 +58,7 @@ __all__ = [
     "Loader",
     "ShardPlan",
     "ShardReader",
+    "Sharding",
     "check_batch_fits",
     "live_mask",
     "local_dir",
@@ -109,6 +110,17 @@ def row_stats(df: DataFrame) -> tuple[int, int]:
     if stats is None:
         return 0, 0
     return int(stats["rows"] or 0), wrap_int64(int(stats["checksum"] or 0))
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What the driver side lays a split out for: ``world_size`` ranks reading
+    ``per_device_batch_size`` rows a step each, from at least ``num_partitions`` Spark
+    partitions (the multiple of the world size the job repartitions to)."""
+
+    world_size: int
+    num_partitions: int
+    per_device_batch_size: int
 
 
 @dataclass(frozen=True)
@@ -305,10 +317,11 @@ class Loader(ABC):
     runs on Connect as on classic Spark (:func:`flowers_job.loaders.check_session`). Set it
     from a real attempt on a Connect server, not from a guess."""
 
-    def __init__(self, cfg: JobConfig, source: str) -> None:
-        """The driver side of one run. ``source``: the table the splits are read from, as
-        its messages name it (:meth:`flowers_job.tables.table_ref.TableRef.describe`)."""
-        self.cfg = cfg
+    def __init__(self, sharding: Sharding, source: str) -> None:
+        """The driver side of one run: its splits laid out for ``sharding``. ``source``: the
+        table the splits are read from, as its messages name it
+        (:meth:`flowers_job.tables.table_ref.TableRef.describe`)."""
+        self.sharding = sharding
         self.source = source
 
     # ---------------------------------------------------------------- the stack
@@ -389,13 +402,7 @@ class Loader(ABC):
         """The settings that decide the bytes and the plan of ``split``'s cache: part of its
         key in the loader cache (:func:`flowers_job.loaders.cache_marker.entry_key`). The base: the
         world size, the partitions, the batch size and whether full batches are required."""
-        cfg = self.cfg
-        return {
-            "world_size": cfg.world_size,
-            "num_partitions": cfg.num_partitions,
-            "per_device_batch_size": cfg.train.per_device_batch_size,
-            "full_batches": split == "train",
-        }
+        return {**asdict(self.sharding), "full_batches": split == "train"}
 
     def release(self, cache_dir: Path | None) -> None:
         """The run ended: release what :meth:`write` holds beyond the cache folder's files,

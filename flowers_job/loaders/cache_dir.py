@@ -47,7 +47,7 @@ from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
-from flowers_job.config import JobConfig
+from flowers_job.config import CacheConfig
 from flowers_job.errors import DataError
 from flowers_job.loaders.base import Loader, ShardPlan
 from flowers_job.loaders.cache_eviction import LAST_USED, USERS, evict, remove_entry
@@ -123,8 +123,11 @@ def cached_versions(root: Location, table: str) -> set[int]:
 class LoaderCache:
     """One run's view of the loader cache (:func:`loader_cache` makes it)."""
 
-    def __init__(self, cfg: JobConfig, root: Location, run_id: str, staging: Location) -> None:
-        self.cfg = cfg
+    def __init__(
+        self, settings: CacheConfig, root: Location, run_id: str, staging: Location
+    ) -> None:
+        self.settings = settings
+        """The ``cache`` section: lock timeout, growth by append and its limits."""
         self.root = root
         self.run_id = run_id
         self.staging = staging
@@ -237,10 +240,10 @@ class LoaderCache:
         lock = FileLock(str(locks / f"{key}.lock"))
         t_wait = time.perf_counter()
         try:
-            lock.acquire(timeout=self.cfg.cache.lock_timeout_seconds)
+            lock.acquire(timeout=self.settings.lock_timeout_seconds)
         except Timeout:
             raise DataError(
-                f"waited {self.cfg.cache.lock_timeout_seconds:.0f} s for another run writing "
+                f"waited {self.settings.lock_timeout_seconds:.0f} s for another run writing "
                 f"the loader cache entry {entry} (lock {lock.lock_file}); if no run is "
                 "writing it, remove the lock file, or raise cache.lock_timeout_seconds"
             ) from None
@@ -347,7 +350,7 @@ class LoaderCache:
         segments: list[tuple[str, str]] = []
         grown = None
         plan = None
-        base = self._base(loader, split, fields) if changes and self.cfg.cache.append else None
+        base = self._base(loader, split, fields) if changes and self.settings.append else None
         if base is not None and changes is not None:
             plan = self._append(spark, loader, split, int(fields["version"]), base, changes, data)
             if plan is not None:
@@ -395,7 +398,7 @@ class LoaderCache:
         the split should be written whole instead."""
         entry, info, plan = base
         return grow(
-            self.cfg,
+            self.settings,
             spark,
             loader,
             split,
@@ -438,14 +441,14 @@ class LoaderCache:
 
 
 @contextmanager
-def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
-    """This run's :class:`LoaderCache`: a run folder ``run-<id>`` (after sweeping orphans),
-    removed on exit whatever happens; then this run's entries are released, the loader's
-    state on this host for them swept (:meth:`Loader.release`), and the cache evicted down
-    to ``cache.max_bytes`` (keeping this run's entries)."""
-    root = cfg.paths.cache_root
+def loader_cache(root: Location, settings: CacheConfig, loader: Loader) -> Iterator[LoaderCache]:
+    """This run's :class:`LoaderCache` under ``root`` (``paths.cache_root``): a run folder
+    ``run-<id>`` (after sweeping orphans), removed on exit whatever happens; then this run's
+    entries are released, the loader's state on this host for them swept
+    (:meth:`Loader.release`), and the cache evicted down to ``cache.max_bytes`` (keeping this
+    run's entries)."""
     with run_cache(root) as (staging, _folder):
-        cache = LoaderCache(cfg, root, staging.name, staging)
+        cache = LoaderCache(settings, root, staging.name, staging)
         try:
             yield cache
         finally:
@@ -456,4 +459,4 @@ def loader_cache(cfg: JobConfig, loader: Loader) -> Iterator[LoaderCache]:
             if cache.publish_problem is None:
                 cache.unpublish_superseded()
                 keep = {e.name for e in cache.used} - {e.name for e in cache.superseded}
-                evict(cache.root, cfg.cache.max_bytes, keep, cache.run_id)
+                evict(cache.root, settings.max_bytes, keep, cache.run_id)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import CacheConfig, JobConfig
+    from flowers_job.config import CacheConfig
     from flowers_job.location import Location
 
 __all__ = ["Changes", "Growth", "MergedDeletions", "compaction_reason", "grow", "merged_deletions"]
@@ -128,7 +128,7 @@ def compaction_reason(dead: int, stored: int, segments: int, cache: CacheConfig)
 
 
 def grow(
-    cfg: JobConfig,
+    settings: CacheConfig,
     spark: SparkSession,
     loader: Loader,
     split: str,
@@ -151,7 +151,7 @@ def grow(
     stored = (plan.stored_rows or plan.dataset_size) + added
     dead = stored - change.rows
     segments = base.segments + 1
-    why = compaction_reason(dead, stored, segments, cfg.cache)
+    why = compaction_reason(dead, stored, segments, settings)
     if why:
         log.info(
             "%s: compacting: writing the split whole instead of %s: %s", split, base.entry, why

@@ -111,9 +111,9 @@ class PetastormLoader(Loader):
             df,
             cache_dir,
             split,
-            world_size=self.cfg.world_size,
-            min_partitions=self.cfg.num_partitions,
-            per_device_batch_size=self.cfg.train.per_device_batch_size,
+            world_size=self.sharding.world_size,
+            min_partitions=self.sharding.num_partitions,
+            per_device_batch_size=self.sharding.per_device_batch_size,
             source=self.source,
         )
 
@@ -137,8 +137,8 @@ class PetastormLoader(Loader):
             deletions,
             cache_dir,
             split,
-            world_size=self.cfg.world_size,
-            per_device_batch_size=self.cfg.train.per_device_batch_size,
+            world_size=self.sharding.world_size,
+            per_device_batch_size=self.sharding.per_device_batch_size,
             source=self.source,
         )
 

@@ -130,13 +130,13 @@ class StreamingLoader(Loader):
         Raises:
             DataError: as :func:`write_mds`.
         """
-        cfg = self.cfg
+        sharding = self.sharding
         return write_mds(
             df,
             cache_dir / f"mds-{split}",
-            world_size=cfg.world_size,
-            num_partitions=cfg.num_partitions,
-            per_device_batch_size=cfg.train.per_device_batch_size,
+            world_size=sharding.world_size,
+            num_partitions=sharding.num_partitions,
+            per_device_batch_size=sharding.per_device_batch_size,
             full_batches=split == "train",
             split=split,
         )
@@ -166,8 +166,8 @@ class StreamingLoader(Loader):
         from pyspark.sql import functions as F
 
         assert isinstance(base, StreamingPlan), base
-        cfg = self.cfg
-        world_size = cfg.world_size
+        sharding = self.sharding
+        world_size = sharding.world_size
         rows, checksum = row_stats(current)
         dirs = [*base.segment_dirs, base.cache_dir_url]
         stored = sum(_index_samples(Location.of(d)) for d in dirs)
@@ -185,7 +185,7 @@ class StreamingLoader(Loader):
                     .withColumn("valid", F.lit(0).cast("tinyint"))
                 )
                 data = data.unionByName(pads)
-            _write_frame(data, out, min(cfg.num_partitions, n_added + padding), split)
+            _write_frame(data, out, min(sharding.num_partitions, n_added + padding), split)
             written = _index_samples(out)
             if written != n_added + padding:
                 raise DataError(
@@ -194,7 +194,7 @@ class StreamingLoader(Loader):
                 )
             dirs.append(out.as_uri())
         per_rank = (stored + n_added + padding) // world_size
-        batch = cfg.train.per_device_batch_size
+        batch = sharding.per_device_batch_size
         check_batch_fits([per_rank] * world_size, batch, world_size, split, split == "train")
         return StreamingPlan(
             loader=self.name,

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import pytest
 
 from flowers_job.config import JobConfig, load_config
-from flowers_job.loaders.base import Loader, ShardPlan
+from flowers_job.loaders.base import Loader, Sharding, ShardPlan
 from flowers_job.loaders.cache_dir import CacheUse, LoaderCache
 from flowers_job.loaders.cache_eviction import USERS, evict, remove_entry
 from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
@@ -91,13 +91,13 @@ def _cache(root: str, run_id: str) -> LoaderCache:
     cfg = _cfg(root)
     run = Location.of(root) / run_id
     (run / OWNER_FILE).write_text(json.dumps(driver_identity()))
-    return LoaderCache(cfg, Location.of(root), run_id, run)
+    return LoaderCache(cfg.cache, Location.of(root), run_id, run)
 
 
 def _split(
     cache: LoaderCache, frame: Callable[[], Any] = lambda: None
 ) -> tuple[ShardPlan, CacheUse]:
-    loader = FileLoader(cache.cfg, str(FIELDS["table"]))
+    loader = FileLoader(Sharding(2, 2, 8), str(FIELDS["table"]))
     return cache.split(None, loader, "train", dict(FIELDS), frame, 0)  # type: ignore[arg-type]
 
 

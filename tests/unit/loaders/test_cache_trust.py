@@ -17,6 +17,7 @@ import pytest
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.errors import DataError
+from flowers_job.loaders.base import Sharding
 from flowers_job.loaders.cache_dir import CACHE_FORMAT, LoaderCache
 from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 from flowers_job.location import Location
@@ -187,12 +188,13 @@ def _split(tmp_path: Path) -> Any:
 
     cfg = _cfg(tmp_path)
     root = tmp_path / "cache"
-    cache = LoaderCache(cfg, Location.of(root), "run-test", Location.of(root / "run-test"))
+    cache = LoaderCache(cfg.cache, Location.of(root), "run-test", Location.of(root / "run-test"))
 
     def written() -> Any:
         raise AssertionError("a published entry is reused, never written again")
 
-    loader = PetastormLoader(cfg, "/t/images")
+    sharding = Sharding(cfg.world_size, cfg.num_partitions, cfg.train.per_device_batch_size)
+    loader = PetastormLoader(sharding, "/t/images")
     plan, use = cache.split(cast(Any, None), loader, "train", FIELDS, written, 0)
     return plan, use
 

@@ -24,7 +24,7 @@ from flowers_job.config import load_config
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.errors import DataError, ShardError
 from flowers_job.loaders import resolve_loader
-from flowers_job.loaders.base import ShardPlan, rebatch, row_stats, wrap_int64
+from flowers_job.loaders.base import Sharding, ShardPlan, rebatch, row_stats, wrap_int64
 from flowers_job.loaders.petastorm.balanced import cache_partitions
 from flowers_job.loaders.petastorm.loader import PetastormLoader
 from flowers_job.loaders.petastorm.plan import PetastormPlan, footer_rows, plan_shards
@@ -243,7 +243,8 @@ def test_petastorm_shards_stay_within_one_row_whatever_the_input_partitions(
         ],
         **{"paths.output_dir": tmp_path},
     )
-    plan = PetastormLoader(cfg, "a test frame").write(
+    sharding = Sharding(cfg.world_size, cfg.num_partitions, cfg.train.per_device_batch_size)
+    plan = PetastormLoader(sharding, "a test frame").write(
         spark, df, Location.of(tmp_path / "cache"), "train"
     )
     assert isinstance(plan, PetastormPlan)
