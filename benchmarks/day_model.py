@@ -42,7 +42,7 @@ a whole run at that size (a full ingest, a cache written whole). It is an
 extrapolation 27x past the largest point: the linear model is what the points support, no
 more; the residuals say how well it holds over 1x-100x.
 
-Also the issue's ratios (issue 38, "Done when"): ingest files/s at 100x against 10x,
+Also the ratios asked of the day's cost: ingest files/s at 100x against 10x,
 training images/s at 100x against 1x, the incremental and unchanged ingest against the full
 one at 30x, and the day's cache bytes against the full cache.
 
@@ -228,7 +228,7 @@ def points(runs: dict[int, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def ratios(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Issue 38's ratios, where the factors they need were run (None otherwise)."""
+    """The day's ratios, where the factors they need were run (None otherwise)."""
 
     def get(factor: int, *keys: str) -> float | None:
         value: Any = runs.get(factor)

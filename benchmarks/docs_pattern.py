@@ -212,7 +212,7 @@ def transform_row(
     steps += [transforms.ToTensor(), transforms.Normalize(mean, std)]
     trans = transforms.Compose(steps)
     pd_batch["features"] = pd_batch["content"].map(
-        lambda x: np.ascontiguousarray(trans(x).numpy())  # STACK.md trap 10
+        lambda x: np.ascontiguousarray(trans(x).numpy())  # docs/known-issues.md, "Petastorm"
     )
     return pd_batch.drop(labels=["content"], axis=1)
 
@@ -288,7 +288,7 @@ def train_and_evaluate(
         all ranks), ``val_rows_evaluated``, ``val_steps``, ``steps_per_epoch``,
         ``epoch_seconds`` (rank 0, per epoch, train + val), ``train_rows_seen`` (all ranks,
         all epochs), ``train_loss``, ``train_accuracy``; broadcast so that every rank returns
-        the same (STACK.md trap 4).
+        the same (docs/known-issues.md, "Spark").
     """
     import torch
     import torch.distributed as dist

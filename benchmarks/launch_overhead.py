@@ -61,7 +61,7 @@ LAUNCHERS = ("local", "barrier", "torchrun", "single")
 def noop_train() -> int:
     """The training function: join the gloo group, one barrier, leave; returns the world size
     (the same on every rank: TorchDistributor's local mode returns whichever rank's value was
-    written last, STACK.md trap 4).
+    written last: docs/known-issues.md, "Spark").
 
     Reads the rendezvous from the environment that torchrun sets (``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``); waits at most ``PG_TIMEOUT_SECONDS``.

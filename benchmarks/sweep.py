@@ -11,9 +11,9 @@ the benchmark's own pass on every rank, logged, read by nothing in the job).
 The machine's mean load average during each run is in the table: the machine may be shared,
 and a load above 2 (its cores) slows a run.
 
-The grid covers the trade-off of issue 20: the frozen default, the same with the recipe's
+The grid covers the fine-tuning trade-off: the frozen default, the same with the recipe's
 cosine schedule, the bigger frozen backbones (Lite1, Lite2 at their native resolutions), the fine-tuning
-preset before issue 20, and ``configs/finetune.yaml``, alone, with layer-wise decay and
+preset before the recipe, and ``configs/finetune.yaml``, alone, with layer-wise decay and
 an EMA, and with another seed.
 
     .venv/bin/python benchmarks/sweep.py --work-dir /tmp/bench-sweep \\
@@ -64,7 +64,7 @@ GRID: dict[str, tuple[Path | None, list[str]]] = {
     # the bigger backbones frozen, each at its native resolution (240, 260 px)
     "frozen-lite1-240-e5": (None, [*FROZEN, "model.architecture=efficientnet_lite1"]),
     "frozen-lite2-260-e5": (None, [*FROZEN, "model.architecture=efficientnet_lite2"]),
-    # the fine-tuning preset before issue 20 (constant rate, one group)
+    # the fine-tuning preset before the recipe (constant rate, one group)
     "tuned-lite0-160-e6-constant": (
         None,
         [*TUNED, "data.image_size=160", "train.epochs=6", "train.base_learning_rate=0.0003"],

@@ -190,9 +190,9 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(
     assert error.cause == "FatalSignal: Aborted"
     assert str(error).startswith("rank 1 died of a fatal signal")
     assert "Current thread" in str(error) and "in inject" in str(error)  # its Python stack
-    # Rank 0's MLflow run is FAILED whatever rank 0 was doing when torchrun stopped it (in
-    # one CI run, 2026-11-24, its SIGTERM cut rank 0's report short and the run stayed
-    # RUNNING): the report now finishes under SIGTERM, and the driver ends a run left open.
+    # Rank 0's MLflow run is FAILED whatever rank 0 was doing when torchrun stopped it (a
+    # SIGTERM once cut rank 0's report short and the run stayed RUNNING): the report now
+    # finishes under SIGTERM, and the driver ends a run left open.
     _assert_nothing_left(out, cfg)
     assert _checkpoint_epoch(out / "checkpoints") == 1
 

@@ -209,7 +209,7 @@ rank.train_worker(job)
 def test_a_sigterm_during_a_ranks_failure_report_does_not_cut_it_short(tmp_path: Path) -> None:
     """Rank 0 fails (an invalid config here) and torchrun's SIGTERM arrives while it writes
     its report: the report is still written, the exception is still the rank's own, and its
-    MLflow run ends FAILED with the cause, not RUNNING (issue 18; CI run of 2026-11-24)."""
+    MLflow run ends FAILED with the cause, not RUNNING."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = subprocess.run(
         [sys.executable, "-c", _SIGTERM_IN_REPORT, uri, str(tmp_path / "failures")],

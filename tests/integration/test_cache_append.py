@@ -1,4 +1,4 @@
-"""A loader cache that grows by appending (issue 38, part 2), per loader, on real photos:
+"""A loader cache that grows by appending, per loader, on real photos:
 ingest, prepare, then a day's change (photos added, one removed, one rewritten in place),
 ingest, prepare again. The second prepare appends to the first's entries: it writes a small
 share of their bytes, keeps every older segment where it is, and its plans read every

@@ -155,7 +155,7 @@ def test_library_ingest_with_a_connect_session(
     """``run_ingest`` handed a Connect session (as Databricks serverless hands ``spark``):
     the photos listed and decoded by the server's tasks, the tables written through SQL;
     then a change, ingested incrementally over Connect too (the quarantine's no-op check,
-    the parameterized DELETE and the append of issue 38), and training's checks accept the
+    the parameterized DELETE and the loader cache's append), and training's checks accept the
     tables."""
     import shutil
 

@@ -1,4 +1,4 @@
-"""A Spark Connect client with no JVM: ``.venv-connect`` (issue 37, part 6).
+"""A Spark Connect client with no JVM: ``.venv-connect``.
 
 ``make setup-connect`` builds ``.venv-connect`` from ``requirements/connect-client.txt``
 (``pyspark-client`` 4.0.4, not ``pyspark``: no JVM, no py4j, no Spark jars) and installs the

@@ -210,7 +210,7 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
 def test_counts_travel_with_the_commit_and_a_merge_with_nothing_to_change_is_skipped(
     spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 38, part 3. A new photo changes only ``images``: the quarantine keeps its
+    """A new photo changes only ``images``: the quarantine keeps its
     commit (named under ``kept`` in the images commit; hidden and broken entries, whose
     verdicts come again, count as no change) and training accepts the pair. Each report's
     counts are those of the tables, and an unchanged ingest reads neither table for them.
@@ -263,7 +263,7 @@ def test_counts_travel_with_the_commit_and_a_merge_with_nothing_to_change_is_ski
 
     broken.write_bytes(_photo("tulips", 10))
     (images / "daisy" / "added.jpg").unlink()
-    # past MAX_DELETE_PATHS (here 0) images' deletions are one MERGE, as before issue 38
+    # past MAX_DELETE_PATHS (here 0) images' deletions are one MERGE
     monkeypatch.setattr(ingest_write, "MAX_DELETE_PATHS", 0)
     fourth = ingest(spark, cfg)
     assert fourth.mode == "incremental" and fourth.quarantine_reasons == {"hidden_path": 1}

@@ -1,4 +1,4 @@
-"""Done-when of issue 36's secrets item: a `flowers-job run` whose ``tracking.tracking_uri``
+"""A `flowers-job run` whose ``tracking.tracking_uri``
 carried a password (``http://user:<pw>@host``) to a real basic-auth MLflow server leaves
 that password nowhere: not in any file under the output dir (logs, JSON, the Delta tables,
 every checkpoint, loaded too), not in the run's artifacts on the server, not in the

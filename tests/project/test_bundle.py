@@ -372,8 +372,8 @@ def test_dev_trains_on_one_cpu_node_in_local_mode(bundle: dict[str, Any]) -> Non
 
 
 def _access_mode_problems(cluster: dict[str, Any], values: dict[str, str]) -> list[str]:
-    """What Databricks refuses in a job cluster's access mode (checked 2026-11-28, "Standard
-    compute requirements and limitations", docs.databricks.com/aws/en/compute/
+    """What Databricks refuses in a job cluster's access mode ("Standard compute requirements
+    and limitations", docs.databricks.com/aws/en/compute/
     standard-limitations: "Databricks Runtime for ML is not supported", "GPU-enabled compute
     is not supported"; "Dedicated compute overview": dedicated for "RDD APIs" and "GPU
     instances"): an ML runtime or a GPU setting in standard access mode (USER_ISOLATION), or
@@ -746,7 +746,7 @@ def _compile(tmp_path: Path, constraints: Path, *requirements: str) -> dict[str,
     bring for this interpreter, constrained by ``constraints`` (``"url"`` for a requirement
     given as a file), with uv's resolver (``uv pip compile``), which reads the wheels'
     metadata from the index without downloading them: pip's ``install --dry-run
-    --ignore-installed`` took 121-149 s for one runtime in CI (2026-11-26)."""
+    --ignore-installed`` took 121-149 s for one runtime in CI."""
     wanted = tmp_path / "requirements.in"
     wanted.write_text("".join(f"{line}\n" for line in requirements), encoding="utf-8")
     args = ["pip", "compile", "--no-config", "--python", sys.executable, "--no-header"]
@@ -946,7 +946,7 @@ def test_executors_get_databricks_credentials_from_a_secret_scope(
 
 
 SCALE_RUN = ROOT / "benchmarks" / "results" / "2026-11-25" / "76dc9f4" / "scale_x30.json"
-"""The scale benchmark's largest run (issue 17; benchmarks/README.md "Measured (scale)"):
+"""The scale benchmark's largest run (benchmarks/README.md, "Measured (scale)"):
 110,100 photos, 2026-11-25, an Intel Xeon 2-core, 24 GiB machine without a GPU."""
 SAFETY = 2
 """Over the measured times: the job trained about 1.9x faster on another 2-core machine the

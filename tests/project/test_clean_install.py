@@ -14,9 +14,9 @@ uv creates and fills the environment (``requirements/lock.txt`` has it), from it
 cache (``~/.cache/uv``), with symbolic links into that cache (``--link-mode symlink``): the
 same files a user's install holds, in about 0.25 GB of the test's temp dir wherever that
 is. uv's default, hard links, falls back to a full copy (6.7 GB) where the temp dir is on
-another file system than the cache (a tmpfs ``/tmp``): a cause that fits the CI run of
-2026-11-24 that failed in both suites at once, this test among them. Measured on the 2-core
-machine, shared (load 5-7), 2026-11-24, with hard links: the fixture (wheel build, venv,
+another file system than the cache (a tmpfs ``/tmp``): a cause that fits a CI run that
+failed in both suites at once, this test among them. Measured on the 2-core machine, shared
+(load 5-7), with hard links: the fixture (wheel build, venv,
 install, ``uv pip check``) 48-81 s with a cold uv cache and 38 s with a warm one (``uv pip
 install`` alone: 56 s and 30 s; pyspark is an sdist, which uv downloads and builds again
 every time: the index's responses here revalidate as modified), the job 144-192 s, the

@@ -4,7 +4,7 @@ The server is the pyspark wheel's own (``SparkConnectServer``, started with spar
 wheel ships no ``sbin/start-connect-server.sh``), with what the job needs on the server side:
 Delta Lake's jar and SQL extension (the job's tables; MERGE and the rest through SQL), and
 Spark's Python workers running this interpreter (the project, torch, Streaming: the barrier
-tasks run the ranks there). STACK.md, "Spark Connect".
+tasks run the ranks there), as docs/cluster.md's "Spark Connect" server does.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def test_a_champion_scored_on_another_split_is_rescored_on_this_one(
 def test_promotion_reaches_the_tracking_server_whatever_the_process_wide_uri(
     spark: SparkSession, tmp_path: Path, server: str
 ) -> None:
-    """The run of issue 34, part 5: the store is a tracking server with proxied artifacts,
+    """The store is a tracking server with proxied artifacts,
     and the process-wide tracking URI names a ``file:`` store (as a runtime's default does).
     The first version is promoted (its decision logged as an artifact through the server),
     a second one on another split rescores the champion (its artifacts downloaded through

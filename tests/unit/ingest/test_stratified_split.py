@@ -1,4 +1,4 @@
-"""Issue 36, items 7 and 8: the split stratified per class (and stable under incremental
+"""The split stratified per class (and stable under incremental
 ingests), hidden files skipped and counted apart, split tables of an older layout removed
 only when ingest wrote them, and predict refusing to overwrite the job's input tables."""
 

@@ -1,4 +1,4 @@
-"""``data.images`` in an object store (issue 19, part 2): ingest lists and reads
+"""``data.images`` in an object store: ingest lists and reads
 ``s3a://bucket/photos`` through pyarrow on the executors, against a real S3 server (moto's
 ``ThreadedMotoServer``), with every key in the images or the quarantine table, and
 incremental re-runs as for a folder.
@@ -210,7 +210,7 @@ def test_odd_keys_are_listed_once_each_with_a_verdict(s3: S3) -> None:
 def test_a_label_folder_is_listed_in_key_ranges_each_key_once(
     s3: S3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 38, part 3: on S3 a label folder is split by the first character of its keys'
+    """On S3 a label folder is split by the first character of its keys'
     names (a skip scan of one-key LISTs), one unit per range, and past ``MAX_RANGES`` one
     last range takes the rest (non-ASCII names too). Every key is in exactly one range; an
     empty folder marker is in none."""

@@ -5,7 +5,7 @@ The teardown test reproduces a race seen in CI and in test runs here (core dumps
 finalizes, then SIGABRT). Its script keeps the GIL in the main thread from the last
 collective to the exit (``sys.setswitchinterval``), which makes the race likely:
 with ``torch.distributed.broadcast_object_list`` as the last collective, 7 of 10 runs
-aborted on this machine (2026-11-24); with :func:`broadcast_object`, 0 of 8.
+aborted on the CI machine; with :func:`broadcast_object`, 0 of 8 (docs/known-issues.md, "torch").
 """
 
 from __future__ import annotations

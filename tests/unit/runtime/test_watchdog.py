@@ -1,4 +1,4 @@
-"""A killed rank is named, with its signal (issue 18, part 5): each rank's watchdog
+"""A killed rank is named, with its signal: each rank's watchdog
 (:mod:`flowers_job.runtime.watchdog`) with real processes, no Spark, no torch.
 
 A stand-in rank (``python -c``) starts its watchdog through :func:`start_watchdog`, as
@@ -293,7 +293,7 @@ def test_the_driver_waits_for_a_late_report_and_stops_at_its_bound(tmp_path: Pat
     """Rank 0 ended well (``.done``), rank 1's faulthandler file is empty (alive), rank 2
     raised, and rank 1 reports 1 s later: the wait returns with every rank accounted for, so
     the error names rank 1 too. Without rank 1's report it gives up at its bound and says
-    which rank stayed silent (CI 2026-11-26: a report written after the driver's read)."""
+    which rank stayed silent (a report once written after the driver's read, in CI)."""
     (tmp_path / f"rank-0{DONE_SUFFIX}").write_bytes(b"")
     (tmp_path / f"rank-1{FATAL_SUFFIX}").write_bytes(b"")
     _report(tmp_path, 2, "RuntimeError", "injected", 1.0)

@@ -1,5 +1,5 @@
 """The file MLflow runs to load the model ("models from code"), today's and the one every
-model registered before the package's re-layout carries (issue 35): both load in a fresh
+model registered before the package's re-layout carries: both load in a fresh
 interpreter where this version of the package is the one imported."""
 
 from __future__ import annotations

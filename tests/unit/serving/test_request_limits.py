@@ -1,4 +1,4 @@
-"""What one request to the served model may cost (issue 36, item 3), and the Pillow it
+"""What one request to the served model may cost, and the Pillow it
 installs.
 
 The served model refuses, before decoding any image, a request over ``serving.max_rows`` rows

@@ -1,4 +1,4 @@
-"""Issue 37: the job's Delta tables through Spark SQL, the same on Spark Connect as on classic
+"""The job's Delta tables through Spark SQL, the same on Spark Connect as on classic
 Spark. Over one real Connect server (``local[2]``, Delta's jar and SQL extension: the
 ``connect_url`` fixture) and the classic ``spark`` fixture: existence, ``DESCRIBE DETAIL``,
 ``DESCRIBE HISTORY``, the ingest's MERGE and VACUUM, with real Delta tables in tmp dirs."""

@@ -1,4 +1,4 @@
-"""The fine-tuning recipe (issue 20): parameter groups (layer-wise decay, no decay on norms and
+"""The fine-tuning recipe: parameter groups (layer-wise decay, no decay on norms and
 biases), warm-up then cosine, EMA and its checkpoint, EfficientNet-Lite1/2 weights, and the
 settings' checks. Unit tests only: no job runs here."""
 

@@ -153,8 +153,8 @@ def test_device_decode_matches_pillow_within_a_grey_level_on_average(stored: lis
     loaders' Pillow path: the same JPEG decoder (libjpeg-turbo: identical pixels), then
     torchvision's antialiased bilinear resize against roi_align's bin averages. Tolerance:
     a mean absolute difference under 4 grey levels and under 10% of the values more than 10
-    apart (measured 2026-11-26: 2.2 and 4.0% here, 128 -> 110 px; 0.9 and 1.6% for 256 ->
-    224 px; a box 3 px off gives 29 and 63%, a flip 50 and 76%)."""
+    apart (measured: 2.2 and 4.0% here, 128 -> 110 px; 0.9 and 1.6% for 256 -> 224 px; a box
+    3 px off gives 29 and 63%, a flip 50 and 76%)."""
     jpeg, length = (torch.from_numpy(a) for a in pad_jpegs(stored))
     out = BatchDecoder(False, 96, 110, torch.device("cpu"))(jpeg, length)
     ref = torch.stack([DecodeTransform(False, 96, 110).decode(c) for c in stored])

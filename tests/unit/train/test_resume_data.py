@@ -1,4 +1,4 @@
-"""``--resume`` checks the data and the optimizer (issue 36, item 6): a checkpoint records
+"""``--resume`` checks the data and the optimizer: a checkpoint records
 the ``images`` table's version, the ingest fingerprint, each split's rows and row checksum
 and the test split's digest, and its optimizer's class; a resume on other data or with
 another optimizer is a ConfigError (exit 2) naming what changed, old -> new."""

@@ -1,4 +1,4 @@
-"""Hostile and odd images (issue 36): only the configured formats are decoded, and an image
+"""Hostile and odd images: only the configured formats are decoded, and an image
 costs memory bounded by its pixels, at ingest (the decode function of the ingest tasks), in
 predict and in the served model (:class:`~flowers_job.serving.scorer.Scorer`).
 
