@@ -37,10 +37,14 @@ from tests.support.connect import (
 )
 from tests.support.processes import run_cli
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("gate")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("full")]
+"""The full tier: a job over Connect costs the gate's local suite about 500 s beside the DBR
+side (docs/testing.md); the gate keeps the unreachable server's refusal here, and a real
+Connect server's tables, probes, placement and listing (``unit/tables/test_tables_connect.py``,
+``unit/cluster/test_cluster_connect.py``)."""
 
 FAST = [*E2E_FAST, "train.epochs=1"]
-"""The gate's small job (tests/integration/test_job_e2e.py's settings, one epoch)."""
+"""The small job (tests/integration/test_job_e2e.py's settings, one epoch)."""
 JOB_SECONDS = 600
 """Bound on one CLI job over Connect (about 2 minutes on the 2-core machine)."""
 
@@ -119,7 +123,7 @@ def test_cli_run_over_spark_connect_with_streaming(
     assert len(summary["ranks"]) == 2  # both ranks reported, from the server's tasks
 
 
-def test_the_gate_job_ran_from_the_client_with_no_jvm(connect_run: dict[str, Any]) -> None:
+def test_the_job_ran_from_the_client_with_no_jvm(connect_run: dict[str, Any]) -> None:
     """The job above ran from ``.venv-connect`` (``pyspark-client``); skipped, naming why,
     where that environment could not be built and this environment's CLI ran it instead."""
     if connect_run["client"] is None:
@@ -187,6 +191,7 @@ def test_library_ingest_with_a_connect_session(
     assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ  # later tests' Spark stays classic
 
 
+@pytest.mark.tier("gate")
 def test_an_unreachable_server_exits_2_naming_it_without_its_token(
     photos: Path, tmp_path: Path
 ) -> None:
@@ -204,7 +209,6 @@ def test_an_unreachable_server_exits_2_naming_it_without_its_token(
     assert "not-for-logs" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.tier("full")
 def test_spark_submit_remote_runs_the_job_on_the_server(
     connect_url: str, photos: Path, tmp_path: Path
 ) -> None:
@@ -233,7 +237,6 @@ def test_spark_submit_remote_runs_the_job_on_the_server(
     assert summary["registered_model_version"] >= 1 and summary["loader"] == "streaming"
 
 
-@pytest.mark.tier("full")
 @pytest.mark.parametrize("loader", ["petastorm"], indirect=True)  # skipped where it cannot run
 def test_petastorm_runs_on_spark_connect_too(
     connect_url: str, photos: Path, tmp_path: Path, loader: str

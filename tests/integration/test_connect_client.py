@@ -6,7 +6,7 @@ project's wheel with ``--no-deps`` (the ``connect_client`` fixture:
 :func:`tests.support.connect.client_bin`, the Makefile's own recipe with the wheel under
 test). Here: what that environment holds, and that the run path's driver-side modules import
 there, where the server's full pyspark cannot hide an import of ``delta``, ``py4j`` or the
-JVM. The gate's job over Connect runs from this environment's ``flowers-job``
+JVM. The full tier's job over Connect runs from this environment's ``flowers-job``
 (tests/integration/test_connect.py, ``connect_run``): exit 0, a test accuracy, the model
 registered.
 """
