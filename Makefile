@@ -333,9 +333,11 @@ run: setup
 		$(if $(LOADER),--set data.loader=$(LOADER)) $(ARGS)
 endif
 
+# ruff, its formatter, and the import rules (import-linter's contracts in pyproject.toml).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache --no-logo
 
 typecheck: setup
 	$(BIN)/mypy
