@@ -226,7 +226,8 @@ def image_size(tag: str) -> int:
     return int(out.split()[0])
 
 
-def run_args(
+# Arguments: podman run's options, keyword-only.
+def run_args(  # noqa: PLR0913
     tag: str,
     args: Sequence[str],
     *,

@@ -245,7 +245,9 @@ def ingest(spark: SparkSession, cfg: JobConfig) -> IngestReport:
     return _report(spark, cfg, tables, n_files, fingerprint, labels, changes, start)
 
 
-def _write(
+# Arguments: ingest's state (session, settings, listing, labels, tables, metadata), passed as is
+# between its steps.
+def _write(  # noqa: PLR0913
     spark: SparkSession,
     cfg: JobConfig,
     listing: DataFrame,
@@ -291,7 +293,9 @@ def _full_rebuild_reason(
     return None
 
 
-def _report(
+# Arguments: ingest's state (session, settings, listing, labels, tables, metadata), passed as is
+# between its steps.
+def _report(  # noqa: PLR0913
     spark: SparkSession,
     cfg: JobConfig,
     tables: dict[str, TableRef],

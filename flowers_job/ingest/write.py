@@ -170,7 +170,9 @@ def _with_image_columns(decoded: DataFrame, labels: list[str]) -> DataFrame:
     ).withColumn("row_id", F.xxhash64("relative_path"))
 
 
-def write_full(
+# Arguments: ingest's state (session, settings, listing, labels, tables, metadata), passed as is
+# between its steps.
+def write_full(  # noqa: PLR0913
     spark: SparkSession,
     cfg: JobConfig,
     listing: DataFrame,

@@ -446,9 +446,11 @@ class Loader(ABC):
         (:func:`flowers_job.runtime.watchdog.memory_settings`). None here."""
         return {}
 
+    # Arguments: the loader interface's rank-side call: the shard's place (rank, world_size,
+    # num_nodes) and its read options, keyword-only.
     @classmethod
     @abstractmethod
-    def open(
+    def open(  # noqa: PLR0913
         cls,
         plan: ShardPlan,
         transform: DecodeTransform,

@@ -320,7 +320,9 @@ class LoaderCache:
             return entry, info, self._plan(info, loader)
         return None
 
-    def _write(
+    # Arguments: one cache entry's write: the loader, its split, its fields, its frame, where, how
+    # big, and its changes.
+    def _write(  # noqa: PLR0913
         self,
         spark: SparkSession,
         loader: Loader,

@@ -127,7 +127,9 @@ def compaction_reason(dead: int, stored: int, segments: int, cache: CacheConfig)
     return None
 
 
-def grow(
+# Arguments: one cache entry's growth: the loader, its split, the entry grown, the version, its
+# changes, where.
+def grow(  # noqa: PLR0913
     settings: CacheConfig,
     spark: SparkSession,
     loader: Loader,

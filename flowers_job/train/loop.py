@@ -327,7 +327,8 @@ def _epochs(state: TrainState) -> None:
                 reader.close()
 
 
-def fit(
+# Arguments: the rank's job, its plans and the run's lineage, as the rank's entry hands them over.
+def fit(  # noqa: PLR0913
     cfg: JobConfig,
     ctx: DistContext,
     plans: Plans,

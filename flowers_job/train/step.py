@@ -79,7 +79,9 @@ def forward(
     return y, logits, masked_loss(criterion, logits, y, valid), valid
 
 
-def train_one_epoch(
+# Arguments: the parts of one training step (model, optimizer, scheduler, criterion, AMP), as
+# torchvision's reference train_one_epoch takes them.
+def train_one_epoch(  # noqa: PLR0913
     model: nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer,

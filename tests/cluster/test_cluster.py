@@ -492,7 +492,8 @@ def _executor_env(env: dict[str, str]) -> dict[str, str]:
     return {f"spark.executorEnv.{name}": value for name, value in env.items()}
 
 
-def _fault_run(
+# Arguments: a fault scenario's knobs, each with a default.
+def _fault_run(  # noqa: PLR0913
     cluster: Cluster,
     out: Path,
     name: str,

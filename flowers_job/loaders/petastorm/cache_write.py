@@ -49,7 +49,8 @@ def write_balanced(
     )
 
 
-def write_cache(
+# Arguments: Loader.prepare's and Loader.append's arguments, handed on to the writer.
+def write_cache(  # noqa: PLR0913
     spark: SparkSession,
     df: DataFrame,
     cache_dir: Location,
@@ -111,7 +112,8 @@ def write_cache(
     )
 
 
-def append_cache(
+# Arguments: Loader.prepare's and Loader.append's arguments, handed on to the writer.
+def append_cache(  # noqa: PLR0913
     spark: SparkSession,
     base: ShardPlan,
     current: DataFrame,

@@ -147,8 +147,10 @@ class PetastormLoader(Loader):
         since they hold each file's checksum and the segments."""
         return {**super().cache_settings(split), "plan_format": 3}
 
+    # Arguments: the loader interface's calls (Loader.open, Loader.append): their arguments are the
+    # interface's.
     @classmethod
-    def open(
+    def open(  # noqa: PLR0913
         cls,
         plan: ShardPlan,
         transform: DecodeTransform,

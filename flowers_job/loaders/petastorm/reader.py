@@ -44,7 +44,8 @@ def transform_spec(transform: DecodeTransform) -> Any:
     return TransformSpec(transform, edit_fields=[("image", np.uint8, shape, False)])
 
 
-def shard_batches(
+# Arguments: Loader.open's arguments, handed on to the reader.
+def shard_batches(  # noqa: PLR0913
     plan: PetastormPlan,
     rank: int,
     world_size: int,

@@ -237,8 +237,10 @@ class StreamingLoader(Loader):
         """The prefetch depth: batches each reader holds decoded ahead of the loop."""
         return {"loaders.streaming.prefetch_batches": str(settings.streaming.prefetch_batches)}
 
+    # Arguments: the loader interface's calls (Loader.open, Loader.append): their arguments are the
+    # interface's.
     @classmethod
-    def open(
+    def open(  # noqa: PLR0913
         cls,
         plan: ShardPlan,
         transform: DecodeTransform,
@@ -438,7 +440,9 @@ class StreamingReader(CursorReader):
     (``py1e``, seeded by ``shuffle_seed + epoch``) is a function of ``(seed, epoch)``.
     """
 
-    def __init__(
+    # Arguments: the loader interface's calls (Loader.open, Loader.append): their arguments are the
+    # interface's.
+    def __init__(  # noqa: PLR0913
         self,
         plan: ShardPlan,
         transform: DecodeTransform,
