@@ -23,6 +23,7 @@ from flowers_job.config.load import ConfigError, load_config, parse_overrides
 from flowers_job.config.model import (
     CacheConfig,
     DataConfig,
+    DeltaConfig,
     DistributedConfig,
     EarlyStoppingConfig,
     JobConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigDeprecationWarning",
     "ConfigError",
     "DataConfig",
+    "DeltaConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
     "JobConfig",

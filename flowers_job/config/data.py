@@ -25,6 +25,7 @@ from flowers_job.location import is_remote, to_location
 __all__ = [
     "SAFE_RETENTION_HOURS",
     "DataConfig",
+    "DeltaConfig",
     "ImageFormat",
     "LoaderName",
     "LoadersConfig",
@@ -43,7 +44,7 @@ files not yet committed may be older than a shorter retention."""
 ImageFormat = Literal["JPEG", "PNG"]
 """``data.image_formats``' values: the image formats the job decodes (Pillow's names)."""
 
-LoaderName = Literal["auto", "petastorm", "streaming"]
+LoaderName = Literal["auto", "petastorm", "streaming", "delta"]
 """``data.loader``'s values: a registered loader (:data:`flowers_job.loaders.LOADERS`, whose
 keys a test holds equal to these) or 'auto'."""
 
@@ -144,7 +145,9 @@ class DataConfig(Section):
     """How the ranks read their shards: a registered loader (:data:`flowers_job.loaders.LOADERS`):
     'streaming' (Mosaic Streaming MDS shards, shipped with Databricks Runtime ML 15.2+ and the
     only one that runs beside Spark 4.1+), 'petastorm' (Parquet cache; needs pyarrow < 15
-    and NumPy < 2: the legacy environment), or 'auto' = the first that can run here. Checked before
+    and NumPy < 2: the legacy environment), 'delta' (the ranks read the ``images`` table's own
+    files at the planned version with delta-rs: no cache), or 'auto' = the first that can run
+    here. Checked before
     Spark starts (:func:`flowers_job.loaders.resolve_loader`). Each loader's own settings
     are under ``loaders.<name>``."""
     loader_workers: int = Field(0, ge=0, le=64)
@@ -229,11 +232,24 @@ class StreamingConfig(Section):
     At least 128 MiB (two 64 MiB shards). None = no limit."""
 
 
+class DeltaConfig(Section):
+    """``data.loader=delta`` only (:mod:`flowers_job.loaders.delta.table_loader`)."""
+
+    shuffle_window_rows: int = Field(1024, ge=1, le=1 << 20)
+    """Training: each epoch visits the split's files in a new order, and shuffles each run of
+    this many consecutive rows of a rank's share; a larger window mixes more files at the
+    cost of its rows' stored images held in memory (about 30 KB each at 224 px)."""
+    prefetch_batches: int = Field(2, ge=1, le=64)
+    """Batches each decoding process works on ahead of the step (the DataLoader's
+    ``prefetch_factor``; with ``data.loader_workers`` > 0)."""
+
+
 class LoadersConfig(Section):
     """Each loader's own settings, one section per registered loader."""
 
     petastorm: PetastormConfig = PetastormConfig()
     streaming: StreamingConfig = StreamingConfig()
+    delta: DeltaConfig = DeltaConfig()
 
 
 _MAX_NAME = 255

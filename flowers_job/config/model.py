@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from flowers_job.config.data import (
     DataConfig,
+    DeltaConfig,
     LoadersConfig,
     PetastormConfig,
     Section,
@@ -30,6 +31,7 @@ __all__ = [
     "EFFICIENTNET_LITE",
     "CacheConfig",
     "DataConfig",
+    "DeltaConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
     "JobConfig",

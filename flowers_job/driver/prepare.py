@@ -6,13 +6,15 @@ handed to the configured loader (``data.loader``, resolved by
 :func:`flowers_job.loaders.resolve_loader`), which writes it into the loader cache and plans
 how ``world_size`` ranks read it (:class:`~flowers_job.loaders.base.ShardPlan`). The cache
 keeps one entry per (images version, split, loader, settings) and a later run on the same
-version reuses it (:mod:`flowers_job.loaders.cache_dir`). Which loader it is does not matter here:
-see :mod:`flowers_job.loaders`.
+version reuses it (:mod:`flowers_job.loaders.cache_dir`). A loader whose ranks read the table
+itself (``data.loader=delta``) gets no cache: each split is counted and planned, nothing is
+written. Which loader it is does not matter here: see :mod:`flowers_job.loaders`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from pyspark.sql import functions as F
 from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.loaders.base import SEGMENT_COLUMN, Loader, Sharding, ShardPlan
-from flowers_job.loaders.cache_dir import loader_cache
+from flowers_job.loaders.cache_dir import LoaderCache, loader_cache
 from flowers_job.loaders.cache_growth import Changes
 from flowers_job.loaders.cache_space import cache_bytes_needed
 from flowers_job.photos.files import digest, hash_sums
@@ -207,6 +209,29 @@ def split_changes(
 
 
 @contextmanager
+def _plans(cfg: JobConfig, writer: Loader) -> Iterator[LoaderCache | None]:
+    """The loader cache ``writer`` writes into, or None for a loader that reads the table
+    (:attr:`~flowers_job.loaders.base.Loader.reads_table`), which needs no cache."""
+    if writer.reads_table:
+        yield None
+        return
+    with loader_cache(cfg.paths.cache_root, cfg.cache, writer) as cache:
+        yield cache
+
+
+def _table_plan(
+    spark: SparkSession, writer: Loader, images: TableRef, location: str, version: int, split: str
+) -> tuple[ShardPlan, dict[str, Any]]:
+    """The plan of ``split`` for a loader that reads the table itself (at ``location``,
+    ``DESCRIBE DETAIL``'s, a catalog table's too), and its record in ``loader_cache``:
+    nothing written."""
+    t0 = time.perf_counter()
+    plan = writer.plan_table(split_frame(spark, images, version, split), location, version, split)
+    seconds = round(time.perf_counter() - t0, 3)
+    return plan, {"entry": None, "reused": False, "bytes_written": 0, "seconds": seconds}
+
+
+@contextmanager
 def prepare_data(
     spark: SparkSession, cfg: JobConfig, loader: type[Loader]
 ) -> Iterator[PreparedData]:
@@ -238,10 +263,16 @@ def prepare_data(
     detail = images.detail(spark)
     size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
     total = sum(checked.split_rows.values())
-    with loader_cache(cfg.paths.cache_root, cfg.cache, writer) as cache:
+    with _plans(cfg, writer) as cache:
         plans: dict[str, ShardPlan] = {}
         uses = {}
         for split in SPLITS:
+            if writer.reads_table:
+                plans[split], uses[split] = _table_plan(
+                    spark, writer, images, str(detail["location"]), version, split
+                )
+                continue
+            assert cache is not None
             fields = {
                 "table": images.describe(),
                 "table_id": detail["id"] if detail is not None else None,

@@ -7,6 +7,8 @@ and the registry that resolves ``data.loader`` once, on the driver, before Spark
 - ``petastorm`` (:mod:`flowers_job.loaders.petastorm`): Petastorm 0.13.1, its latest
   release, which imports only on pyarrow < 15 and NumPy < 2, so beside Spark 4.0 at most:
   the legacy environment of ``requirements/petastorm.txt``.
+- ``delta`` (:mod:`flowers_job.loaders.delta`): no cache; the ranks read the ``images``
+  table's own files at the planned version with delta-rs (``flowers-job[delta]``).
 
 :func:`resolve_loader` returns the loader class, which the driver hands on (the cache, the
 placement check, the ranks' job); nothing looks a loader up by name after it. A third loader
@@ -40,6 +42,7 @@ __all__ = [
 LOADERS: dict[str, str] = {
     "streaming": "flowers_job.loaders.streaming.streaming_loader:StreamingLoader",
     "petastorm": "flowers_job.loaders.petastorm.loader:PetastormLoader",
+    "delta": "flowers_job.loaders.delta.table_loader:DeltaLoader",
 }
 """Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
 order and takes the first that runs here."""

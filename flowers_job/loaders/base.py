@@ -5,7 +5,9 @@ A loader turns a split's Delta table into a cache that ``world_size`` ranks read
 
 - **driver side** (Spark, :mod:`flowers_job.driver.prepare` calls it): ``Loader(sharding, source)``, then
   :meth:`Loader.write` once per split (write the split's cache, plan its shards: a
-  :class:`ShardPlan`), :meth:`Loader.release` when the run ends, and
+  :class:`ShardPlan`; a loader whose ranks read the table itself,
+  :attr:`Loader.reads_table`, plans it with :meth:`Loader.plan_table` and writes nothing),
+  :meth:`Loader.release` when the run ends, and
   :meth:`Loader.sweep` for what a killed run left on this host;
 - **rank side** (torch, :mod:`flowers_job.train` calls it): :meth:`Loader.check_layout` with
   the hosts the ranks run on, then :meth:`Loader.open` -> a :class:`ShardReader` whose
@@ -317,6 +319,10 @@ class Loader(ABC):
     runs on Connect as on classic Spark (:func:`flowers_job.loaders.check_session`). Set it
     from a real attempt on a Connect server, not from a guess."""
 
+    reads_table: ClassVar[bool] = False
+    """The ranks read the ``images`` table itself, at the planned version: the driver
+    writes no cache and plans each split with :meth:`plan_table` instead of :meth:`write`."""
+
     def __init__(self, sharding: Sharding, source: str) -> None:
         """The driver side of one run: its splits laid out for ``sharding``. ``source``: the
         table the splits are read from, as its messages name it
@@ -364,6 +370,16 @@ class Loader(ABC):
             DataError: an empty split, unworkable shards, or no space left (naming the
                 directory); the caller removes the run's cache folder.
         """
+
+    def plan_table(self, df: DataFrame, table_url: str, version: int, split: str) -> ShardPlan:
+        """A :attr:`reads_table` loader's plan of ``split``: ``df`` is its rows at Delta
+        ``version`` of the table at ``table_url`` (its location, as ``DESCRIBE DETAIL``
+        gives it), which the ranks read.
+
+        Raises:
+            DataError: an empty split, or unworkable shards.
+        """
+        raise DataError(f"the {self.name} loader writes a cache: it does not read the table")
 
     def append(
         self,

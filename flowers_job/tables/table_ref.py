@@ -35,7 +35,10 @@ from flowers_job.config import JobConfig
 from flowers_job.errors import DataError
 from flowers_job.location import Location, is_remote
 
-__all__ = ["TableRef", "ensure_schema", "table_ref"]
+__all__ = ["DELTA_FORMAT", "TableRef", "ensure_schema", "table_ref"]
+
+DELTA_FORMAT = "delta"
+"""The tables' format: Spark's data source name, and ``DESCRIBE DETAIL``'s ``format``."""
 
 _NOT_DELTA = frozenset(
     {"DELTA_ONLY_OPERATION", "DELTA_TABLE_ONLY_OPERATION", "DELTA_MISSING_DELTA_TABLE"}
@@ -173,7 +176,7 @@ class TableRef:
             row = spark.sql(f"DESCRIBE DETAIL {self.sql_name}").first()
         except AnalysisException:
             return False
-        return row is not None and str(row["format"]).lower() == "delta"
+        return row is not None and str(row["format"]).lower() == DELTA_FORMAT
 
     def detail(self, spark: SparkSession) -> Row:
         """``DESCRIBE DETAIL``: one row of ``format``, ``id`` (str), ``location``,
@@ -188,7 +191,7 @@ class TableRef:
         """
         row = self._sql(spark, f"DESCRIBE DETAIL {self.sql_name}").first()
         assert row is not None  # DESCRIBE DETAIL gives one row or fails
-        if str(row["format"]).lower() != "delta":  # a catalog table in another format
+        if str(row["format"]).lower() != DELTA_FORMAT:  # a catalog table in another format
             raise self._not_delta()
         return row
 
@@ -252,7 +255,7 @@ class TableRef:
             reader = reader.option("versionAsOf", int(version))
         if self.parts:
             return reader.table(self.quoted)
-        return reader.format("delta").load(str(self.path))
+        return reader.format(DELTA_FORMAT).load(str(self.path))
 
     def overwrite(
         self,
@@ -265,7 +268,7 @@ class TableRef:
         ``saveAsTable`` in mode overwrite: Delta commits it as ``CREATE OR REPLACE TABLE AS
         SELECT``, a new version of the same table with its history kept."""
         writer = (
-            df.write.format("delta")
+            df.write.format(DELTA_FORMAT)
             .mode("overwrite")
             .option("overwriteSchema", "true")
             .options(**(properties or {}))
@@ -279,7 +282,7 @@ class TableRef:
     def append(self, df: DataFrame) -> None:
         """Append ``df`` (the table's columns) to the existing table: one commit, new files
         only (partitioned as the table is)."""
-        writer = df.write.format("delta").mode("append")
+        writer = df.write.format(DELTA_FORMAT).mode("append")
         if self.parts:
             writer.saveAsTable(self.quoted)
         else:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from flowers_job.loaders import LOADERS, loader_problem
+from flowers_job.loaders import loader_problem
 from flowers_job.loaders.cache_marker import ENTRIES, ENTRY_FILE
 from tests.support.data import DAY_SAMPLE_PER_LABEL, SELECTED_LOADERS, day_change, sample_photos
+from tests.support.data import LOADERS as CACHE_LOADERS
 from tests.support.processes import run_cli
 from tests.support.s3 import S3Store, fresh_bucket, s3_jars, s3_server  # noqa: F401 (fixtures)
 
@@ -76,7 +77,7 @@ def test_a_second_train_on_s3_reuses_every_split_and_writes_no_cache_byte(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("day_loader", sorted(LOADERS))
+@pytest.mark.parametrize("day_loader", sorted(CACHE_LOADERS))
 def test_a_day_on_s3_appends_to_the_cache_and_the_ranks_read_every_current_row(
     s3_server: str,  # noqa: F811
     s3_jars: Path,  # noqa: F811

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.tier("gate")
 PACKAGE = ROOT_DIR / "flowers_job"
 MAX_TRAIN_FUNCTION_LINES = 60
 MAX_FUNCTION_LINES = 60
-LIBRARIES = {"petastorm": "petastorm", "streaming": "streaming"}
+LIBRARIES = {"petastorm": "petastorm", "streaming": "streaming", "delta": "deltalake"}
 """Loader name -> the top-level package of its library."""
 
 

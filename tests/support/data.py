@@ -11,6 +11,11 @@ import pytest
 from tests.support import LABELS, PHOTOS
 
 LOADERS = ("petastorm", "streaming")
+"""The loaders that write a loader cache: the ``loader`` fixture's (tests/conftest.py), whose
+tests run each loader's cache, fault and end-to-end paths."""
+TABLE_LOADERS = ("delta",)
+"""The loaders whose ranks read the table itself (no cache): their own tests
+(tests/unit/loaders/test_delta_reader.py, tests/integration/test_delta_loader.py)."""
 SELECTED_LOADERS = tuple(
     name.strip()
     for name in os.environ.get("FLOWERS_TEST_LOADERS", ",".join(LOADERS)).split(",")
@@ -51,6 +56,17 @@ def loader_skip_reason(name: str) -> str | None:
     if name not in SELECTED_LOADERS:
         return f"FLOWERS_TEST_LOADERS={','.join(SELECTED_LOADERS)} leaves out {name}"
     return None
+
+
+def needs_loader(name: str) -> pytest.MarkDecorator:
+    """Skip, naming why, where loader ``name`` cannot run on this stack (whatever
+    ``FLOWERS_TEST_LOADERS`` selects: for the tests of one loader's own parts)."""
+    from flowers_job.loaders import loader_problem
+
+    problem = loader_problem(name)
+    return pytest.mark.skipif(
+        problem is not None, reason=f"data.loader={name} cannot run on this stack: {problem}"
+    )
 
 
 DAY_SAMPLE_PER_LABEL = 40

@@ -1,0 +1,131 @@
+"""The Delta loader (``data.loader=delta``): no cache; the ranks read the ``images`` table.
+
+**Driver side.** :meth:`DeltaLoader.plan_table` counts a split's rows and their checksum
+at the checked version in one Spark aggregation, and plans who reads how many: the split's
+rows in ``world_size`` contiguous, balanced ranges (:mod:`flowers_job.loaders.delta.order`),
+``ceil(largest / per_device_batch_size)`` steps for every rank. Nothing is written: a run's
+preparation costs one aggregation per split, whatever the table's size, and a new
+version costs nothing more than an old one.
+
+**Rank side.** :class:`~flowers_job.loaders.delta.file_reader.DeltaReader` reads the table's
+log at the plan's version with delta-rs, checks that the split's live rows are the
+planned ones, and reads its rows from the Parquet files themselves (deletion vectors
+applied), each of its files once per epoch.
+
+The table's files must stay readable while the ranks read them: VACUUM keeps what its
+retention keeps (``data.retention_hours``, at least Delta's 168 h by default), and the
+job's own ingest runs under the output's lease, never beside a run on the same output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from flowers_job.errors import DataError
+from flowers_job.loaders.base import Loader, ShardPlan, check_batch_fits, row_stats
+from flowers_job.loaders.delta.order import shard_ranges
+from flowers_job.loaders.delta.version_plan import DeltaPlan
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from flowers_job.config import LoadersConfig
+    from flowers_job.loaders.delta.file_reader import DeltaReader
+    from flowers_job.location import Location
+    from flowers_job.vision.decode_transform import DecodeTransform
+
+__all__ = ["DeltaLoader", "DeltaPlan"]
+
+
+class DeltaLoader(Loader):
+    """The ranks read the Delta table's own files with delta-rs; the driver only plans."""
+
+    name = "delta"
+    distribution = "deltalake"
+    module = "deltalake"
+    extra = "flowers-job[delta]"
+    plan_type = DeltaPlan
+    reads_table = True
+
+    def write(
+        self, spark: SparkSession, df: DataFrame, cache_dir: Location, split: str
+    ) -> ShardPlan:
+        """Never called: the Delta loader writes no cache (:meth:`plan_table`).
+
+        Raises:
+            DataError: always.
+        """
+        raise DataError("the delta loader reads the table itself: it writes no cache")
+
+    def plan_table(self, df: DataFrame, table_url: str, version: int, split: str) -> ShardPlan:
+        """The plan of ``split``: ``df`` is its rows at ``version`` of the table at
+        ``table_url`` (``row_id`` long, at least), counted with their checksum in one
+        aggregation (:func:`~flowers_job.loaders.base.row_stats`).
+
+        Raises:
+            DataError: an empty split, or (training) a rank with fewer rows than
+                ``train.per_device_batch_size``.
+        """
+        rows, checksum = row_stats(df)
+        if rows == 0:
+            raise DataError(f"the {split} split of {self.source} at version {version} is empty")
+        world_size, batch = self.sharding.world_size, self.sharding.per_device_batch_size
+        real = [stop - start for start, stop in shard_ranges(rows, world_size)]
+        check_batch_fits(real, batch, world_size, split, split == "train")
+        steps = math.ceil(max(real) / batch)
+        padding = [max(0, steps - r) for r in real]
+        return DeltaPlan(
+            loader=self.name,
+            cache_dir_url=table_url,
+            dataset_size=rows,
+            checksum=checksum,
+            rows_per_shard=[r + p for r, p in zip(real, padding, strict=True)],
+            checksum_per_shard=None,
+            steps_per_epoch=steps,
+            per_device_batch_size=batch,
+            version=version,
+            split=split,
+            padding_per_shard=padding if any(padding) else None,
+        )
+
+    @classmethod
+    def memory_settings(cls, settings: LoadersConfig) -> dict[str, str]:
+        """The rows of stored images a rank holds to shuffle, and the batches decoded ahead."""
+        return {
+            "loaders.delta.shuffle_window_rows": str(settings.delta.shuffle_window_rows),
+            "loaders.delta.prefetch_batches": str(settings.delta.prefetch_batches),
+        }
+
+    # Arguments: the loader interface's calls (Loader.open): their arguments are the
+    # interface's.
+    @classmethod
+    def open(  # noqa: PLR0913
+        cls,
+        plan: ShardPlan,
+        transform: DecodeTransform,
+        *,
+        rank: int,
+        world_size: int,
+        num_nodes: int,
+        shuffle: bool,
+        seed: int,
+        settings: LoadersConfig,
+        workers: int,
+        pin_memory: bool = False,
+    ) -> DeltaReader:
+        """:class:`~flowers_job.loaders.delta.file_reader.DeltaReader` of ``plan``; any
+        placement of the ranks on hosts reads it."""
+        from flowers_job.loaders.delta.file_reader import DeltaReader
+
+        assert isinstance(plan, DeltaPlan), plan
+        return DeltaReader(
+            plan,
+            transform,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            settings=settings.delta,
+            workers=workers,
+            pin_memory=pin_memory,
+        )

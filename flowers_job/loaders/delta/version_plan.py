@@ -1,0 +1,25 @@
+"""The Delta loader's plan: a split of the table at one version, as the ranks read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowers_job.loaders.base import ShardPlan
+
+__all__ = ["DeltaPlan"]
+
+
+@dataclass(frozen=True)
+class DeltaPlan(ShardPlan):
+    """A :class:`ShardPlan` of the table itself: ``cache_dir_url`` is the table's location,
+    read at ``version``, its ``split`` partition; ``padding_per_shard`` counts the padding
+    rows (``valid = 0``) in ``rows_per_shard``: only where a rank holds fewer real rows than
+    steps (a split smaller than the world size's batches), so that no batch is empty."""
+
+    version: int = -1
+    split: str = ""
+    padding_per_shard: list[int] | None = None
+
+    def real_rows(self, rank: int) -> int:
+        """``rank``'s rows of the table, padding left out."""
+        return self.rows_per_shard[rank] - (self.padding_per_shard or [0] * (rank + 1))[rank]

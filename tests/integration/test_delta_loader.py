@@ -1,0 +1,115 @@
+"""The Delta loader against tables that Spark's Delta writes: the driver's plan
+(:func:`flowers_job.driver.prepare.prepare_data` with ``data.loader=delta``) writes nothing
+and counts each split with Spark; the ranks read the table with delta-rs at the planned
+version, deletion vectors applied, every live row once.
+
+Real components: the session's local Spark with Delta (the ``spark`` fixture), the tables of
+an ingest of the 60-photo sample (``tables``), a DELETE that Delta records as deletion vectors,
+the ranks' readers in this process (the ranks themselves: tests/integration/test_job_e2e.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from flowers_job.config import load_config
+from flowers_job.driver.pipeline import run_training
+from flowers_job.driver.prepare import prepare_data
+from flowers_job.loaders import resolve_loader
+from flowers_job.tables.delta_tables import META_KEY, latest_commit, session_settings
+from flowers_job.tables.table_ref import table_ref
+from tests.integration.test_job_e2e import FAST
+from tests.support.data import copy_tables, needs_loader
+
+pytestmark = [
+    pytest.mark.tier("gate"),
+    pytest.mark.timeout(600),
+    needs_loader("delta"),
+]
+
+
+def test_ranks_read_each_live_row_once_through_deletion_vectors_and_nothing_is_written(
+    spark: SparkSession, tables: Path, tmp_path: Path
+) -> None:
+    """A DELETE of a third of the training rows (deletion vectors, not rewritten files),
+    committed with the ingest's metadata as ingest commits; then 3 ranks read every live row
+    of each split once, per the driver's plan, and the loader cache is never created."""
+    from deltalake import DeltaTable
+
+    from flowers_job.config.data import DeltaConfig
+    from flowers_job.loaders.delta.file_reader import DeltaReader
+    from flowers_job.vision.decode_transform import DecodeTransform
+
+    out = copy_tables(tables, tmp_path / "out")
+    cfg = load_config(
+        None,
+        [
+            "data.image_size=32",
+            "data.loader=delta",
+            "train.per_device_batch_size=4",
+            "distributed.num_processes=3",
+        ],
+        **{"data.images": tmp_path / "none", "paths.output_dir": out},
+    )
+    images = table_ref(cfg, "images")
+    commit = latest_commit(spark, images)
+    assert commit is not None and commit[1] is not None
+    meta = json.dumps({META_KEY: commit[1]}, sort_keys=True)
+    with session_settings(spark, {"spark.databricks.delta.commitInfo.userMetadata": meta}):
+        spark.sql(
+            f"DELETE FROM {images.sql_name} WHERE split = 'train' AND pmod(row_id, 3) = 0"
+        ).collect()
+    location = str(images.detail(spark)["location"])
+    assert DeltaTable(location).deletion_vectors().read_all().num_rows > 0  # not rewritten
+    cfg, loader = resolve_loader(cfg)
+    with prepare_data(spark, cfg, loader) as data:
+        assert data.loader.name == "delta"
+        assert {u["bytes_written"] for u in data.loader_cache.values()} == {0}
+        for split in ("train", "val", "test"):
+            plan = getattr(data, split)
+            want = sorted(
+                int(r["row_id"])
+                for r in images.read(spark, plan.version)
+                .where(f"split = '{split}'")
+                .select("row_id")
+                .collect()
+            )
+            assert plan.dataset_size == len(want) and plan.cache_dir_url == location
+            read: list[int] = []
+            for rank in range(3):
+                reader = DeltaReader(
+                    plan,
+                    DecodeTransform(split == "train", 32, 36),
+                    rank=rank,
+                    shuffle=split == "train",
+                    seed=0,
+                    settings=DeltaConfig(),
+                )
+                for batch in reader.epoch(1):
+                    read += batch["row_id"][batch["valid"]].tolist()
+            assert sorted(read) == want, split
+    assert not cfg.paths.cache_root.exists()
+
+
+def test_training_reads_the_table_with_real_ranks_and_writes_no_cache(
+    spark: SparkSession, tables: Path, tmp_path: Path
+) -> None:
+    """``train`` with ``data.loader=delta`` on the ingested tables: TorchDistributor's two
+    ranks read the table (each checks every epoch that the ranks read every row once, by
+    count and checksum), score the test split, and the model is registered; the summary
+    says no byte of a cache was written, and none was."""
+    out = copy_tables(tables, tmp_path / "out")
+    cfg = load_config(
+        None, [*FAST, "train.epochs=1", "data.loader=delta"], **{"paths.output_dir": out}
+    )
+    summary = run_training(spark, cfg)
+    assert summary["loader"] == "delta" and len(summary["ranks"]) == 2
+    assert summary["epochs_completed"] == 1 and 0.0 <= summary["test_accuracy"] <= 1.0
+    assert summary["test"]["rows"] == summary["test_rows"] > 0
+    assert summary["registered_model_version"] >= 1
+    assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
+    assert not cfg.paths.cache_root.exists()
