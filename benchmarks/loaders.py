@@ -52,6 +52,7 @@ VERSIONED = (
     "pyarrow",
     "petastorm",
     "mosaicml-streaming",
+    "deltalake",
     "torch",
     "torchvision",
     "pillow",
