@@ -952,6 +952,45 @@ class TestObjectStore:
         assert sorted(m["fields"]["split"] for m in markers.values()) == ["test", "train", "val"]
         assert all(u["bytes_written"] > 0 for u in summary["loader_cache"].values())
 
+    def test_delta_four_ranks_read_the_table_in_the_bucket(
+        self, object_store_cluster: Cluster, object_store: S3Store, train_entry: Path
+    ) -> None:
+        """``flowers-job train`` with the Delta loader, 4 ranks on the 2 hosts, on a copy (in
+        the bucket) of the tables the Streaming job ingested: each rank reads the table's
+        log and its share of the files from ``s3a://`` with delta-rs, with the ``AWS_*`` of
+        its executor; no cache is written."""
+        problem = loader_problem("delta")
+        if problem is not None:
+            pytest.skip(f"the hosts run the default environment, where {problem}")
+        cluster, store = object_store_cluster, object_store
+        tables = [k for k in store.keys("out-streaming/tables/") if not k.endswith("/")]
+        if not tables:
+            pytest.fail("no tables to train on: the Streaming job on the object store failed")
+        client = store.client()
+        for key in tables:
+            target = "out-delta/" + key.removeprefix("out-streaming/")
+            client.copy_object(
+                Bucket=store.bucket, Key=target, CopySource={"Bucket": store.bucket, "Key": key}
+            )
+        args = train_args(
+            cluster,
+            store.url("out-delta"),
+            "data.loader=delta",
+            "distributed.num_processes=4",
+            "distributed.use_gpu=false",
+            "train.epochs=1",
+        )
+        rc, log = submit(cluster, args, BASE / "s3-delta.log", conf=TRAIN_CONF, script=train_entry)
+        assert rc == 0, log[-4000:]
+        summary = check_summary(
+            json.loads(store.read("out-delta/summary.json")), cluster, world_size=4, epochs=1
+        )
+        assert summary["loader"] == "delta"
+        check_registered(cluster, summary, world_size=4, epochs=1)
+        assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
+        assert not store.keys("out-delta/loader_cache/")
+        assert cluster.s3_env()["AWS_SECRET_ACCESS_KEY"] not in log + json.dumps(summary)
+
     def test_executors_without_object_store_credentials_are_refused(
         self, object_store_cluster: Cluster, object_store: S3Store
     ) -> None:

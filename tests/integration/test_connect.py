@@ -35,6 +35,7 @@ from tests.support.connect import (
     spark_env,
     without_jvm_frames,
 )
+from tests.support.data import needs_loader
 from tests.support.processes import run_cli
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("full")]
@@ -253,3 +254,22 @@ def test_petastorm_runs_on_spark_connect_too(
     assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["loader"] == "petastorm" and summary["registered_model_version"] >= 1
+
+
+@needs_loader("delta")
+def test_delta_reads_the_table_on_spark_connect(
+    connect_url: str, photos: Path, tmp_path: Path
+) -> None:
+    """The Delta loader's driver side is Spark queries (a count, ``DESCRIBE DETAIL``), which
+    Connect has; its ranks, the server's barrier tasks, read the table with delta-rs and need
+    no session: the job runs over Connect with no cache written."""
+    out = tmp_path / "out"
+    proc = run_cli(
+        *("run", "--remote", connect_url, "--images", str(photos), "--output-dir", str(out)),
+        *_sets(*FAST, "data.loader=delta", "distributed.local_mode=false"),
+        timeout=JOB_SECONDS,
+    )
+    assert proc.returncode == 0, without_jvm_frames(proc.stderr)[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["loader"] == "delta" and summary["registered_model_version"] >= 1
+    assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
