@@ -1,8 +1,8 @@
 """Retention (driver side): VACUUM the tables after an ingest, never removing what a kept
 loader cache or a registered model still names. The retention is ``data.retention_hours``,
 raised to keep the oldest protected version of ``images`` readable (a loader cache entry's,
-:func:`flowers_job.loaders.cache_dir.cached_versions`, or a registered model's, from its
-run's ``flowers_job.images_version`` tag); nothing is vacuumed when the registry cannot be
+:func:`flowers_job.loaders.cache_dir.cached_versions`, a registered model's, from its run's
+``flowers_job.images_version`` tag, or a run's still running); nothing is vacuumed when the registry cannot be
 read. A retention below Delta's safe minimum is used only while this process holds the
 output's lease (:func:`sole_writer`). The formula and why: docs/architecture.md, "One copy
 of every image".
@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -88,36 +89,61 @@ def retention_hours(data: DataConfig, output_dir: Location) -> int:
     return hours
 
 
-def _registered_versions(cfg: JobConfig, table: TableRef) -> set[int]:
-    """The ``images`` versions the registered model versions of
-    ``tracking.registered_model_name`` were trained on, for ``table`` (its run's
-    ``flowers_job.images_table`` tag is the table's path or catalog name)
+def _tracked_versions(cfg: JobConfig, table: TableRef) -> set[int]:
+    """The ``images`` versions of ``table`` that the tracking store names as in use: those
+    the registered model versions of ``tracking.registered_model_name`` were trained on
+    (their run's ``flowers_job.images_table`` tag is the table's path or catalog name), and
+    those that runs still running read (:func:`_running_versions`).
 
     Raises:
-        Exception: the registry cannot be read (MLflow's errors).
+        Exception: the store cannot be read (MLflow's errors).
     """
     name = cfg.tracking.registered_model_name
     uri = cfg.tracking_uri
-    if not name or (uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists()):
-        return set()  # no registry yet: nothing was registered (and none is created here)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
+        return set()  # no store yet: no run, nothing registered (and none is created here)
     from flowers_job.tracking.credentials import store_client
     from flowers_job.tracking.mlflow_run import use_credentials
 
     use_credentials(cfg.tracking)
     found = set()
     with store_client(uri) as client:
-        for mv in client.search_model_versions(f"name = '{name}'"):
+        for mv in client.search_model_versions(f"name = '{name}'") if name else []:
             if not mv.run_id:
                 continue
             tags = client.get_run(mv.run_id).data.tags
             if tags.get(TAG_IMAGES_TABLE) == table.describe() and TAG_IMAGES_VERSION in tags:
                 found.add(int(tags[TAG_IMAGES_VERSION]))
+        found |= _running_versions(client, cfg.tracking.experiment_name, table)
     return found
+
+
+def _running_versions(client: Any, experiment_name: str, table: TableRef) -> set[int]:
+    """The ``images`` versions that runs of ``experiment_name`` still ``RUNNING`` read of
+    ``table``: a run whose ranks read the table itself (``data.loader=delta``) needs its
+    version's files until it ends, from whichever output it runs (a catalog table is shared
+    by every output that names it), and a killed run's resume reads it again.
+
+    Raises:
+        Exception: the tracking store cannot be read (MLflow's errors).
+    """
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return set()
+    runs = client.search_runs(
+        [experiment.experiment_id], filter_string="attributes.status = 'RUNNING'"
+    )
+    return {
+        int(run.data.tags[TAG_IMAGES_VERSION])
+        for run in runs
+        if run.data.tags.get(TAG_IMAGES_TABLE) == table.describe()
+        and run.data.tags.get(TAG_IMAGES_VERSION, "").isdigit()
+    }
 
 
 def protected_versions(cfg: JobConfig) -> set[int]:
     """The versions of ``images`` that VACUUM must keep readable: those of the loader
-    cache's entries and of the registered models.
+    cache's entries, of the registered models, and of the runs still running.
 
     Raises:
         Exception: the MLflow registry cannot be read.
@@ -125,9 +151,7 @@ def protected_versions(cfg: JobConfig) -> set[int]:
     from flowers_job.loaders.cache_dir import cached_versions
 
     table = table_ref(cfg, "images")
-    return cached_versions(cfg.paths.cache_root, table.describe()) | _registered_versions(
-        cfg, table
-    )
+    return cached_versions(cfg.paths.cache_root, table.describe()) | _tracked_versions(cfg, table)
 
 
 def _hours_since_commit(spark: SparkSession, table: TableRef, version: int) -> float | None:

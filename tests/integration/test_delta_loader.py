@@ -113,3 +113,53 @@ def test_training_reads_the_table_with_real_ranks_and_writes_no_cache(
     assert summary["registered_model_version"] >= 1
     assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
     assert not cfg.paths.cache_root.exists()
+
+
+@pytest.mark.tier("full")  # three ingests
+def test_vacuum_keeps_the_version_a_running_run_reads(spark: SparkSession, tmp_path: Path) -> None:
+    """With ``data.retention_hours=0`` an ingest under the output's lease removes the files
+    of older versions, but not those of a version that a run still ``RUNNING`` in the
+    experiment reads (as a Delta-loader run reads the table itself until it ends); once
+    that run has ended, the next ingest removes them. The changes are full rebuilds, which
+    replace every file of the older version."""
+    import os
+
+    import mlflow
+    from pyspark.sql import functions as F
+
+    from flowers_job.driver.pipeline import run_ingest
+    from flowers_job.tables.delta_tables import checked_tables
+    from flowers_job.tracking.tags import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
+    from tests.integration.test_incremental import SHORT_RETENTION, _cfg
+    from tests.support.data import sample_photos
+
+    images = sample_photos(tmp_path / "images", per_label=4)
+    cfg = _cfg(images, tmp_path / "out", *SHORT_RETENTION)
+    first = run_ingest(spark, cfg)
+    kept = checked_tables(spark, cfg).versions["images"]
+    client = mlflow.MlflowClient(cfg.tracking_uri)
+    experiment = client.create_experiment(cfg.tracking.experiment_name)
+    table = table_ref(cfg, "images").describe()
+    run = client.create_run(
+        experiment, tags={TAG_IMAGES_TABLE: table, TAG_IMAGES_VERSION: str(kept)}
+    )
+
+    def readable(version: int) -> bool:
+        try:
+            df = (
+                spark.read.format("delta")
+                .option("versionAsOf", version)
+                .load(first.tables["images"])
+            )
+            return df.select(F.sum(F.length("image"))).first() is not None
+        except Exception:
+            return False
+
+    rebuild = _cfg(images, tmp_path / "out", *SHORT_RETENTION, "data.full_ingest=true")
+    (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()
+    assert run_ingest(spark, rebuild).mode.startswith("full")
+    assert readable(kept)  # the running run's version
+    client.set_terminated(run.info.run_id, "FINISHED")
+    (images / "roses" / sorted(os.listdir(images / "roses"))[0]).unlink()
+    run_ingest(spark, rebuild)
+    assert not readable(kept)
