@@ -6,7 +6,8 @@ world sizes (2 -> 3 -> 2) rescales its learning rate and starts an interrupted e
 where the checkpoint inside it was taken at another world size. One test, one output dir:
 each part starts from the state the last left (a run costs more than its checks).
 
-Everything is the real job: local Spark + Delta, Petastorm or Mosaic Streaming,
+Everything is the real job: local Spark + Delta, Petastorm, Mosaic Streaming or the Delta
+loader (the ranks reading the table),
 TorchDistributor with gloo processes, an MLflow sqlite store; each test trains on its own
 copy of the session's tables (60 photos at 32 px, ``tables`` in conftest.py).
 """
@@ -29,7 +30,7 @@ from flowers_job.driver.pipeline import TrainingError, run_training
 from flowers_job.runtime.hooks import HOOKS_ENV
 from flowers_job.tracking.mlflow_run import FAILURE_TAG
 from flowers_job.train.checkpoint import STEP_CHECKPOINT_NAME
-from tests.support.data import copy_tables
+from tests.support.data import ALL_LOADERS, copy_tables
 from tests.support.faults import FAULT_CGROUP_ENV, FAULT_ENV, INJECTOR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.tier("full")]
@@ -82,6 +83,7 @@ def _epochs(summary: dict[str, object]) -> list[dict[str, float]]:
     return history
 
 
+@pytest.mark.parametrize("loader", ALL_LOADERS, indirect=True)
 def test_a_run_that_heals_itself_and_changes_world_size(
     spark: SparkSession,
     tables: Path,
@@ -120,7 +122,7 @@ def test_a_run_that_heals_itself_and_changes_world_size(
         monkeypatch.setenv(FAULT_ENV, "kill:1:2:0")
     summary = run_training(spark, _config(out, loader))
     assert summary["mlflow_run_id"] != expected["mlflow_run_id"]
-    assert all(use["reused"] for use in summary["loader_cache"].values())
+    assert all(use["reused"] or use["entry"] is None for use in summary["loader_cache"].values())
     _check_healed(summary, expected, loader, memory_cgroup is not None)
     _check_mlflow(summary, epochs=[1, 2], restarts=[0, 1], interruptions=1)
     assert not (out / "checkpoints" / STEP_CHECKPOINT_NAME).exists()

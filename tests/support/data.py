@@ -15,7 +15,10 @@ LOADERS = ("petastorm", "streaming")
 tests run each loader's cache, fault and end-to-end paths."""
 TABLE_LOADERS = ("delta",)
 """The loaders whose ranks read the table itself (no cache): their own tests
-(tests/unit/loaders/test_delta_reader.py, tests/integration/test_delta_loader.py)."""
+(tests/unit/loaders/test_delta_reader.py, tests/integration/test_delta_loader.py), and the
+end-to-end and restart tests that name them. They run wherever they can run, whatever
+``FLOWERS_TEST_LOADERS`` selects (it selects among the cache loaders)."""
+ALL_LOADERS = (*LOADERS, *TABLE_LOADERS)
 SELECTED_LOADERS = tuple(
     name.strip()
     for name in os.environ.get("FLOWERS_TEST_LOADERS", ",".join(LOADERS)).split(",")
@@ -53,7 +56,7 @@ def loader_skip_reason(name: str) -> str | None:
     problem = loader_problem(name)
     if problem is not None:
         return f"data.loader={name} cannot run on this stack: {problem}"
-    if name not in SELECTED_LOADERS:
+    if name not in SELECTED_LOADERS and name not in TABLE_LOADERS:
         return f"FLOWERS_TEST_LOADERS={','.join(SELECTED_LOADERS)} leaves out {name}"
     return None
 
