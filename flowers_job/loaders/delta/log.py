@@ -131,7 +131,7 @@ def split_files(table: DeltaTable, url: str, split: str) -> list[SplitFile]:
     ):
         if part != split:
             continue
-        file_url = f"{root}/{path}"
+        file_url = f"{root}/{unquote(path)}"
         stored = int(rows) if rows is not None else _stored_rows(file_url)
         keep = masks.get(unquote(path))
         if keep is not None and len(keep) != stored:
