@@ -4,13 +4,13 @@ and counts each split with Spark; the ranks read the table with delta-rs at the 
 version, deletion vectors applied, every live row once.
 
 Real components: the session's local Spark with Delta (the ``spark`` fixture), the tables of
-an ingest of the 60-photo sample (``tables``), a DELETE that Delta records as deletion vectors,
+an ingest of the 60-photo sample (``tables``), an incremental ingest that Delta records as
+deletion vectors,
 the ranks' readers in this process (the ranks themselves: tests/integration/test_job_e2e.py).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,6 @@ from flowers_job.config import load_config
 from flowers_job.driver.pipeline import run_training
 from flowers_job.driver.prepare import prepare_data
 from flowers_job.loaders import resolve_loader
-from flowers_job.tables.delta_tables import META_KEY, latest_commit, session_settings
 from flowers_job.tables.table_ref import table_ref
 from tests.integration.test_job_e2e import FAST
 from tests.support.data import copy_tables, needs_loader
@@ -33,18 +32,25 @@ pytestmark = [
 
 
 def test_ranks_read_each_live_row_once_through_deletion_vectors_and_nothing_is_written(
-    spark: SparkSession, tables: Path, tmp_path: Path
+    spark: SparkSession, photos: Path, tables: Path, tmp_path: Path
 ) -> None:
-    """A DELETE of a third of the training rows (deletion vectors, not rewritten files),
-    committed with the ingest's metadata as ingest commits; then 3 ranks read every live row
-    of each split once, per the driver's plan, and the loader cache is never created."""
+    """An incremental ingest after three photos were removed (Delta marks their rows in
+    deletion vectors and rewrites no file); then 3 ranks read every live row of each split
+    once, per the driver's plan, and the loader cache is never created."""
+    import shutil
+
     from deltalake import DeltaTable
 
     from flowers_job.config.data import DeltaConfig
+    from flowers_job.driver.pipeline import run_ingest
     from flowers_job.loaders.delta.file_reader import DeltaReader
     from flowers_job.vision.decode_transform import DecodeTransform
 
     out = copy_tables(tables, tmp_path / "out")
+    images_dir = tmp_path / "photos"
+    shutil.copytree(photos, images_dir)
+    for label in ("daisy", "roses", "tulips"):
+        sorted((images_dir / label).glob("*.jpg"))[0].unlink()
     cfg = load_config(
         None,
         [
@@ -53,16 +59,11 @@ def test_ranks_read_each_live_row_once_through_deletion_vectors_and_nothing_is_w
             "train.per_device_batch_size=4",
             "distributed.num_processes=3",
         ],
-        **{"data.images": tmp_path / "none", "paths.output_dir": out},
+        **{"data.images": images_dir, "paths.output_dir": out},
     )
+    report = run_ingest(spark, cfg)
+    assert (report.mode, report.rows_deleted, report.images_rows) == ("incremental", 3, 57)
     images = table_ref(cfg, "images")
-    commit = latest_commit(spark, images)
-    assert commit is not None and commit[1] is not None
-    meta = json.dumps({META_KEY: commit[1]}, sort_keys=True)
-    with session_settings(spark, {"spark.databricks.delta.commitInfo.userMetadata": meta}):
-        spark.sql(
-            f"DELETE FROM {images.sql_name} WHERE split = 'train' AND pmod(row_id, 3) = 0"
-        ).collect()
     location = str(images.detail(spark)["location"])
     assert DeltaTable(location).deletion_vectors().read_all().num_rows > 0  # not rewritten
     cfg, loader = resolve_loader(cfg)
