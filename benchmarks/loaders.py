@@ -18,7 +18,7 @@ TorchDistributor processes (local mode, gloo, CPU):
   ``shuffle=True``, no model).
 
 For each: rows per epoch (summed over the ranks; checked to be every train row exactly
-once), rows/s per epoch (rows / the slowest rank's seconds for that epoch) and their mean,
+once), the shuffle's quality (:func:`same_label_next`, against a uniform shuffle's), rows/s per epoch (rows / the slowest rank's seconds for that epoch) and their mean,
 the ratio to the plain loop's mean rows/s, and each rank's peak RSS. Prints a table and
 writes the numbers, with the machine's facts, to ``<output-dir>/loaders.json``. Run from the
 repository root:
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -164,6 +165,29 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
         shutdown_distributed()
 
 
+def same_label_next(result: dict[str, Any], labels: dict[int, int]) -> float:
+    """The shuffle's quality: the share of consecutive rows of a rank's epoch (padding left
+    out) whose labels are equal, over every rank and epoch. A uniform shuffle gives
+    ``sum(p_k ** 2)`` over the label shares ``p_k`` (:func:`uniform_same_label`); rows read
+    in stored order, grouped by label, give nearly 1."""
+    same = pairs = 0
+    for rank_epochs in result["row_ids"]:
+        for ids in rank_epochs:
+            seq = [labels[i] for i in ids]
+            pairs += max(0, len(seq) - 1)
+            same += sum(a == b for a, b in itertools.pairwise(seq))
+    return round(same / pairs, 3) if pairs else 0.0
+
+
+def uniform_same_label(labels: dict[int, int]) -> float:
+    """``sum(p_k ** 2)``: :func:`same_label_next` of a uniform shuffle of these rows."""
+    counts: dict[int, int] = {}
+    for label in labels.values():
+        counts[label] = counts.get(label, 0) + 1
+    n = len(labels)
+    return round(sum((c / n) ** 2 for c in counts.values()), 3)
+
+
 def summarize(
     result: dict[str, Any], expected_ids: list[int], epochs: int, wall_s: float
 ) -> dict[str, Any]:
@@ -228,7 +252,7 @@ def format_table(readers: dict[str, dict[str, Any]], epochs: int) -> str:
     """The results as a Markdown table (rows/s, seconds, MiB)."""
     head = ["reader", "prepare s", "rows/epoch"]
     head += [f"rows/s e{e + 1}" for e in range(epochs)]
-    head += ["rows/s mean", "vs plain", "peak RSS/rank MiB", "ok"]
+    head += ["rows/s mean", "vs plain", "same label next", "peak RSS/rank MiB", "ok"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in readers.items():
         if "skipped" in r:
@@ -246,6 +270,7 @@ def format_table(readers: dict[str, dict[str, Any]], epochs: int) -> str:
         cells += [
             f"{r['mean_rows_per_s']:.1f}",
             f"{r['vs_plain']:.2f}x",
+            f"{r['same_label_next']:.3f}",
             ", ".join(str(m) for m in r["peak_rss_mib"]),
             "yes" if r["rows_ok"] else "NO",
         ]
@@ -294,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     train = spark.read.format("delta").load(str(cfg.paths.table("images"))).where("split = 'train'")
     # the train split's files: its partition folder of the images table
     files = sorted(_local_path(f) for f in train.inputFiles() if "/split=train/" in f)
-    expected = [int(r["row_id"]) for r in train.select("row_id").collect()]
+    labels = {
+        int(r["row_id"]): int(r["label_index"])
+        for r in train.select("row_id", "label_index").collect()
+    }
+    expected = sorted(labels)
     common = {
         "image_size": cfg.data.image_size,
         "resize_size": cfg.data.stored_short_side,
@@ -310,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     assert isinstance(plain, dict)
     readers["plain"] = summarize(plain, expected, args.epochs, time.perf_counter() - t0)
+    readers["plain"]["same_label_next"] = same_label_next(plain, labels)
     readers["plain"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     readers["plain"]["files"] = len(files)
     readers["plain"]["torch_threads"] = plain["threads"]
@@ -351,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             result = dist.run(read_shards, job)
             assert isinstance(result, dict)
             readers[name] = summarize(result, expected, args.epochs, time.perf_counter() - t0)
+            readers[name]["same_label_next"] = same_label_next(result, labels)
         readers[name]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         readers[name]["prepare_seconds"] = round(prepare_s, 1)
         readers[name]["steps_per_epoch"] = plan.steps_per_epoch
@@ -375,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "ingest": {"seconds": round(ingest_s, 1), **report.to_dict()},
         "train_rows": len(expected),
+        "uniform_same_label_next": uniform_same_label(labels),
         "machine": facts,
         "readers": readers,
         "table": table,
@@ -387,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{facts['loadavg_at_start']} -> {facts['loadavg_at_end']}; {facts['date']}\n"
     )
     print(table)
+    print(f"\nsame label next, a uniform shuffle: {uniform_same_label(labels):.3f}")
     print(f"\nJSON: {out / 'loaders.json'}")
     ok = all(r["rows_ok"] for r in readers.values() if "skipped" not in r)
     return 0 if ok else 1
