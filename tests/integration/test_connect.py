@@ -35,7 +35,7 @@ from tests.support.connect import (
     spark_env,
     without_jvm_frames,
 )
-from tests.support.data import needs_loader
+from tests.support.data import copy_tables, needs_loader
 from tests.support.processes import run_cli
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.tier("full")]
@@ -258,14 +258,18 @@ def test_petastorm_runs_on_spark_connect_too(
 
 @needs_loader("delta")
 def test_delta_reads_the_table_on_spark_connect(
-    connect_url: str, photos: Path, tmp_path: Path
+    connect_url: str, photos: Path, tables: Path, tmp_path: Path
 ) -> None:
-    """The Delta loader's driver side is Spark queries (a count, ``DESCRIBE DETAIL``), which
-    Connect has; its ranks, the server's barrier tasks, read the table with delta-rs and need
-    no session: the job runs over Connect with no cache written."""
-    out = tmp_path / "out"
+    """The Delta loader's driver side is Spark queries (a count, ``DESCRIBE DETAIL``) and a
+    read of the log, which a Connect client can do; its ranks, the server's barrier tasks,
+    read the table with delta-rs and need no session. ``train --remote`` on tables that
+    classic Spark wrote runs with no cache written. Tables written over Connect carry string
+    columns typed ``string collate UTF8_BINARY`` in their Delta schema, which delta-rs 1.6
+    cannot parse: ``run --remote`` (ingest over Connect) is refused before any rank starts,
+    naming the type and the loader that reads the table through Spark."""
+    out = copy_tables(tables, tmp_path / "classic")
     proc = run_cli(
-        *("run", "--remote", connect_url, "--images", str(photos), "--output-dir", str(out)),
+        *("train", "--remote", connect_url, "--output-dir", str(out)),
         *_sets(*FAST, "data.loader=delta", "distributed.local_mode=false"),
         timeout=JOB_SECONDS,
     )
@@ -273,3 +277,14 @@ def test_delta_reads_the_table_on_spark_connect(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["loader"] == "delta" and summary["registered_model_version"] >= 1
     assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
+
+    out = tmp_path / "connect"
+    proc = run_cli(
+        *("run", "--remote", connect_url, "--images", str(photos), "--output-dir", str(out)),
+        *_sets(*FAST, "data.loader=delta", "distributed.local_mode=false"),
+        timeout=JOB_SECONDS,
+    )
+    assert proc.returncode != 0
+    assert "string collate UTF8_BINARY" in proc.stderr, proc.stderr[-3000:]
+    assert "data.loader=streaming reads the table through Spark instead" in proc.stderr
+    assert "rank 0" not in proc.stderr and not (out / "checkpoints").exists()

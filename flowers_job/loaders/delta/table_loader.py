@@ -1,7 +1,9 @@
 """The Delta loader (``data.loader=delta``): no cache; the ranks read the ``images`` table.
 
 **Driver side.** :meth:`DeltaLoader.plan_table` counts a split's rows and their checksum
-at the checked version in one Spark aggregation, and plans who reads how many: the split's
+at the checked version in one Spark aggregation, checks that delta-rs reads the same live
+rows from the log (so that a table it cannot read is refused before any rank starts), and
+plans who reads how many: the split's
 rows in ``world_size`` contiguous, balanced ranges (:mod:`flowers_job.loaders.delta.order`),
 ``ceil(largest / per_device_batch_size)`` steps for every rank. Nothing is written: a run's
 preparation costs one aggregation per split, whatever the table's size, and a new
@@ -20,10 +22,10 @@ job's own ingest runs under the output's lease, never beside a run on the same o
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flowers_job.errors import DataError
-from flowers_job.loaders.base import Loader, ShardPlan, check_batch_fits, row_stats
+from flowers_job.loaders.base import Loader, Sharding, ShardPlan, check_batch_fits, row_stats
 from flowers_job.loaders.delta.order import shard_ranges
 from flowers_job.loaders.delta.version_plan import DeltaPlan
 
@@ -48,6 +50,11 @@ class DeltaLoader(Loader):
     plan_type = DeltaPlan
     reads_table = True
 
+    def __init__(self, sharding: Sharding, source: str) -> None:
+        super().__init__(sharding, source)
+        self._opened: tuple[tuple[str, int], Any] | None = None
+        """The log last read on the driver: ``((table_url, version), DeltaTable)``."""
+
     def write(
         self, spark: SparkSession, df: DataFrame, cache_dir: Location, split: str
     ) -> ShardPlan:
@@ -70,6 +77,7 @@ class DeltaLoader(Loader):
         rows, checksum = row_stats(df)
         if rows == 0:
             raise DataError(f"the {split} split of {self.source} at version {version} is empty")
+        self._check_readable(table_url, version, split, rows)
         world_size, batch = self.sharding.world_size, self.sharding.per_device_batch_size
         real = [stop - start for start, stop in shard_ranges(rows, world_size)]
         check_batch_fits(real, batch, world_size, split, split == "train")
@@ -88,6 +96,35 @@ class DeltaLoader(Loader):
             split=split,
             padding_per_shard=padding if any(padding) else None,
         )
+
+    def _check_readable(self, table_url: str, version: int, split: str, rows: int) -> None:
+        """Before any rank starts: delta-rs reads the table's log at ``version`` here, as
+        the ranks will, and finds ``rows`` live rows in ``split`` (Spark's count). The log
+        is read once per run and version.
+
+        Raises:
+            DataError: delta-rs cannot read the table (a type or protocol feature it does
+                not read, or a store the driver cannot reach), or counts other rows; the
+                message names the table, the version and the loader that reads it through
+                Spark instead.
+        """
+        from flowers_job.loaders.delta.log import open_table, split_files
+
+        advice = "; data.loader=streaming reads the table through Spark instead"
+        key = (table_url, version)
+        try:
+            if self._opened is None or self._opened[0] != key:
+                self._opened = (key, open_table(table_url, version))
+            files = split_files(self._opened[1], table_url, split)
+        except DataError as exc:
+            raise DataError(f"{exc}{advice}") from exc
+        live = sum(f.live_rows for f in files)
+        if live != rows:
+            raise DataError(
+                f"data.loader=delta: the {split} split of {table_url} at version {version} "
+                f"holds {live} live rows in delta-rs's reading of its log, {rows} in "
+                f"Spark's{advice}"
+            )
 
     @classmethod
     def memory_settings(cls, settings: LoadersConfig) -> dict[str, str]:
