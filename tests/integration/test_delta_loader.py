@@ -31,6 +31,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.tier("full")  # an incremental ingest (the gate's Delta run: the test below)
 def test_ranks_read_each_live_row_once_through_deletion_vectors_and_nothing_is_written(
     spark: SparkSession, photos: Path, tables: Path, tmp_path: Path
 ) -> None:

@@ -238,10 +238,14 @@ def _wait_until_gone(mark: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.tier("gate")  # one real TorchDistributor job per cache loader in the gate
+# One real TorchDistributor job per cache loader in the gate; the Delta loader's is the full
+# tier's (the gate trains it on the session's tables: tests/integration/test_delta_loader.py).
 @pytest.mark.parametrize(
     "loader",
-    [*LOADERS, *(pytest.param(n, marks=pytest.mark.tier("full")) for n in TABLE_LOADERS)],
+    [
+        *(pytest.param(n, marks=pytest.mark.tier("gate")) for n in LOADERS),
+        *(pytest.param(n, marks=pytest.mark.tier("full")) for n in TABLE_LOADERS),
+    ],
     indirect=True,
 )
 def test_cli_run_local_mode_then_resume(
