@@ -96,8 +96,9 @@ def _steps(
     ``row_id``, ``label_index`` and bool ``valid`` arrays; the rows past ``rows`` (the
     plan's padding, where ``sum(sizes)`` exceeds them) are copies of a real row with
     ``valid`` False."""
-    reads = _Files(files, rows.file) if len(rows) else None
     bounds = np.concatenate([[0], np.cumsum(sizes)])
+    skipped = min(int(bounds[first]), len(rows))  # a restart's earlier steps: never read
+    reads = _Files(files, rows.file[skipped:]) if len(rows) > skipped else None
     try:
         for step in range(first, len(sizes)):
             a, b = int(bounds[step]), int(bounds[step + 1])
@@ -115,7 +116,7 @@ def _steps(
                         images[i] = content
                     ids[at] = taken.column("row_id").to_numpy()
                     labels[at] = taken.column("label_index").to_numpy()
-                reads.drop_before(b)
+                reads.drop_before(b - skipped)
             pads = b - a - real
             if pads:  # padding: the epoch's first row again, masked out
                 filler = _first_row(rows, files, reads)
