@@ -795,6 +795,23 @@ def object_store(object_store_cluster: Cluster, photos: Path) -> S3Store:
     return store
 
 
+def _copy_streaming_tables(store: S3Store, prefix: str) -> None:
+    """Copy, inside the bucket, the tables the Streaming job ingested to ``<prefix>/tables``.
+
+    Raises:
+        pytest.fail: there are none (that job failed).
+    """
+    tables = [k for k in store.keys("out-streaming/tables/") if not k.endswith("/")]
+    if not tables:
+        pytest.fail("no tables to train on: the Streaming job on the object store failed")
+    client = store.client()
+    for key in tables:
+        target = f"{prefix}/" + key.removeprefix("out-streaming/")
+        client.copy_object(
+            Bucket=store.bucket, Key=target, CopySource={"Bucket": store.bucket, "Key": key}
+        )
+
+
 class TestObjectStore:
     def test_executors_write_delta_to_s3a_and_read_with_pyarrow_sharing_no_directory(
         self, object_store_cluster: Cluster, object_store: S3Store, photos: Path
@@ -922,15 +939,7 @@ class TestObjectStore:
         if problem is not None:
             pytest.skip(f"the hosts run the default environment, where {problem}")
         cluster, store = object_store_cluster, object_store
-        tables = [k for k in store.keys("out-streaming/tables/") if not k.endswith("/")]
-        if not tables:
-            pytest.fail("no tables to train on: the Streaming job on the object store failed")
-        client = store.client()
-        for key in tables:
-            target = "out-petastorm/" + key.removeprefix("out-streaming/")
-            client.copy_object(
-                Bucket=store.bucket, Key=target, CopySource={"Bucket": store.bucket, "Key": key}
-            )
+        _copy_streaming_tables(store, "out-petastorm")
         args = train_args(
             cluster,
             store.url("out-petastorm"),
@@ -963,15 +972,7 @@ class TestObjectStore:
         if problem is not None:
             pytest.skip(f"the hosts run the default environment, where {problem}")
         cluster, store = object_store_cluster, object_store
-        tables = [k for k in store.keys("out-streaming/tables/") if not k.endswith("/")]
-        if not tables:
-            pytest.fail("no tables to train on: the Streaming job on the object store failed")
-        client = store.client()
-        for key in tables:
-            target = "out-delta/" + key.removeprefix("out-streaming/")
-            client.copy_object(
-                Bucket=store.bucket, Key=target, CopySource={"Bucket": store.bucket, "Key": key}
-            )
+        _copy_streaming_tables(store, "out-delta")
         args = train_args(
             cluster,
             store.url("out-delta"),

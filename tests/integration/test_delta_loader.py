@@ -127,12 +127,11 @@ def test_vacuum_keeps_the_version_a_running_run_reads(spark: SparkSession, tmp_p
     import os
 
     import mlflow
-    from pyspark.sql import functions as F
 
     from flowers_job.driver.pipeline import run_ingest
     from flowers_job.tables.delta_tables import checked_tables
     from flowers_job.tracking.tags import TAG_IMAGES_TABLE, TAG_IMAGES_VERSION
-    from tests.integration.test_incremental import SHORT_RETENTION, _cfg
+    from tests.integration.test_incremental import SHORT_RETENTION, _cfg, version_readable
     from tests.support.data import sample_photos
 
     images = sample_photos(tmp_path / "images", per_label=4)
@@ -147,15 +146,7 @@ def test_vacuum_keeps_the_version_a_running_run_reads(spark: SparkSession, tmp_p
     )
 
     def readable(version: int) -> bool:
-        try:
-            df = (
-                spark.read.format("delta")
-                .option("versionAsOf", version)
-                .load(first.tables["images"])
-            )
-            return df.select(F.sum(F.length("image"))).first() is not None
-        except Exception:
-            return False
+        return version_readable(spark, first.tables["images"], version)
 
     rebuild = _cfg(images, tmp_path / "out", *SHORT_RETENTION, "data.full_ingest=true")
     (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()

@@ -164,6 +164,16 @@ def test_too_many_bad_files_counts_the_whole_table_after_the_change(
     )
 
 
+def version_readable(spark: SparkSession, table: str, version: int) -> bool:
+    """Whether every image of Delta ``version`` of the table at ``table`` can be read (its
+    files not vacuumed)."""
+    try:
+        df = spark.read.format("delta").option("versionAsOf", version).load(table)
+        return df.select(F.sum(F.length("image"))).first() is not None
+    except Exception:
+        return False
+
+
 def test_vacuum_keeps_the_versions_the_loader_cache_names(
     spark: SparkSession, tmp_path: Path
 ) -> None:
@@ -186,15 +196,7 @@ def test_vacuum_keeps_the_versions_the_loader_cache_names(
     (entry / ENTRY_FILE).write_text(json.dumps(marker))
 
     def readable(version: int) -> bool:
-        try:
-            df = (
-                spark.read.format("delta")
-                .option("versionAsOf", version)
-                .load(first.tables["images"])
-            )
-            return df.select(F.sum(F.length("image"))).first() is not None
-        except Exception:
-            return False
+        return version_readable(spark, first.tables["images"], version)
 
     rebuild = _cfg(images, tmp_path / "out", *SHORT_RETENTION, "data.full_ingest=true")
     (images / "daisy" / sorted(os.listdir(images / "daisy"))[0]).unlink()

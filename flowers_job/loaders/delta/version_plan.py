@@ -19,7 +19,3 @@ class DeltaPlan(ShardPlan):
     version: int = -1
     split: str = ""
     padding_per_shard: list[int] | None = None
-
-    def real_rows(self, rank: int) -> int:
-        """``rank``'s rows of the table, padding left out."""
-        return self.rows_per_shard[rank] - (self.padding_per_shard or [0] * (rank + 1))[rank]
