@@ -26,20 +26,27 @@ repository root:
     .venv/bin/python benchmarks/loaders.py --images ../shared/data/flower_photos \\
         --output-dir /tmp/bench-loaders
 
+``--store s3`` puts the tables and the loader caches in a bucket of a moto S3 server on
+this machine (``s3a://``; the ranks read it over HTTP on loopback), the photos and the JSON
+staying on the disk.
+
 Exit status: 0 when every reader read every train row exactly once per epoch, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import json
 import os
 import platform
 import resource
+import shlex
 import sys
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -67,6 +74,14 @@ def _local_path(url: str) -> str:
     """A ``file:`` URI (as Spark's ``inputFiles`` gives) or a plain path -> a local path."""
     parsed = urlparse(url)
     return unquote(parsed.path) if parsed.scheme in ("file", "") else url
+
+
+def _open(url: str) -> Any:
+    """A local path or an ``s3a://`` URL opened for reading (``pyarrow.NativeFile``)."""
+    from flowers_job.location import filesystem
+
+    fs, path = filesystem(url)
+    return fs.open_input_file(path)
 
 
 def _vm_hwm_bytes() -> int:
@@ -115,11 +130,11 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
             int(job["image_size"]),
             int(job["resize_size"]),
         ).warm_up()  # as read_shards does: no reader's first epoch pays for torchvision
-        pieces = [
-            (path, group)
-            for path in job["files"]
-            for group in range(pq.ParquetFile(path).metadata.num_row_groups)
-        ]
+        pieces = []
+        for path in job["files"]:
+            with _open(path) as source:
+                groups = pq.ParquetFile(source).metadata.num_row_groups
+            pieces += [(path, group) for group in range(groups)]
         mine: dict[str, list[int]] = {}
         for i, (path, group) in enumerate(pieces):
             if i % ctx.world_size == ctx.rank:
@@ -136,16 +151,17 @@ def read_plain(job: dict[str, Any]) -> dict[str, Any]:
             ids: list[int] = []
             steps = 0
             for path, groups in mine.items():
-                parquet = pq.ParquetFile(path)
-                for rb in parquet.iter_batches(
-                    batch_size=int(job["batch"]), row_groups=groups, columns=COLUMNS
-                ):
-                    image = torch.stack([tf.decode(b) for b in rb.column("image").to_pylist()])
-                    label = torch.tensor(rb.column("label_index").to_pylist(), dtype=torch.int64)
-                    row_id = torch.tensor(rb.column("row_id").to_pylist(), dtype=torch.int64)
-                    assert len(image) == len(label) == len(row_id)
-                    ids.extend(row_id.tolist())
-                    steps += 1
+                with _open(path) as source:
+                    for rb in pq.ParquetFile(source).iter_batches(
+                        batch_size=int(job["batch"]), row_groups=groups, columns=COLUMNS
+                    ):
+                        images = rb.column("image").to_pylist()
+                        image = torch.stack([tf.decode(b) for b in images])
+                        label = torch.tensor(rb.column("label_index").to_pylist())
+                        row_id = torch.tensor(rb.column("row_id").to_pylist())
+                        assert len(image) == len(label) == len(row_id)
+                        ids.extend(row_id.tolist())
+                        steps += 1
             out["seconds"].append(time.perf_counter() - t0)
             out["row_ids"].append(ids)
             out["padding"].append(0)
@@ -278,6 +294,47 @@ def format_table(readers: dict[str, dict[str, Any]], epochs: int) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def output_location(store: str, output_dir: Path) -> Iterator[str]:
+    """Where the tables (and the loader caches) go: ``output_dir`` itself (``disk``), or
+    ``s3a://<bucket>/out`` in a bucket of a moto S3 server started for the run (``s3``;
+    stopped on the way out), with ``AWS_*`` and ``PYSPARK_SUBMIT_ARGS`` (hadoop-aws, the
+    ``fs.s3a.*`` settings) set in this process's environment before Spark starts: its
+    session, its Spark tasks, the ranks' delta-rs and pyarrow then reach the bucket."""
+    if store == "disk":
+        yield str(output_dir)
+        return
+    import boto3
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from cluster import (
+        S3_CREDENTIALS,
+        S3_PACKAGES,
+        ivy_dir,
+        local_s3_server,
+        resolve_packages,
+        s3_env,
+        s3a_conf,
+    )
+
+    resolve_packages(Path(sys.executable), S3_PACKAGES, ivy_dir(), 600.0)
+    with local_s3_server(output_dir / "moto.log") as endpoint:
+        env = s3_env(endpoint)
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_CREDENTIALS[0],
+            aws_secret_access_key=S3_CREDENTIALS[1],
+            region_name=env["AWS_DEFAULT_REGION"],
+        ).create_bucket(Bucket="bench-loaders")
+        submit = ["--packages", ",".join(S3_PACKAGES)]
+        for key, value in {"spark.jars.ivy": str(ivy_dir()), **s3a_conf(endpoint)}.items():
+            submit += ["--conf", f"{key}={value}"]
+        os.environ.update(env, PYSPARK_SUBMIT_ARGS=shlex.join([*submit, "pyspark-shell"]))
+        print(f"S3 server {endpoint}: the tables in s3a://bench-loaders/out", flush=True)
+        yield "s3a://bench-loaders/out"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0: every reader read every row once)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -291,7 +348,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="train.per_device_batch_size")
     parser.add_argument("--master", default="local[2]", help="Spark master")
     parser.add_argument("--timeout", type=float, default=900.0, help="process-group timeout, s")
+    parser.add_argument(
+        "--store",
+        choices=("disk", "s3"),
+        default="disk",
+        help="where the tables and the loader caches are: disk (--output-dir) or s3 (a bucket "
+        "of a moto S3 server started for the run; loaders.json stays in --output-dir)",
+    )
     args = parser.parse_args(argv)
+    out = args.output_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with output_location(args.store, out) as tables:
+        return _run(args, out, tables)
+
+
+def _run(args: argparse.Namespace, out: Path, tables: str) -> int:
+    """The benchmark with its tables (and the loader caches) under ``tables``."""
 
     from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -303,9 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     from flowers_job.train.shard_read import read_shards
 
     facts = machine_facts()
-    out = args.output_dir.resolve()
     base = [f"data.image_size={args.image_size}"]
-    flags = {"data.images": args.images.resolve(), "paths.output_dir": out}
+    if args.store == "s3":  # the job's default MLflow store may not sit in an object store
+        base.append(f"tracking.tracking_uri=sqlite:///{out / 'mlflow.db'}")
+    flags = {"data.images": args.images.resolve(), "paths.output_dir": tables}
     cfg = load_config(None, base, **flags)
     spark = get_spark("bench_loaders", master=args.master)
     t0 = time.perf_counter()
@@ -402,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             "image_size": args.image_size,
             "batch": args.batch,
             "master": args.master,
+            "store": args.store,
             "transform": "train (decode, RandomResizedCrop, flip; uint8, as the loaders deliver it)",
         },
         "ingest": {"seconds": round(ingest_s, 1), **report.to_dict()},
@@ -411,7 +485,6 @@ def main(argv: list[str] | None = None) -> int:
         "readers": readers,
         "table": table,
     }
-    out.mkdir(parents=True, exist_ok=True)
     (out / "loaders.json").write_text(json.dumps(results, indent=2) + "\n")
     print(
         f"\n{len(expected)} train rows, {args.world_size} processes, batch {args.batch}, "
