@@ -220,13 +220,19 @@ def _plans(cfg: JobConfig, writer: Loader) -> Iterator[LoaderCache | None]:
 
 
 def _table_plan(
-    spark: SparkSession, writer: Loader, images: TableRef, location: str, version: int, split: str
+    writer: Loader, checked: CheckedTables, location: str, split: str
 ) -> tuple[ShardPlan, dict[str, Any]]:
     """The plan of ``split`` for a loader that reads the table itself (at ``location``,
-    ``DESCRIBE DETAIL``'s, a catalog table's too), and its record in ``loader_cache``:
-    nothing written."""
+    ``DESCRIBE DETAIL``'s, a catalog table's too) at the checked version, from the check's
+    counts, and its record in ``loader_cache``: nothing written, no Spark job."""
     t0 = time.perf_counter()
-    plan = writer.plan_table(split_frame(spark, images, version, split), location, version, split)
+    plan = writer.plan_table(
+        checked.split_rows[split],
+        checked.split_row_id_sums[split],
+        location,
+        checked.versions["images"],
+        split,
+    )
     seconds = round(time.perf_counter() - t0, 3)
     return plan, {"entry": None, "reused": False, "bytes_written": 0, "seconds": seconds}
 
@@ -269,7 +275,7 @@ def prepare_data(
         for split in SPLITS:
             if writer.reads_table:
                 plans[split], uses[split] = _table_plan(
-                    spark, writer, images, str(detail["location"]), version, split
+                    writer, checked, str(detail["location"]), split
                 )
                 continue
             assert cache is not None

@@ -157,6 +157,8 @@ def resolve_loader(cfg: JobConfig, connect: str | None = None) -> tuple[JobConfi
     problems: dict[str, str] = {}
     for name in candidates:
         problem = loader_problem(name) or session_problem(_registered(name), connect)
+        if problem is None and wanted == "auto":
+            problem = _registered(name).auto_problem(cfg, connect)
         if problem is None:
             if wanted == "auto" and problems:
                 log.info("data.loader=auto: %s (%s)", name, "; ".join(problems.values()))

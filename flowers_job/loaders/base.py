@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import LoadersConfig
+    from flowers_job.config import JobConfig, LoadersConfig
     from flowers_job.loaders.position import EpochStart
     from flowers_job.location import Location
     from flowers_job.runtime.layout import HostLayout
@@ -353,6 +353,14 @@ class Loader(ABC):
         return None
 
     @classmethod
+    def auto_problem(cls, cfg: JobConfig, connect: str | None) -> str | None:
+        """Why ``data.loader=auto`` passes this loader over for ``cfg`` on this session,
+        though it can run here (:meth:`problem` is None); None: 'auto' may take it. A
+        loader named in ``data.loader`` is not asked. The base: None."""
+        del cfg, connect
+        return None
+
+    @classmethod
     def import_library(cls) -> ModuleType:
         """Import :attr:`module`, the way this loader's code imports its library."""
         return importlib.import_module(cls.module)
@@ -371,10 +379,13 @@ class Loader(ABC):
                 directory); the caller removes the run's cache folder.
         """
 
-    def plan_table(self, df: DataFrame, table_url: str, version: int, split: str) -> ShardPlan:
-        """A :attr:`reads_table` loader's plan of ``split``: ``df`` is its rows at Delta
-        ``version`` of the table at ``table_url`` (its location, as ``DESCRIBE DETAIL``
-        gives it), which the ranks read.
+    def plan_table(
+        self, rows: int, row_id_sum: int, table_url: str, version: int, split: str
+    ) -> ShardPlan:
+        """A :attr:`reads_table` loader's plan of ``split``, which holds ``rows`` rows whose
+        ``row_id`` values sum to ``row_id_sum`` (exact; Spark counted them when it checked
+        the tables) at Delta ``version`` of the table at ``table_url`` (its location, as
+        ``DESCRIBE DETAIL`` gives it), which the ranks read.
 
         Raises:
             DataError: an empty split, or unworkable shards.

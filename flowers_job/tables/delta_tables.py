@@ -459,6 +459,9 @@ class CheckedTables:
     fingerprint and run id)."""
     split_rows: dict[str, int]
     """Rows of each split in ``images`` at the checked version."""
+    split_row_id_sums: dict[str, int]
+    """The exact sum of each split's ``row_id`` values at that version (a Python int, not
+    wrapped to int64): what a loader that reads the table checks its ranks' reads against."""
 
 
 def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
@@ -472,8 +475,8 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
     ``images`` are the ``label_names`` recorded at ingest, with their recorded indices.
 
     Returns:
-        The recorded label names, the checked version of each table, the ingest's metadata
-        and the rows per split.
+        The recorded label names, the checked version of each table, the ingest's metadata,
+        and the rows and the ``row_id`` sum of each split (from one aggregation).
 
     Raises:
         DataError: naming the table (path or name) and the problem (missing tables, tables from
@@ -501,11 +504,23 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
     tables = {name: path.read(spark, versions[name]) for name, path in paths.items()}
     for name, df in tables.items():
         _check_schema(name, paths[name], df.schema)
-    # (split, label, label_index) with counts, one query: a split without rows is empty.
-    groups = tables["images"].groupBy("split", "label", "label_index").count().collect()
+    # (split, label, label_index) with counts and row_id sums, one query: a split without
+    # rows is empty. The sum is exact as decimal(38,0), which Spark 4's ANSI mode never
+    # overflows below ~10**19 rows (a long sum would raise).
+    groups = (
+        tables["images"]
+        .groupBy("split", "label", "label_index")
+        .agg(
+            F.count(F.lit(1)).alias("count"),
+            F.sum(F.col("row_id").cast("decimal(38,0)")).alias("row_id_sum"),
+        )
+        .collect()
+    )
     split_rows = {split: 0 for split in SPLITS}
+    split_sums = {split: 0 for split in SPLITS}
     for g in groups:
         split_rows[g["split"]] = split_rows.get(g["split"], 0) + int(g["count"])
+        split_sums[g["split"]] = split_sums.get(g["split"], 0) + int(g["row_id_sum"] or 0)
     empty = [split for split in SPLITS if not split_rows[split]]
     if empty:
         raise DataError(
@@ -518,7 +533,7 @@ def checked_tables(spark: SparkSession, cfg: JobConfig) -> CheckedTables:
     label_names = [str(x) for x in meta["label_names"]]  # type: ignore[attr-defined]
     pairs = {(g["label"], g["label_index"]) for g in groups}
     _check_labels(pairs, label_names, paths["images"])
-    return CheckedTables(label_names, versions, dict(meta), split_rows)
+    return CheckedTables(label_names, versions, dict(meta), split_rows, split_sums)
 
 
 def _check_schema(name: str, path: TableRef, schema: StructType) -> None:

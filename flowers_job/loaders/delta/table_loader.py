@@ -1,13 +1,13 @@
 """The Delta loader (``data.loader=delta``): no cache; the ranks read the ``images`` table.
 
-**Driver side.** :meth:`DeltaLoader.plan_table` counts a split's rows and their checksum
-at the checked version in one Spark aggregation, checks that delta-rs reads the same live
-rows from the log (so that a table it cannot read is refused before any rank starts), and
-plans who reads how many: the split's
+**Driver side.** :meth:`DeltaLoader.plan_table` takes a split's rows and their checksum
+at the checked version from the table check's one Spark aggregation over every split,
+checks that delta-rs reads the same live rows from the log (so that a table it cannot read
+is refused before any rank starts), and plans who reads how many: the split's
 rows in ``world_size`` contiguous, balanced ranges (:mod:`flowers_job.loaders.delta.order`),
 ``ceil(largest / per_device_batch_size)`` steps for every rank. Nothing is written: a run's
-preparation costs one aggregation per split, whatever the table's size, and a new
-version costs nothing more than an old one.
+preparation costs a read of the log, whatever the table's size, and a new version costs
+nothing more than an old one.
 
 **Rank side.** :class:`~flowers_job.loaders.delta.file_reader.DeltaReader` reads the table's
 log at the plan's version with delta-rs, checks that the split's live rows are the
@@ -25,14 +25,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from flowers_job.errors import DataError
-from flowers_job.loaders.base import Loader, Sharding, ShardPlan, check_batch_fits, row_stats
+from flowers_job.loaders.base import Loader, Sharding, ShardPlan, check_batch_fits, wrap_int64
 from flowers_job.loaders.delta.order import shard_ranges
 from flowers_job.loaders.delta.version_plan import DeltaPlan
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from flowers_job.config import LoadersConfig
+    from flowers_job.config import JobConfig, LoadersConfig
     from flowers_job.loaders.delta.file_reader import DeltaReader
     from flowers_job.location import Location
     from flowers_job.vision.decode_transform import DecodeTransform
@@ -50,6 +50,20 @@ class DeltaLoader(Loader):
     plan_type = DeltaPlan
     reads_table = True
 
+    @classmethod
+    def auto_problem(cls, cfg: JobConfig, connect: str | None) -> str | None:
+        """'auto' reads the table itself only where the driver and the ranks can open its
+        files: path tables (``tables.schema`` unset) on classic Spark. A catalog's managed
+        tables are the catalog's to serve (Unity Catalog refuses reads of their storage
+        paths, which is why Databricks' own reader goes through it), and a Spark Connect
+        client may see neither the files nor tables it can parse (Spark Connect writes its
+        strings with a collation delta-rs 1.6.6 does not read: docs/known-issues.md)."""
+        if cfg.tables.schema_name is not None:
+            return "the tables are catalog tables (tables.schema): their files are the catalog's"
+        if connect is not None:
+            return f"the session is Spark Connect ({connect})"
+        return None
+
     def __init__(self, sharding: Sharding, source: str) -> None:
         super().__init__(sharding, source)
         self._opened: tuple[tuple[str, int], Any] | None = None
@@ -65,16 +79,20 @@ class DeltaLoader(Loader):
         """
         raise DataError("the delta loader reads the table itself: it writes no cache")
 
-    def plan_table(self, df: DataFrame, table_url: str, version: int, split: str) -> ShardPlan:
-        """The plan of ``split``: ``df`` is its rows at ``version`` of the table at
-        ``table_url`` (``row_id`` long, at least), counted with their checksum in one
-        aggregation (:func:`~flowers_job.loaders.base.row_stats`).
+    def plan_table(
+        self, rows: int, row_id_sum: int, table_url: str, version: int, split: str
+    ) -> ShardPlan:
+        """The plan of ``split``, ``rows`` rows at ``version`` of the table at ``table_url``
+        whose ``row_id`` values sum to ``row_id_sum`` (Spark's count when it checked the
+        tables; the plan's checksum is that sum wrapped to int64,
+        :func:`~flowers_job.loaders.base.wrap_int64`). No Spark job: the log is read with
+        delta-rs (:meth:`_check_readable`).
 
         Raises:
-            DataError: an empty split, or (training) a rank with fewer rows than
-                ``train.per_device_batch_size``.
+            DataError: an empty split, delta-rs reads other live rows than ``rows``, or
+                (training) a rank with fewer rows than ``train.per_device_batch_size``.
         """
-        rows, checksum = row_stats(df)
+        checksum = wrap_int64(row_id_sum)
         if rows == 0:
             raise DataError(f"the {split} split of {self.source} at version {version} is empty")
         self._check_readable(table_url, version, split, rows)
