@@ -2,10 +2,14 @@
 
 The rank reads the log at the plan's version (:mod:`flowers_job.loaders.delta.log`), checks
 that the split's live rows are the ones the driver counted, and takes its rows of the
-epoch (:func:`~flowers_job.loaders.delta.order.rank_rows`). Its files are read whole, in the
-order it first needs them, one ahead in a thread, each once per epoch and dropped after
-its last row; only the ``row_id``, ``image`` and ``label_index`` columns are read, the
-deletion vector's dead rows dropped. The main process gathers each step's stored images;
+epoch (:func:`~flowers_job.loaders.delta.order.rank_rows`): a contiguous range of the
+split's live rows, file after file, cut into windows that training shuffles inside. So a
+window needs consecutive rows of each of its files, and each file's rows are needed in
+increasing order: every file is read once per epoch, forward, a record batch at a time
+from the row group that holds its first row needed, its column chunks streamed through a
+small buffer, the deletion vector's dead rows dropped; only the ``row_id``, ``image`` and
+``label_index`` columns are read. A rank holds the window it reads from and the next one
+(read ahead in a thread), whatever the size of the table's files and row groups. The main process gathers each step's stored images;
 the step is decoded (and, for training, augmented) in ``data.loader_workers`` processes or
 in the rank itself, seeded by ``(seed, epoch, rank, step)``
 (:func:`~flowers_job.loaders.delta.order.batch_seed`): whichever process decodes it, and
@@ -15,6 +19,7 @@ skips the steps before it without reading them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -41,64 +46,170 @@ __all__ = ["COLUMNS", "DeltaReader"]
 COLUMNS = ["row_id", "image", "label_index"]
 """The columns a rank reads of the table's files."""
 
+BATCH_ROWS = 128
+"""Rows per record batch of a file's forward read (``ParquetFile.iter_batches``): what a
+rank decompresses at a time, well under a window."""
 
-def _read_file(file: SplitFile) -> pa.Table:
-    """``file``'s live rows (:data:`COLUMNS`), in stored order."""
-    import pyarrow.parquet as pq
-
-    fs, path = filesystem(file.url)
-    table = pq.read_table(path, columns=COLUMNS, filesystem=fs)
-    if len(table) != file.rows:
-        raise ShardError(f"{file.url} holds {len(table)} rows, its add action {file.rows}")
-    return table if file.keep is None else table.filter(file.keep)
+BUFFER_BYTES = 4 * 2**20
+"""``ParquetFile``'s read buffer, bytes: column chunks are streamed through it, page by
+page, instead of read whole (a row group's ``image`` chunk is up to Spark's 128 MiB
+``parquet.block.size``)."""
 
 
-class _Files:
-    """The files a rank's epoch reads, loaded in the order of first need, one ahead in a
-    thread, and dropped after their last row."""
+class _Cursor:
+    """One file's live rows, read forward from the live row ``start``, a record batch at a
+    time from the row group that holds it, the deletion vector applied."""
 
-    def __init__(self, files: list[SplitFile], order: np.ndarray) -> None:
-        self.files = files
-        firsts = np.unique(order, return_index=True)
-        self.queue = [int(f) for f in firsts[0][np.argsort(firsts[1])]]
-        last = np.zeros(len(files), dtype=np.int64)
-        np.maximum.at(last, order, np.arange(len(order)))
-        self.last = last
-        self.loaded: dict[int, Future[pa.Table]] = {}
+    def __init__(self, file: SplitFile, start: int) -> None:
+        import pyarrow.parquet as pq
+
+        self.file = file
+        fs, path = filesystem(file.url)
+        self.source = fs.open_input_file(path)
+        parquet = pq.ParquetFile(self.source, buffer_size=BUFFER_BYTES)
+        meta = parquet.metadata
+        if meta.num_rows != file.rows:
+            self.source.close()
+            raise ShardError(f"{file.url} holds {meta.num_rows} rows, its add action {file.rows}")
+        groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        group_starts = np.concatenate([[0], np.cumsum(groups, dtype=np.int64)])
+        self.skip = start if file.keep is None else int(np.flatnonzero(file.keep)[start])
+        group = int(np.searchsorted(group_starts, self.skip, side="right")) - 1
+        self.physical = int(group_starts[group])  # the next record batch's first row
+        self.batches = parquet.iter_batches(
+            batch_size=BATCH_ROWS, row_groups=range(group, len(groups)), columns=COLUMNS
+        )
+        self.live = start  # the live row the next take starts at
+        self.held: list[pa.RecordBatch] = []  # live rows read and not yet taken
+        self.held_rows = 0
+
+    def _read(self) -> None:
+        import pyarrow as pa
+
+        batch = next(self.batches, None)
+        if batch is None:
+            raise ShardError(
+                f"{self.file.url} ended before its live row {self.live + self.held_rows}"
+            )
+        lo, hi = self.physical, self.physical + batch.num_rows
+        self.physical = hi
+        if hi <= self.skip:
+            return
+        cut = max(0, self.skip - lo)
+        batch = batch.slice(cut)
+        if self.file.keep is not None:
+            batch = batch.filter(pa.array(self.file.keep[lo + cut : hi]))
+        self.held.append(batch)
+        self.held_rows += batch.num_rows
+
+    def take(self, n: int) -> pa.Table:
+        """The next ``n`` live rows (:data:`COLUMNS`)."""
+        import pyarrow as pa
+
+        while self.held_rows < n:
+            self._read()
+        table = pa.Table.from_batches(self.held)
+        taken, rest = table.slice(0, n), table.slice(n)
+        self.held = rest.to_batches()
+        self.held_rows -= n
+        self.live += n
+        return taken
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _read_rows(file: SplitFile, start: int, n: int) -> pa.Table:
+    """``n`` live rows of ``file`` from its live row ``start``."""
+    cursor = _Cursor(file, start)
+    try:
+        return cursor.take(n)
+    finally:
+        cursor.close()
+
+
+class _Windows:
+    """A rank's rows of one epoch (:class:`RankRows`), window by window: the window being
+    read from and the next one (read ahead in a thread) are held, each file read forward
+    once (one :class:`_Cursor` each, closed after its last row of the epoch)."""
+
+    def __init__(self, rows: RankRows, files: list[SplitFile], window: int, first: int) -> None:
+        self.rows, self.files, self.window = rows, files, window
+        self.end = np.zeros(len(files), dtype=np.int64)  # each file's last live row + 1
+        np.maximum.at(self.end, rows.file, rows.row + 1)
+        self.cursors: dict[int, _Cursor] = {}
+        self.loaded: dict[int, Future[tuple[pa.Table, dict[int, int]]]] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="delta-read")
+        self.windows = math.ceil(len(rows) / window)
+        self.submitted = first // window  # the next window to read
 
-    def _load_next(self) -> None:
-        if self.queue:
-            f = self.queue.pop(0)
-            self.loaded[f] = self.pool.submit(_read_file, self.files[f])
+    def _load(self, k: int) -> tuple[pa.Table, dict[int, int]]:
+        """Window ``k``'s rows, file by file, and where each file's first row is in it (its
+        index in the window's table, less that row's live position)."""
+        import pyarrow as pa
 
-    def get(self, f: int) -> pa.Table:
-        while f not in self.loaded:
-            self._load_next()
-        if all(future.done() for future in self.loaded.values()):
-            self._load_next()  # one ahead
-        return self.loaded[f].result()
+        a, b = k * self.window, min((k + 1) * self.window, len(self.rows))
+        file, row = self.rows.file[a:b], self.rows.row[a:b]
+        parts, shift, at = [], {}, 0
+        for f in (int(x) for x in np.unique(file)):
+            mine = row[file == f]
+            lo, hi = int(mine.min()), int(mine.max()) + 1
+            cursor = self.cursors.get(f)
+            if cursor is None:
+                cursor = self.cursors[f] = _Cursor(self.files[f], lo)
+            if cursor.live != lo:  # the order's contract: each file's rows read forward
+                raise ShardError(
+                    f"{self.files[f].url}: window {k} starts at live row {lo}, "
+                    f"the file's read is at {cursor.live}"
+                )
+            parts.append(cursor.take(hi - lo))
+            shift[f] = at - lo
+            at += hi - lo
+            if hi == self.end[f]:
+                self.cursors.pop(f).close()
+        return pa.concat_tables(parts), shift
 
-    def drop_before(self, position: int) -> None:
-        """Forget the files whose last row is before ``position`` of the epoch's order."""
-        for f in [f for f in self.loaded if self.last[f] < position]:
-            del self.loaded[f]
+    def _submit_to(self, k: int) -> None:
+        while self.submitted <= min(k, self.windows - 1):
+            self.loaded[self.submitted] = self.pool.submit(self._load, self.submitted)
+            self.submitted += 1
+
+    def take(self, a: int, b: int) -> pa.Table:
+        """Positions ``[a, b)`` of the epoch's rows, in order; then forgets the windows
+        before ``b``'s and reads the next one ahead."""
+        import pyarrow as pa
+
+        first, last = a // self.window, (b - 1) // self.window
+        self._submit_to(last + 1)
+        pieces = []
+        for k in range(first, last + 1):
+            table, shift = self.loaded[k].result()
+            lo, hi = max(a, k * self.window), min(b, (k + 1) * self.window)
+            file, row = self.rows.file[lo:hi], self.rows.row[lo:hi]
+            index = row + np.array([shift[int(f)] for f in file], dtype=np.int64)
+            pieces.append(table.take(index))
+        for k in [k for k in self.loaded if (k + 1) * self.window <= b]:
+            del self.loaded[k]
+        return pa.concat_tables(pieces)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for cursor in self.cursors.values():
+            cursor.close()
+        self.cursors.clear()
         self.loaded.clear()
 
 
 def _steps(
-    rows: RankRows, files: list[SplitFile], sizes: list[int], first: int
+    rows: RankRows, files: list[SplitFile], sizes: list[int], first: int, window: int
 ) -> Iterator[dict[str, Any]]:
     """Each step's stored rows from ``first`` on: ``step``, ``images`` (bytes), and int64
     ``row_id``, ``label_index`` and bool ``valid`` arrays; the rows past ``rows`` (the
     plan's padding, where ``sum(sizes)`` exceeds them) are copies of a real row with
-    ``valid`` False."""
+    ``valid`` False. ``window``: the order's shuffle window (rows)."""
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     skipped = min(int(bounds[first]), len(rows))  # a restart's earlier steps: never read
-    reads = _Files(files, rows.file[skipped:]) if len(rows) > skipped else None
+    reads = _Windows(rows, files, window, skipped) if len(rows) > skipped else None
     try:
         for step in range(first, len(sizes)):
             a, b = int(bounds[step]), int(bounds[step + 1])
@@ -107,19 +218,13 @@ def _steps(
             ids = np.zeros(b - a, dtype=np.int64)
             labels = np.zeros(b - a, dtype=np.int64)
             if real and reads is not None:
-                file, row = rows.file[a : a + real], rows.row[a : a + real]
-                images = [b""] * real
-                for f in np.unique(file):
-                    at = np.flatnonzero(file == f)
-                    taken = reads.get(int(f)).take(row[at])
-                    for i, content in zip(at, taken.column("image").to_pylist(), strict=True):
-                        images[i] = content
-                    ids[at] = taken.column("row_id").to_numpy()
-                    labels[at] = taken.column("label_index").to_numpy()
-                reads.drop_before(b - skipped)
+                taken = reads.take(a, a + real)
+                images = taken.column("image").to_pylist()
+                ids[:real] = taken.column("row_id").to_numpy()
+                labels[:real] = taken.column("label_index").to_numpy()
             pads = b - a - real
             if pads:  # padding: the epoch's first row again, masked out
-                filler = _first_row(rows, files, reads)
+                filler = _first_row(rows, files)
                 images += [filler[0]] * pads
                 ids[real:], labels[real:] = filler[1], filler[2]
             valid = np.arange(b - a) < real
@@ -135,15 +240,12 @@ def _steps(
             reads.close()
 
 
-def _first_row(
-    rows: RankRows, files: list[SplitFile], reads: _Files | None
-) -> tuple[bytes, int, int]:
+def _first_row(rows: RankRows, files: list[SplitFile]) -> tuple[bytes, int, int]:
     """A row to copy as padding: this rank's first, else the split's first live row."""
-    if len(rows) and reads is not None:
-        t = _read_file(files[int(rows.file[0])]).slice(int(rows.row[0]), 1)
+    if len(rows):
+        t = _read_rows(files[int(rows.file[0])], int(rows.row[0]), 1)
     else:
-        live = next(f for f in files if f.live_rows)
-        t = _read_file(live).slice(0, 1)
+        t = _read_rows(next(f for f in files if f.live_rows), 0, 1)
     return (
         t.column("image")[0].as_py(),
         t.column("row_id")[0].as_py(),
@@ -235,7 +337,7 @@ class DeltaReader:
             raise ShardError(f"rank {self.rank}: a restart at step {first} of {len(sizes)}")
         loader: DataLoader[Batch] = DataLoader(
             _DecodeSteps(self.transform, self.seed, epoch, self.rank),  # type: ignore[arg-type]
-            sampler=_steps(rows, self.files, sizes, first),
+            sampler=_steps(rows, self.files, sizes, first, self.settings.shuffle_window_rows),
             batch_size=None,
             num_workers=self.workers,
             prefetch_factor=self.settings.prefetch_batches if self.workers else None,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +28,9 @@ from flowers_job.vision.decode_transform import DecodeTransform
 from tests.support import LABELS, PHOTOS
 from tests.support.data import needs_loader
 from tests.support.s3 import fresh_bucket, s3_server  # noqa: F401
+
+if TYPE_CHECKING:
+    from flowers_job.loaders.delta.log import SplitFile
 
 pytestmark = [
     pytest.mark.tier("gate"),
@@ -46,10 +51,13 @@ def _photos() -> list[tuple[bytes, int]]:
     return found[: sum(ROWS.values())]
 
 
-def _table(uri: str, storage_options: dict[str, str] | None = None) -> None:
+def _table(
+    uri: str, storage_options: dict[str, str] | None = None, row_group_rows: int | None = None
+) -> None:
     """The images table's shape (``row_id``, ``image``, ``label_index``, partitioned by
-    ``split``) in two commits, written by delta-rs at ``uri``."""
-    from deltalake import write_deltalake
+    ``split``) in two commits, written by delta-rs at ``uri``; ``row_group_rows``: the
+    files' row groups (None: delta-rs's, one per file here)."""
+    from deltalake import WriterProperties, write_deltalake
 
     photos = _photos()
     splits = [s for s, n in ROWS.items() for _ in range(n)]
@@ -62,16 +70,16 @@ def _table(uri: str, storage_options: dict[str, str] | None = None) -> None:
         }
     )
     half = len(photos) // 2
-    write_deltalake(
-        uri, table.slice(0, half), partition_by=["split"], storage_options=storage_options
-    )
-    write_deltalake(
-        uri,
-        table.slice(half),
-        partition_by=["split"],
-        mode="append",
-        storage_options=storage_options,
-    )
+    properties = WriterProperties(max_row_group_size=row_group_rows)
+    for part, mode in [(table.slice(0, half), "error"), (table.slice(half), "append")]:
+        write_deltalake(
+            uri,
+            part,
+            partition_by=["split"],
+            mode="append" if mode == "append" else "error",
+            storage_options=storage_options,
+            writer_properties=properties,
+        )
 
 
 def _plan(url: str, split: str, world_size: int, batch: int, rows: int | None = None) -> DeltaPlan:
@@ -210,6 +218,42 @@ def test_a_step_has_the_same_pixels_in_any_process_and_after_a_restart(table: st
     for a, b in zip(own[2:], resumed, strict=True):
         assert a["row_id"].tolist() == b["row_id"].tolist()
         assert bool((a["image"] == b["image"]).all())
+
+
+def test_files_of_many_row_groups_are_read_forward_once_a_window_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row groups of 3 rows read 2 rows a batch, windows of 8: each file a rank needs is
+    opened once per epoch (once more for a restart's first window) and read forward, every
+    row once across the ranks, and a restart inside the epoch reads the same steps."""
+    from flowers_job.loaders.delta import file_reader
+
+    uri = str(tmp_path / "images")
+    _table(uri, row_group_rows=3)
+    import pyarrow.parquet as pq
+
+    assert max(pq.ParquetFile(f).metadata.num_row_groups for f in tmp_path.rglob("*.parquet")) > 3
+    monkeypatch.setattr(file_reader, "BATCH_ROWS", 2)
+    opened: list[str] = []
+    real_cursor = file_reader._Cursor
+
+    def counted(file: SplitFile, start: int) -> file_reader._Cursor:
+        opened.append(file.url)
+        return real_cursor(file, start)
+
+    monkeypatch.setattr(file_reader, "_Cursor", counted)
+    plan = _plan(uri, "train", 2, batch=4)
+    read = []
+    for rank in range(2):
+        opened.clear()
+        batches = _read(plan, rank, 1)
+        assert len(opened) == len(set(opened))  # no file opened twice in the epoch
+        read += [i for b in batches for i in b["row_id"][b["valid"]].tolist()]
+        resumed = _read(plan, rank, 1, start=EpochStart(step=5, state={"step": 5}))
+        for a, b in zip(batches[5:], resumed, strict=True):
+            assert a["row_id"].tolist() == b["row_id"].tolist()
+            assert bool((a["image"] == b["image"]).all())
+    assert sorted(read) == [10_000 + 7 * i for i in range(ROWS["train"])]
 
 
 def test_a_split_smaller_than_the_ranks_steps_is_padded_never_empty(table: str) -> None:
