@@ -193,7 +193,8 @@ def points(runs: dict[int, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
                 }
             )
         rows = first_rows(run)
-        bytes_per_row = run["train_first"]["bytes_written"] / rows  # the first wrote every row
+        # the first wrote every row; a loader that reads the table writes none (0 bytes)
+        bytes_per_row = (run["train_first"]["bytes_written"] or 0) / rows
         day_train = run["day"]["train"]
         for label, n, train, written in (
             ("first", rows, run["train_first"], run["train_first"]["bytes_written"]),
@@ -210,7 +211,7 @@ def points(runs: dict[int, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
                     "label": f"{factor}x {label}",
                     "rows": n,
                     # the rows the loader cache wrote: its bytes over the full write's per row
-                    "rows_written": round((written or 0) / bytes_per_row),
+                    "rows_written": round((written or 0) / bytes_per_row) if bytes_per_row else 0,
                     "appended": int(label == "day"),
                     "appended_rows": n * (label == "day"),
                     "seconds": train["preparation_seconds"],
@@ -264,6 +265,11 @@ def ratios(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
 def model(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The fits, the day at 10 million photos and the ratios, as a JSON-ready dict."""
     data = points(runs)
+    used = dict(MODELS)
+    if not any(p["rows_written"] for p in data["preparation"]):
+        # a loader that reads the table (the Delta loader) writes no cache: a first, a
+        # reused and a day's train prepare alike, and nothing is appended
+        used["preparation"] = ["rows"]
     ingest, prep = (
         fit_relative(
             step,
@@ -272,7 +278,7 @@ def model(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
             data[step],
             "seconds",
         )
-        for step, terms in MODELS.items()
+        for step, terms in used.items()
     )
     rates = np.array([p["images_per_second"] for p in data["training"]])
     mean_rate = float(rates.mean())
