@@ -146,10 +146,11 @@ class DataConfig(Section):
     'streaming' (Mosaic Streaming MDS shards, shipped with Databricks Runtime ML 15.2+ and the
     only one that runs beside Spark 4.1+), 'petastorm' (Parquet cache; needs pyarrow < 15
     and NumPy < 2: the legacy environment), 'delta' (the ranks read the ``images`` table's own
-    files at the planned version with delta-rs: no cache), or 'auto' = the first that can run
-    here. Checked before
-    Spark starts (:func:`flowers_job.loaders.resolve_loader`). Each loader's own settings
-    are under ``loaders.<name>``."""
+    files at the planned version with delta-rs: no cache), or 'auto' = 'delta' where
+    deltalake is installed, for path tables on classic Spark, else the first that can run
+    here (:data:`flowers_job.loaders.LOADERS`). Checked before Spark starts
+    (:func:`flowers_job.loaders.resolve_loader`). Each loader's own settings are under
+    ``loaders.<name>``."""
     loader_workers: int = Field(0, ge=0, le=64)
     """Processes per rank that decode and augment ahead of the training step, overlapping it
     with compute, for every loader: Streaming's DataLoader workers, Petastorm's reader

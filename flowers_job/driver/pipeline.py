@@ -158,7 +158,7 @@ def check_on_cluster(spark: SparkSession, job: CheckedJob) -> None:
     Raises:
         ConfigError: naming the setting that does not fit this cluster or its executors.
     """
-    check_session(job.training_loader, connect_reason(spark))
+    check_session(job.training_loader, connect_reason(spark), job.cfg)
     check_cluster(spark, job.cfg, job.training_loader)
     check_executors(spark, job.cfg)
 

@@ -1,14 +1,16 @@
 """The data loaders, one sub-package each behind :class:`~flowers_job.loaders.base.Loader`,
 and the registry that resolves ``data.loader`` once, on the driver, before Spark starts.
 
-- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, the default:
-  pre-installed on Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare
-  data for distributed training" recommends.
+- ``delta`` (:mod:`flowers_job.loaders.delta`): no cache; the ranks read the ``images``
+  table's own files at the planned version with delta-rs (``flowers-job[delta]``). 'auto'
+  takes it first, for path tables on classic Spark (:meth:`DeltaLoader.auto_problem
+  <flowers_job.loaders.delta.table_loader.DeltaLoader.auto_problem>`).
+- ``streaming`` (:mod:`flowers_job.loaders.streaming`): Mosaic Streaming, pre-installed on
+  Databricks Runtime ML 15.2 and later, and what Databricks' guide "Prepare data for
+  distributed training" recommends: 'auto' there, for catalog tables, and over Spark Connect.
 - ``petastorm`` (:mod:`flowers_job.loaders.petastorm`): Petastorm 0.13.1, its latest
   release, which imports only on pyarrow < 15 and NumPy < 2, so beside Spark 4.0 at most:
   the legacy environment of ``requirements/petastorm.txt``.
-- ``delta`` (:mod:`flowers_job.loaders.delta`): no cache; the ranks read the ``images``
-  table's own files at the planned version with delta-rs (``flowers-job[delta]``).
 
 :func:`resolve_loader` returns the loader class, which the driver hands on (the cache, the
 placement check, the ranks' job); nothing looks a loader up by name after it. A third loader
@@ -40,12 +42,14 @@ __all__ = [
 ]
 
 LOADERS: dict[str, str] = {
+    "delta": "flowers_job.loaders.delta.table_loader:DeltaLoader",
     "streaming": "flowers_job.loaders.streaming.streaming_loader:StreamingLoader",
     "petastorm": "flowers_job.loaders.petastorm.loader:PetastormLoader",
-    "delta": "flowers_job.loaders.delta.table_loader:DeltaLoader",
 }
 """Registered loaders: ``data.loader`` name -> ``module:class``. 'auto' tries them in this
-order and takes the first that runs here."""
+order and takes the first that runs here and does not pass itself over
+(:meth:`~flowers_job.loaders.base.Loader.auto_problem`): reading the table itself costs no
+copy and trains as fast as Streaming's cache (docs/performance.md), so it comes first."""
 
 TASK_LIBRARIES: dict[str, str] = {
     "streaming": "flowers_job.loaders.streaming.library:import_task_libraries",
@@ -110,9 +114,25 @@ def session_problem(loader: type[Loader], connect: str | None) -> str | None:
     )
 
 
-def check_session(loader: type[Loader], connect: str | None) -> None:
+def _runs_here(name: str, connect: str | None) -> str | None:
+    """Why loader ``name`` cannot run on this environment and session; None when it can."""
+    return loader_problem(name) or session_problem(_registered(name), connect)
+
+
+def _first_fit(cfg: JobConfig | None, connect: str | None) -> str | None:
+    """The loader 'auto' takes: the first of :data:`LOADERS` that runs here and does not
+    pass itself over for ``cfg`` (:meth:`~flowers_job.loaders.base.Loader.auto_problem`;
+    not asked without a ``cfg``), else the first that runs here; None when none runs."""
+    runs = [name for name in LOADERS if _runs_here(name, connect) is None]
+    taken = [
+        name for name in runs if cfg is None or _registered(name).auto_problem(cfg, connect) is None
+    ]
+    return next(iter(taken or runs), None)
+
+
+def check_session(loader: type[Loader], connect: str | None, cfg: JobConfig | None = None) -> None:
     """Refuse ``loader`` on a session it cannot run on, before any work
-    (:func:`session_problem`), naming the loaders that can.
+    (:func:`session_problem`), naming the loader that 'auto' would take there for ``cfg``.
 
     Raises:
         ClusterError: naming ``data.loader``, the API Connect lacks, and the loader to use.
@@ -122,12 +142,8 @@ def check_session(loader: type[Loader], connect: str | None) -> None:
     problem = session_problem(loader, connect)
     if problem is None:
         return
-    working = [
-        name
-        for name in LOADERS
-        if loader_problem(name) is None and session_problem(_registered(name), connect) is None
-    ]
-    advice = f"; use data.loader={working[0]}" if working else ""
+    fit = _first_fit(cfg, connect)
+    advice = f"; use data.loader={fit}" if fit else ""
     raise ClusterError(
         f"invalid configuration:\n  data.loader: {loader.name!r} cannot run on this "
         f"session: {problem}{advice}"
@@ -140,10 +156,12 @@ def resolve_loader(cfg: JobConfig, connect: str | None = None) -> tuple[JobConfi
     driver passes on (:func:`flowers_job.driver.prepare.prepare_data`, the placement check,
     the ranks' job). Nothing looks a loader up by name after this.
 
-    'auto' becomes the first registered loader that can run here: 'streaming' wherever Mosaic
-    Streaming is installed, else 'petastorm'; on Spark Connect
-    (``connect``: what made the session Connect, or None for classic Spark) the first that
-    runs there too (:func:`session_problem`).
+    'auto' becomes the first registered loader (:data:`LOADERS`) that can run here and
+    takes this job (:meth:`~flowers_job.loaders.base.Loader.auto_problem`): 'delta' where
+    deltalake is installed, for path tables on classic Spark; else 'streaming' wherever
+    Mosaic Streaming is installed; else 'petastorm'. On Spark Connect (``connect``: what
+    made the session Connect, or None for classic Spark) the first that runs there too
+    (:func:`session_problem`).
 
     Raises:
         ConfigError: the configured loader (or, for 'auto', every loader) cannot run on
@@ -153,30 +171,32 @@ def resolve_loader(cfg: JobConfig, connect: str | None = None) -> tuple[JobConfi
     from flowers_job.config import ConfigError
 
     wanted = cfg.data.loader
-    candidates = list(LOADERS) if wanted == "auto" else [wanted]
-    problems: dict[str, str] = {}
-    for name in candidates:
-        problem = loader_problem(name) or session_problem(_registered(name), connect)
-        if problem is None and wanted == "auto":
-            problem = _registered(name).auto_problem(cfg, connect)
-        if problem is None:
-            if wanted == "auto" and problems:
-                log.info("data.loader=auto: %s (%s)", name, "; ".join(problems.values()))
+    if wanted == "auto":
+        problems = {name: _runs_here(name, connect) for name in LOADERS}
+        name = _first_fit(cfg, connect)
+        if name is not None:
+            passed = {
+                x: problems[x] or _registered(x).auto_problem(cfg, connect)
+                for x in list(LOADERS)[: list(LOADERS).index(name)]
+            }
+            if passed:
+                log.info(
+                    "data.loader=auto: %s (%s)",
+                    name,
+                    "; ".join(f"not {x}: {why}" for x, why in passed.items()),
+                )
             data = cfg.data.model_copy(update={"loader": name})
             return cfg.model_copy(update={"data": data}), _registered(name)
-        problems[name] = problem
-    working = [
-        x
-        for x in LOADERS
-        if x not in problems
-        and loader_problem(x) is None
-        and session_problem(_registered(x), connect) is None
-    ]
+    else:
+        problems = {wanted: _runs_here(wanted, connect)}
+        if problems[wanted] is None:
+            return cfg, _registered(wanted)
+    fit = _first_fit(cfg, connect)
     advice = (
-        f"; use data.loader={working[0]} instead (it can run here)"
-        if working
-        else "; no loader can run here: install flowers-job[streaming] (or [petastorm] on "
-        "pyarrow < 15 and numpy < 2)"
+        f"; use data.loader={fit} instead (it can run here)"
+        if fit
+        else "; no loader can run here: install flowers-job[delta] or [streaming] (or "
+        "[petastorm] on pyarrow < 15 and numpy < 2)"
     )
     detail = "; ".join(f"{name}: {text}" for name, text in problems.items())
     raise ConfigError(

@@ -48,9 +48,13 @@ def test_each_loader_resolves_here_or_is_refused_naming_the_field(
         assert "data.loader" in message and problem in message
 
 
-def test_auto_is_streaming_where_it_runs_else_petastorm(tmp_path: Path) -> None:
+def test_auto_is_delta_where_it_runs_else_streaming_else_petastorm(tmp_path: Path) -> None:
+    """Path tables on classic Spark: the first of delta, streaming, petastorm that imports
+    here (the default environment: delta; the Databricks ones: streaming; the legacy one:
+    petastorm)."""
     resolved = resolve_loader(_cfg(tmp_path, "auto"))[0].data.loader
-    assert resolved == ("streaming" if loader_problem("streaming") is None else "petastorm")
+    assert resolved == next(name for name in LOADERS if loader_problem(name) is None)
+    assert list(LOADERS) == ["delta", "streaming", "petastorm"]
 
 
 def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
@@ -68,8 +72,10 @@ def test_petastorm_on_a_new_pyarrow_names_the_version_and_the_loader_that_can(
     message = str(err.value)
     assert "data.loader: 'petastorm' cannot run on this stack" in message
     assert "pyarrow 19.0.1" in message and "pyarrow < 15" in message
-    assert "use data.loader=streaming instead" in message
-    assert resolve_loader(_cfg(tmp_path, "auto"))[0].data.loader == "streaming"
+    working = next(name for name in LOADERS if loader_problem(name) is None)
+    assert working in ("delta", "streaming")  # delta where deltalake is installed
+    assert f"use data.loader={working} instead" in message
+    assert resolve_loader(_cfg(tmp_path, "auto"))[0].data.loader == working
 
 
 def test_cli_refuses_a_loader_this_stack_cannot_run_before_spark_starts(tmp_path: Path) -> None:
