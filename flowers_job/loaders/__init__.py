@@ -119,11 +119,15 @@ def _runs_here(name: str, connect: str | None) -> str | None:
     return loader_problem(name) or session_problem(_registered(name), connect)
 
 
-def _first_fit(cfg: JobConfig | None, connect: str | None) -> str | None:
+def _first_fit(
+    cfg: JobConfig | None, connect: str | None, problems: dict[str, str | None] | None = None
+) -> str | None:
     """The loader 'auto' takes: the first of :data:`LOADERS` that runs here and does not
     pass itself over for ``cfg`` (:meth:`~flowers_job.loaders.base.Loader.auto_problem`;
-    not asked without a ``cfg``), else the first that runs here; None when none runs."""
-    runs = [name for name in LOADERS if _runs_here(name, connect) is None]
+    not asked without a ``cfg``), else the first that runs here; None when none runs.
+    ``problems``: :func:`_runs_here` of every loader, when the caller has them already."""
+    problems = problems or {name: _runs_here(name, connect) for name in LOADERS}
+    runs = [name for name in LOADERS if problems[name] is None]
     taken = [
         name for name in runs if cfg is None or _registered(name).auto_problem(cfg, connect) is None
     ]
@@ -173,7 +177,7 @@ def resolve_loader(cfg: JobConfig, connect: str | None = None) -> tuple[JobConfi
     wanted = cfg.data.loader
     if wanted == "auto":
         problems = {name: _runs_here(name, connect) for name in LOADERS}
-        name = _first_fit(cfg, connect)
+        name = _first_fit(cfg, connect, problems)
         if name is not None:
             passed = {
                 x: problems[x] or _registered(x).auto_problem(cfg, connect)
