@@ -34,6 +34,7 @@ __all__ = [
     "DeltaConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
+    "EmbeddingsConfig",
     "JobConfig",
     "LoadersConfig",
     "ModelConfig",
@@ -474,6 +475,27 @@ class CacheConfig(Section):
     append adds one; their small files slow the readers down)."""
 
 
+class EmbeddingsConfig(Section):
+    """The head trained on the ``embeddings`` table: the frozen backbone's features of each
+    photo's views, computed by Spark tasks once per photo (and per backbone, weights,
+    transform and view), kept in step with ``images`` by what changed
+    (:mod:`flowers_job.ingest.embeddings`). Each epoch then costs the head alone; the test
+    split is scored by the whole model on the photos, as the served model sees them."""
+
+    enabled: bool = False
+    """Train the head on the embeddings (needs ``model.freeze_backbone`` and pretrained
+    weights from the package or a file, and the Delta loader, which reads the table)."""
+    views: int = Field(2, ge=1, le=4)
+    """Views of each training photo embedded and trained on (an epoch visits each once):
+    1 the evaluation crop, 2 and its mirror image, 3 and a closer crop, 4 and its mirror
+    (:data:`flowers_job.vision.views.VIEWS`). Validation uses the evaluation crop alone."""
+
+    @property
+    def view_names(self) -> tuple[str, ...]:
+        """The names of the first ``views`` views."""
+        return ("centre", "mirror", "zoom", "zoom_mirror")[: self.views]
+
+
 class ServingConfig(Section):
     """What one request to the served model may cost. Written into the registered model's
     ``model_config`` when it is logged, and enforced by the model wherever it serves
@@ -491,7 +513,7 @@ class ServingConfig(Section):
 
 class JobConfig(Section):
     """The whole job: data, loaders, model, train, distributed, tracking, paths, tables,
-    cache, serving."""
+    cache, serving, embeddings."""
 
     data: DataConfig = DataConfig()
     loaders: LoadersConfig = LoadersConfig()
@@ -503,6 +525,7 @@ class JobConfig(Section):
     tables: TablesConfig = TablesConfig()
     cache: CacheConfig = CacheConfig()
     serving: ServingConfig = ServingConfig()
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -517,6 +540,27 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _check_recipe(self) -> JobConfig:
         check_recipe(self.model.freeze_backbone, self.train)
+        return self
+
+    @model_validator(mode="after")
+    def _check_embeddings(self) -> JobConfig:
+        if not self.embeddings.enabled:
+            return self
+        if not self.model.freeze_backbone:
+            raise ValueError(
+                "embeddings.enabled: the head trains on a frozen backbone's features; set "
+                "model.freeze_backbone=true (or embeddings.enabled=false to fine-tune)"
+            )
+        if self.model.resolved_weights not in ("package", "file"):
+            raise ValueError(
+                f"embeddings.enabled: model.weights {self.model.resolved_weights!r}; the "
+                "embeddings need the package's or a file's weights (every executor loads them)"
+            )
+        if self.data.loader not in ("auto", "delta"):
+            raise ValueError(
+                f"embeddings.enabled: data.loader={self.data.loader} writes a cache of images; "
+                "the embeddings table is read by data.loader=delta (or auto)"
+            )
         return self
 
     @model_validator(mode="after")

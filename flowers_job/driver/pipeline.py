@@ -133,6 +133,13 @@ def preflight(cfg: JobConfig, command: Command, connect: str | None = None) -> C
     loader = None
     if command in ("train", "run"):
         cfg, loader = resolve_loader(cfg, connect)
+        if cfg.embeddings.enabled and not loader.reads_table:
+            raise ConfigError(
+                "embeddings.enabled: the embeddings table is read by the Delta loader "
+                f"(path tables, classic Spark, deltalake installed); data.loader resolved to "
+                f"{loader.name} here: set embeddings.enabled=false, or run where the Delta "
+                "loader runs"
+            )
         check_run_packages()
     if command in ("ingest", "run"):
         check_images_root(cfg)
@@ -449,6 +456,7 @@ def _summary(
         "mlflow_tracking_uri": cfg.tracking_uri,
         "tables": {name: table_ref(cfg, name).describe() for name in TABLE_NAMES},
         "loader_cache": data.loader_cache,
+        "embeddings": data.embeddings,
         "restarts": len(restarts),
         "restart_history": [r.to_dict() for r in restarts],
         "history": result["history"],

@@ -80,6 +80,10 @@ class PreparedData:
     loader_cache: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Split -> how its loader cache was got (:class:`~flowers_job.loaders.cache_dir.CacheUse`):
     ``entry``, ``reused``, ``bytes_written``, ``seconds``, ``waited_seconds``."""
+    embeddings: dict[str, Any] | None = None
+    """With ``embeddings.enabled``: what bringing the ``embeddings`` table in step did
+    (:func:`~flowers_job.driver.embedding_data.embedding_plans`); the train and val plans
+    then read it."""
 
 
 def split_digest(df: DataFrame, label_names: list[str]) -> str:
@@ -237,6 +241,62 @@ def _table_plan(
     return plan, {"entry": None, "reused": False, "bytes_written": 0, "seconds": seconds}
 
 
+def _cache_plan(
+    spark: SparkSession,
+    cache: LoaderCache,
+    writer: Loader,
+    images: TableRef,
+    detail: Any,
+    checked: CheckedTables,
+    split: str,
+) -> tuple[ShardPlan, dict[str, Any]]:
+    """``split``'s loader cache entry (reused, grown or written by ``writer``) and plan, at
+    the checked version of ``images`` (``detail``: its ``DESCRIBE DETAIL``), and how it was
+    got (:class:`~flowers_job.loaders.cache_dir.CacheUse` as a dict)."""
+    version = checked.versions["images"]
+    size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
+    total = sum(checked.split_rows.values())
+    fields = {
+        "table": images.describe(),
+        "table_id": detail["id"] if detail is not None else None,
+        "version": version,
+        "split": split,
+        "loader": writer.name,
+        "settings": writer.cache_settings(split),
+    }
+    rows = checked.split_rows[split]
+    plan, use = cache.split(
+        spark,
+        writer,
+        split,
+        fields,
+        lambda: _split(spark, images, split, version),
+        cache_bytes_needed(size, rows / total),
+        lambda base: split_changes(spark, images, split, version, base, rows),
+    )
+    return plan, use.to_dict()
+
+
+def _embedding_plans(
+    spark: SparkSession,
+    cfg: JobConfig,
+    writer: Loader,
+    checked: CheckedTables,
+    uses: dict[str, dict[str, Any]],
+) -> tuple[dict[str, ShardPlan], dict[str, Any]]:
+    """The train and val plans of the ``embeddings`` table, brought in step with ``images``
+    at the checked version first (:func:`~flowers_job.driver.embedding_data.embedding_plans`),
+    and their records in ``uses`` (nothing written to a loader cache)."""
+    from flowers_job.driver.embedding_data import embedding_plans
+
+    plans, embedded = embedding_plans(
+        spark, cfg, writer, checked.versions["images"], checked.split_rows
+    )
+    for split in plans:
+        uses[split] = {"entry": None, "reused": False, "bytes_written": 0, "seconds": 0.0}
+    return plans, embedded
+
+
 @contextmanager
 def prepare_data(
     spark: SparkSession, cfg: JobConfig, loader: type[Loader]
@@ -267,39 +327,23 @@ def prepare_data(
     sharding = Sharding(cfg.world_size, cfg.num_partitions, cfg.train.per_device_batch_size)
     writer = loader(sharding, images.describe())
     detail = images.detail(spark)
-    size = int(detail["sizeInBytes"] or 0) if detail is not None else 0
-    total = sum(checked.split_rows.values())
+    embedded: dict[str, Any] | None = None
     with _plans(cfg, writer) as cache:
         plans: dict[str, ShardPlan] = {}
-        uses = {}
+        uses: dict[str, dict[str, Any]] = {}
+        if cfg.embeddings.enabled:
+            plans, embedded = _embedding_plans(spark, cfg, writer, checked, uses)
         for split in SPLITS:
-            if writer.reads_table:
+            if split in plans:
+                continue
+            if cache is None:  # a loader that reads the table
                 plans[split], uses[split] = _table_plan(
                     writer, checked, str(detail["location"]), split
                 )
                 continue
-            assert cache is not None
-            fields = {
-                "table": images.describe(),
-                "table_id": detail["id"] if detail is not None else None,
-                "version": version,
-                "split": split,
-                "loader": writer.name,
-                "settings": writer.cache_settings(split),
-            }
-            rows = checked.split_rows[split]
-            plans[split], use = cache.split(
-                spark,
-                writer,
-                split,
-                fields,
-                lambda split=split: _split(spark, images, split, version),  # type: ignore[misc]
-                cache_bytes_needed(size, rows / total),
-                lambda base, split=split, rows=rows: split_changes(  # type: ignore[misc]
-                    spark, images, split, version, base, rows
-                ),
+            plans[split], uses[split] = _cache_plan(
+                spark, cache, writer, images, detail, checked, split
             )
-            uses[split] = use.to_dict()
         yield PreparedData(
             plans["train"],
             plans["val"],
@@ -311,4 +355,5 @@ def prepare_data(
             lineage(spark, tables, checked),
             loader,
             uses,
+            embedded,
         )

@@ -380,12 +380,20 @@ class Loader(ABC):
         """
 
     def plan_table(
-        self, rows: int, row_id_sum: int, table_url: str, version: int, split: str
+        self,
+        rows: int,
+        row_id_sum: int,
+        table_url: str,
+        version: int,
+        split: str,
+        model_key: str | None = None,
+        views: list[str] | None = None,
     ) -> ShardPlan:
         """A :attr:`reads_table` loader's plan of ``split``, which holds ``rows`` rows whose
         ``row_id`` values sum to ``row_id_sum`` (exact; Spark counted them when it checked
         the tables) at Delta ``version`` of the table at ``table_url`` (its location, as
-        ``DESCRIBE DETAIL`` gives it), which the ranks read.
+        ``DESCRIBE DETAIL`` gives it), which the ranks read; with ``model_key``, the
+        ``embeddings`` table's rows of that key and ``views`` (features, not images).
 
         Raises:
             DataError: an empty split, or unworkable shards.

@@ -44,6 +44,7 @@ __all__ = [
     "is_ingest_metadata",
     "latest_commit",
     "merge_changes",
+    "merge_into",
     "merge_table",
     "null_safe_differs",
     "read_table_metadata",
@@ -407,24 +408,17 @@ def merge_table(
     assignments = ", ".join(f"`{c}` = s.`{c}`" for c in names)
     inserted = ", ".join(f"`{c}`" for c in names)
     values = ", ".join(f"s.`{c}`" for c in names)
-    view = f"flowers_job_merge_{uuid.uuid4().hex}"
-    statement = (
-        f"MERGE INTO {table.sql_name} t USING {view} s "
+    metrics = merge_into(
+        spark,
+        table,
+        source,
         "ON t.relative_path = s.relative_path "
         f"WHEN MATCHED AND (s._gone OR NOT ({keep})) THEN DELETE "
         f"WHEN MATCHED AND ({changed}) THEN UPDATE SET {assignments} "
         f"WHEN NOT MATCHED AND (({keep}) AND NOT s._gone) THEN INSERT ({inserted}) "
-        f"VALUES ({values})"
+        f"VALUES ({values})",
+        meta,
     )
-    source.createOrReplaceTempView(view)
-    try:
-        with _commit_metadata(spark, meta):
-            spark.sql(statement)
-    finally:
-        spark.catalog.dropTempView(view)
-    _check_commit(spark, table, meta)
-    commit = table.history(spark, 1).select("operationMetrics").first()
-    metrics = (commit["operationMetrics"] if commit is not None else None) or {}
     return {
         key: int(metrics.get(name, 0))
         for key, name in (
@@ -433,6 +427,31 @@ def merge_table(
             ("deleted", "numTargetRowsDeleted"),
         )
     }
+
+
+def merge_into(
+    spark: SparkSession, table: TableRef, source: DataFrame, clauses: str, meta: dict[str, object]
+) -> dict[str, str]:
+    """``MERGE INTO <table> t USING <source> s <clauses>`` in one commit that carries
+    ``meta``: ``source`` registered as a temp view of a unique name for the statement (the
+    same SQL on classic Spark and Spark Connect) and dropped after.
+
+    Returns:
+        Delta's ``operationMetrics`` of the commit (``numTargetRowsInserted``, ...).
+
+    Raises:
+        DataError: the commit does not carry ``meta['run_id']`` (another writer).
+    """
+    view = f"flowers_job_merge_{uuid.uuid4().hex}"
+    source.createOrReplaceTempView(view)
+    try:
+        with _commit_metadata(spark, meta):
+            spark.sql(f"MERGE INTO {table.sql_name} t USING {view} s {clauses}")
+    finally:
+        spark.catalog.dropTempView(view)
+    _check_commit(spark, table, meta)
+    commit = table.history(spark, 1).select("operationMetrics").first()
+    return dict((commit["operationMetrics"] if commit is not None else None) or {})
 
 
 def split_frame(spark: SparkSession, images: TableRef, version: int, split: str) -> DataFrame:

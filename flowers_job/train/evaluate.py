@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,13 +50,13 @@ def evaluate(
     model.eval()
     device = normalize.device
     if features is not None and features.batches is not None:
-        kept: Iterable[tuple[torch.Tensor, ...]] = features.batches
+        kept: Iterable[tuple[Any, ...]] = features.batches
     else:
         kept = _features(model, batches(), normalize, amp_dtype, features)
     sums = Sums(device)
-    for feats, y, valid, row_id in kept:
+    for feats, y, valid, row_id, is_features in kept:
         with autocast(device, amp_dtype):
-            logits = model.head(feats) if features is not None else feats
+            logits = model.head(feats) if is_features else feats
         sums.add(y, logits, masked_loss(criterion, logits, y, valid), valid, row_id)
     return sums.values()
 
@@ -66,17 +67,23 @@ def _features(
     normalize: DeviceNormalize,
     amp_dtype: torch.dtype | None,
     features: FrozenFeatures | None,
-) -> Iterator[tuple[torch.Tensor, ...]]:
-    """``(backbone features, or logits without features, labels, valid, row ids)`` per
-    batch; with ``features``, kept once the shard has been read to its end."""
-    kept: list[tuple[torch.Tensor, ...]] = []
+) -> Iterator[tuple[Any, ...]]:
+    """``(backbone features, or logits without features, labels, valid, row ids, whether
+    the first are features)`` per batch; with ``features``, kept once the shard has been
+    read to its end. A batch of the embeddings table brings its features
+    (``batch["features"]``)."""
+    kept: list[tuple[Any, ...]] = []
     for batch in batches:
-        x = normalize(batch["image"])
         y = batch["label_index"].to(normalize.device, non_blocking=True)
         valid = batch["valid"].to(normalize.device, non_blocking=True)
-        with autocast(normalize.device, amp_dtype):
-            out = model.backbone(x) if features is not None else model(x)
-        item = (out, y, valid, batch["row_id"])
+        if "features" in batch:
+            out, is_features = batch["features"].to(normalize.device, non_blocking=True), True
+        else:
+            x = normalize(batch["image"])
+            with autocast(normalize.device, amp_dtype):
+                out = model.backbone(x) if features is not None else model(x)
+            is_features = features is not None
+        item = (out, y, valid, batch["row_id"], is_features)
         if features is not None:
             kept.append(item)
         yield item

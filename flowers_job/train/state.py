@@ -72,7 +72,7 @@ class FrozenFeatures:
     """
 
     def __init__(self) -> None:
-        self.batches: list[tuple[torch.Tensor, ...]] | None = None
+        self.batches: list[tuple[Any, ...]] | None = None
 
 
 @dataclass

@@ -65,17 +65,23 @@ def forward(
     """Move a batch to the device, normalise it there (channels-last) and run the model under
     autocast.
 
-    ``batch["image"]`` is uint8 ``[B, 3, S, S]``; padding rows (``valid`` False) are masked
-    out of the loss (:func:`masked_loss`).
+    ``batch["image"]`` is uint8 ``[B, 3, S, S]``, or ``batch["features"]`` float32
+    ``[B, F]`` a frozen backbone's features (the embeddings table's: the head alone runs);
+    padding rows (``valid`` False) are masked out of the loss (:func:`masked_loss`).
 
     Returns:
         ``(labels [B] int64, logits [B, C], loss [] float32, valid [B] bool)``, on the device.
     """
-    x = normalize(batch["image"])
+    features = "features" in batch
+    x = (
+        batch["features"].to(normalize.device, non_blocking=True)
+        if features
+        else normalize(batch["image"])
+    )
     y = batch["label_index"].to(normalize.device, non_blocking=True)
     valid = batch["valid"].to(normalize.device, non_blocking=True)
     with autocast(normalize.device, dtype):
-        logits = model(x)
+        logits = model(x, from_features=True) if features else model(x)
     return y, logits, masked_loss(criterion, logits, y, valid), valid
 
 

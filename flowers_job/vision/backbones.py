@@ -150,7 +150,14 @@ class Classifier(nn.Module):
             module.eval()
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, from_features: bool = False) -> torch.Tensor:
+        """Logits ``[B, num_classes]`` of images ``x`` ``[B, 3, H, W]``, or, with
+        ``from_features`` and a frozen backbone, of its features ``x`` ``[B, num_features]``
+        (the embeddings table's: the head alone runs)."""
+        if from_features:
+            if not self.freeze_backbone:
+                raise ValueError("from_features: only a frozen backbone's features are fixed")
+            return self.head(x)
         if self.freeze_backbone:
             with torch.no_grad():
                 features = self.backbone(x)

@@ -41,10 +41,12 @@ if TYPE_CHECKING:
     from flowers_job.loaders.position import EpochStart
     from flowers_job.vision.decode_transform import DecodeTransform
 
-__all__ = ["COLUMNS", "DeltaReader"]
+__all__ = ["COLUMNS", "FEATURE_COLUMNS", "DeltaReader"]
 
 COLUMNS = ["row_id", "image", "label_index"]
-"""The columns a rank reads of the table's files."""
+"""The columns a rank reads of the ``images`` table's files."""
+FEATURE_COLUMNS = ["row_id", "features", "label_index"]
+"""The columns a rank reads of the ``embeddings`` table's files (a plan with a ``model_key``)."""
 
 BATCH_ROWS = 128
 """Rows per record batch of a file's forward read (``ParquetFile.iter_batches``): what a
@@ -61,7 +63,7 @@ class _Cursor:
     """One file's live rows, read forward from the live row ``start``, a record batch at a
     time from the row group that holds it, the deletion vector applied."""
 
-    def __init__(self, file: SplitFile, start: int) -> None:
+    def __init__(self, file: SplitFile, start: int, columns: list[str]) -> None:
         import pyarrow.parquet as pq
 
         self.file = file
@@ -78,7 +80,7 @@ class _Cursor:
         group = int(np.searchsorted(group_starts, self.skip, side="right")) - 1
         self.physical = int(group_starts[group])  # the next record batch's first row
         self.batches = parquet.iter_batches(
-            batch_size=BATCH_ROWS, row_groups=range(group, len(groups)), columns=COLUMNS
+            batch_size=BATCH_ROWS, row_groups=range(group, len(groups)), columns=columns
         )
         self.live = start  # the live row the next take starts at
         self.held: list[pa.RecordBatch] = []  # live rows read and not yet taken
@@ -104,7 +106,7 @@ class _Cursor:
         self.held_rows += batch.num_rows
 
     def take(self, n: int) -> pa.Table:
-        """The next ``n`` live rows (:data:`COLUMNS`)."""
+        """The next ``n`` live rows (the cursor's columns)."""
         import pyarrow as pa
 
         while self.held_rows < n:
@@ -120,9 +122,9 @@ class _Cursor:
         self.source.close()
 
 
-def _read_rows(file: SplitFile, start: int, n: int) -> pa.Table:
+def _read_rows(file: SplitFile, start: int, n: int, columns: list[str]) -> pa.Table:
     """``n`` live rows of ``file`` from its live row ``start``."""
-    cursor = _Cursor(file, start)
+    cursor = _Cursor(file, start, columns)
     try:
         return cursor.take(n)
     finally:
@@ -134,8 +136,10 @@ class _Windows:
     read from and the next one (read ahead in a thread) are held, each file read forward
     once (one :class:`_Cursor` each, closed after its last row of the epoch)."""
 
-    def __init__(self, rows: RankRows, files: list[SplitFile], window: int, first: int) -> None:
-        self.rows, self.files, self.window = rows, files, window
+    def __init__(
+        self, rows: RankRows, files: list[SplitFile], window: int, first: int, columns: list[str]
+    ) -> None:
+        self.rows, self.files, self.window, self.columns = rows, files, window, columns
         self.end = np.zeros(len(files), dtype=np.int64)  # each file's last live row + 1
         np.maximum.at(self.end, rows.file, rows.row + 1)
         self.cursors: dict[int, _Cursor] = {}
@@ -157,7 +161,7 @@ class _Windows:
             lo, hi = int(mine.min()), int(mine.max()) + 1
             cursor = self.cursors.get(f)
             if cursor is None:
-                cursor = self.cursors[f] = _Cursor(self.files[f], lo)
+                cursor = self.cursors[f] = _Cursor(self.files[f], lo, self.columns)
             if cursor.live != lo:  # the order's contract: each file's rows read forward
                 raise ShardError(
                     f"{self.files[f].url}: window {k} starts at live row {lo}, "
@@ -202,36 +206,45 @@ class _Windows:
 
 
 def _steps(
-    rows: RankRows, files: list[SplitFile], sizes: list[int], first: int, window: int
+    rows: RankRows,
+    files: list[SplitFile],
+    sizes: list[int],
+    first: int,
+    window: int,
+    columns: list[str],
 ) -> Iterator[dict[str, Any]]:
-    """Each step's stored rows from ``first`` on: ``step``, ``images`` (bytes), and int64
+    """Each step's stored rows from ``first`` on: ``step``, the payload (``images``: bytes
+    per row; or, reading ``features``, ``features``: float32 ``[rows, F]``), and int64
     ``row_id``, ``label_index`` and bool ``valid`` arrays; the rows past ``rows`` (the
     plan's padding, where ``sum(sizes)`` exceeds them) are copies of a real row with
     ``valid`` False. ``window``: the order's shuffle window (rows)."""
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     skipped = min(int(bounds[first]), len(rows))  # a restart's earlier steps: never read
-    reads = _Windows(rows, files, window, skipped) if len(rows) > skipped else None
+    reads = _Windows(rows, files, window, skipped, columns) if len(rows) > skipped else None
+    payload = columns[1]
     try:
         for step in range(first, len(sizes)):
             a, b = int(bounds[step]), int(bounds[step + 1])
             real = max(0, min(b, len(rows)) - a)
-            images: list[bytes] = []
+            values: list[Any] = []
             ids = np.zeros(b - a, dtype=np.int64)
             labels = np.zeros(b - a, dtype=np.int64)
             if real and reads is not None:
                 taken = reads.take(a, a + real)
-                images = taken.column("image").to_pylist()
+                values = _payload(taken, payload)
                 ids[:real] = taken.column("row_id").to_numpy()
                 labels[:real] = taken.column("label_index").to_numpy()
             pads = b - a - real
             if pads:  # padding: the epoch's first row again, masked out
-                filler = _first_row(rows, files)
-                images += [filler[0]] * pads
+                filler = _first_row(rows, files, columns)
+                values += [filler[0]] * pads
                 ids[real:], labels[real:] = filler[1], filler[2]
             valid = np.arange(b - a) < real
             yield {
                 "step": step,
-                "images": images,
+                "images" if payload == "image" else "features": (
+                    values if payload == "image" else np.stack(values)
+                ),
                 "row_id": ids,
                 "label_index": labels,
                 "valid": valid,
@@ -241,14 +254,22 @@ def _steps(
             reads.close()
 
 
-def _first_row(rows: RankRows, files: list[SplitFile]) -> tuple[bytes, int, int]:
+def _payload(table: pa.Table, column: str) -> list[Any]:
+    """The rows' stored images (bytes), or their features (float32 ``[F]`` arrays)."""
+    if column == "image":
+        return table.column("image").to_pylist()
+    flat = table.column(column).combine_chunks()
+    return list(flat.flatten().to_numpy().astype(np.float32).reshape(len(flat), -1))
+
+
+def _first_row(rows: RankRows, files: list[SplitFile], columns: list[str]) -> tuple[Any, int, int]:
     """A row to copy as padding: this rank's first, else the split's first live row."""
     if len(rows):
-        t = _read_rows(files[int(rows.file[0])], int(rows.row[0]), 1)
+        t = _read_rows(files[int(rows.file[0])], int(rows.row[0]), 1, columns)
     else:
-        t = _read_rows(next(f for f in files if f.live_rows), 0, 1)
+        t = _read_rows(next(f for f in files if f.live_rows), 0, 1, columns)
     return (
-        t.column("image")[0].as_py(),
+        _payload(t, columns[1])[0],
         t.column("row_id")[0].as_py(),
         t.column("label_index")[0].as_py(),
     )
@@ -267,7 +288,9 @@ class _DecodeSteps:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(batch_seed(self.seed, self.epoch, self.rank, rows["step"]))
-            if self.transform.undecoded:
+            if "features" in rows:  # the embeddings table: nothing to decode
+                images = {"features": torch.from_numpy(rows["features"])}
+            elif self.transform.undecoded:
                 jpeg, length = pad_jpegs(rows["images"], self.transform.jpeg_width)
                 images = {JPEG_KEY: torch.from_numpy(jpeg), LENGTH_KEY: torch.from_numpy(length)}
             else:
@@ -306,7 +329,8 @@ class DeltaReader:
         self.workers, self.pin_memory = workers, pin_memory
         self.steps_per_epoch = plan.steps_per_epoch
         table = open_table(plan.cache_dir_url, plan.version)
-        self.files = split_files(table, plan.cache_dir_url, plan.split)
+        self.files = split_files(table, plan.cache_dir_url, plan.split, plan.model_key, plan.views)
+        self.columns = FEATURE_COLUMNS if plan.model_key is not None else COLUMNS
         live = sum(f.live_rows for f in self.files)
         if live != plan.dataset_size:
             raise ShardError(
@@ -338,7 +362,9 @@ class DeltaReader:
             raise ShardError(f"rank {self.rank}: a restart at step {first} of {len(sizes)}")
         loader: DataLoader[Batch] = DataLoader(
             _DecodeSteps(self.transform, self.seed, epoch, self.rank),  # type: ignore[arg-type]
-            sampler=_steps(rows, self.files, sizes, first, self.settings.shuffle_window_rows),
+            sampler=_steps(
+                rows, self.files, sizes, first, self.settings.shuffle_window_rows, self.columns
+            ),
             batch_size=None,
             num_workers=self.workers,
             prefetch_factor=self.settings.prefetch_batches if self.workers else None,

@@ -103,13 +103,20 @@ def _stored_rows(file_url: str) -> int:
         return int(pq.ParquetFile(f).metadata.num_rows)
 
 
-def split_files(table: DeltaTable, url: str, split: str) -> list[SplitFile]:
+def split_files(
+    table: DeltaTable,
+    url: str,
+    split: str,
+    model_key: str | None = None,
+    views: list[str] | None = None,
+) -> list[SplitFile]:
     """The files of ``split`` (the ``split`` partition) at the table's version, sorted by
-    path, with their deletion vectors' keep-masks.
+    path, with their deletion vectors' keep-masks. With ``model_key`` (the ``embeddings``
+    table), only that key's files of ``views``.
 
     Raises:
-        DataError: the table is not partitioned by ``split``, or a keep-mask's length is not
-            its file's row count.
+        DataError: the table is not partitioned by ``split`` (and, with ``model_key``, by
+            ``model_key`` and ``view``), or a keep-mask's length is not its file's row count.
     """
     import numpy as np
     import pyarrow as pa
@@ -120,16 +127,14 @@ def split_files(table: DeltaTable, url: str, split: str) -> list[SplitFile]:
             f"data.loader=delta: the table {url} is not partitioned by split (its files' "
             "partition columns are not given); only the job's images table can be read"
         )
+    wanted = _partition_filter(actions, url, split, model_key, views)
     root = _table_url(url)
     masks = _keep_masks(table)
     found = []
-    for path, rows, part in zip(
-        actions["path"].to_pylist(),
-        actions["num_records"].to_pylist(),
-        actions["partition.split"].to_pylist(),
-        strict=True,
+    for path, rows, keep_file in zip(
+        actions["path"].to_pylist(), actions["num_records"].to_pylist(), wanted, strict=True
     ):
-        if part != split:
+        if not keep_file:
             continue
         file_url = f"{root}/{unquote(path)}"
         stored = int(rows) if rows is not None else _stored_rows(file_url)
@@ -141,6 +146,27 @@ def split_files(table: DeltaTable, url: str, split: str) -> list[SplitFile]:
             )
         found.append(SplitFile(file_url, stored, None if keep is None else np.asarray(keep)))
     return sorted(found, key=lambda f: f.url)
+
+
+def _partition_filter(
+    actions: Any, url: str, split: str, model_key: str | None, views: list[str] | None
+) -> list[bool]:
+    """Whether each add action's file holds rows of ``split`` (and of ``model_key`` and
+    ``views``, when given).
+
+    Raises:
+        DataError: a partition column the filter needs is missing.
+    """
+    columns = {"split": [split]}
+    if model_key is not None:
+        columns |= {"model_key": [model_key], "view": list(views or [])}
+    wanted = [True] * actions.num_rows
+    for column, values in columns.items():
+        name = f"partition.{column}"
+        if name not in actions.column_names:
+            raise DataError(f"data.loader=delta: the table {url} is not partitioned by {column}")
+        wanted = [w and v in values for w, v in zip(wanted, actions[name].to_pylist(), strict=True)]
+    return wanted
 
 
 def _keep_masks(table: DeltaTable) -> dict[str, Any]:

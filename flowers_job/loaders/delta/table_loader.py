@@ -80,13 +80,22 @@ class DeltaLoader(Loader):
         raise DataError("the delta loader reads the table itself: it writes no cache")
 
     def plan_table(
-        self, rows: int, row_id_sum: int, table_url: str, version: int, split: str
+        self,
+        rows: int,
+        row_id_sum: int,
+        table_url: str,
+        version: int,
+        split: str,
+        model_key: str | None = None,
+        views: list[str] | None = None,
     ) -> ShardPlan:
         """The plan of ``split``, ``rows`` rows at ``version`` of the table at ``table_url``
         whose ``row_id`` values sum to ``row_id_sum`` (Spark's count when it checked the
         tables; the plan's checksum is that sum wrapped to int64,
         :func:`~flowers_job.loaders.base.wrap_int64`). No Spark job: the log is read with
-        delta-rs (:meth:`_check_readable`).
+        delta-rs (:meth:`_check_readable`). With ``model_key``, the table is the
+        ``embeddings`` table and the rows are ``views`` of that key's features
+        (:class:`~flowers_job.loaders.delta.version_plan.DeltaPlan`).
 
         Raises:
             DataError: an empty split, delta-rs reads other live rows than ``rows``, or
@@ -95,7 +104,7 @@ class DeltaLoader(Loader):
         checksum = wrap_int64(row_id_sum)
         if rows == 0:
             raise DataError(f"the {split} split of {self.source} at version {version} is empty")
-        self._check_readable(table_url, version, split, rows)
+        self._check_readable(table_url, version, split, rows, model_key, views)
         world_size, batch = self.sharding.world_size, self.sharding.per_device_batch_size
         real = [stop - start for start, stop in shard_ranges(rows, world_size)]
         check_batch_fits(real, batch, world_size, split, split == "train")
@@ -113,9 +122,19 @@ class DeltaLoader(Loader):
             version=version,
             split=split,
             padding_per_shard=padding if any(padding) else None,
+            model_key=model_key,
+            views=list(views) if views is not None else None,
         )
 
-    def _check_readable(self, table_url: str, version: int, split: str, rows: int) -> None:
+    def _check_readable(
+        self,
+        table_url: str,
+        version: int,
+        split: str,
+        rows: int,
+        model_key: str | None = None,
+        views: list[str] | None = None,
+    ) -> None:
         """Before any rank starts: delta-rs reads the table's log at ``version`` here, as
         the ranks will, and finds ``rows`` live rows in ``split`` (Spark's count). The log
         is read once per run and version.
@@ -133,7 +152,7 @@ class DeltaLoader(Loader):
         try:
             if self._opened is None or self._opened[0] != key:
                 self._opened = (key, open_table(table_url, version))
-            files = split_files(self._opened[1], table_url, split)
+            files = split_files(self._opened[1], table_url, split, model_key, views)
         except DataError as exc:
             raise DataError(f"{exc}{advice}") from exc
         live = sum(f.live_rows for f in files)

@@ -237,9 +237,9 @@ def test_files_of_many_row_groups_are_read_forward_once_a_window_at_a_time(
     opened: list[str] = []
     real_cursor = file_reader._Cursor
 
-    def counted(file: SplitFile, start: int) -> file_reader._Cursor:
+    def counted(file: SplitFile, start: int, columns: list[str]) -> file_reader._Cursor:
         opened.append(file.url)
-        return real_cursor(file, start)
+        return real_cursor(file, start, columns)
 
     monkeypatch.setattr(file_reader, "_Cursor", counted)
     plan = _plan(uri, "train", 2, batch=4)

@@ -1,0 +1,334 @@
+"""The ``embeddings`` Delta table: a frozen backbone's features of every photo of ``images``,
+computed by Spark tasks once per photo, backbone, transform and view, and kept in step with
+``images`` incrementally.
+
+**Rows.** One per (``images`` row, view) and :attr:`~flowers_job.vision.views.EmbeddingSpec.model_key`:
+the row's ``row_id``, ``relative_path``, ``content_sha256``, ``label_index`` and ``split``, the
+``model_key``, the ``view`` (:data:`~flowers_job.vision.views.VIEWS`) and ``features``
+(``array<float>``, the backbone's pooled output). Partitioned by ``model_key``, ``view`` and
+``split``, so a training read of one backbone's views of one split opens only their files.
+
+**Incremental** (:func:`update_embeddings`), against ``images`` at one version:
+
+- a row of ``images`` without its (``row_id``, ``content_sha256``, ``view``) for this
+  ``model_key`` is embedded, unless a row with the same content already has that view's
+  features, which are copied (a photo moved to another folder costs no forward pass);
+- a row of the table whose (``row_id``, ``content_sha256``) is no longer live in ``images``
+  leaves it, for every ``model_key``; a live one whose ``label_index`` or ``split`` changed is
+  updated in place, without a forward pass;
+- another backbone, weights file or transform is another ``model_key``: new rows, never
+  mixed with these; views beyond the configured ones stay, unread.
+
+All of it is one ``MERGE`` commit carrying the ``images`` version and the ``model_key``
+(``userMetadata``), or no commit when nothing changed: a reader never sees half an update.
+
+**Tasks.** The rows to embed are spread over tasks of at most :data:`ROWS_PER_TASK` photos;
+each task's Python worker builds the backbone once (Spark reuses its workers) and decodes
+each photo once for all its views, with as many torch threads as the task holds cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql import types as T
+
+from flowers_job.cluster.python_workers import prepare_worker
+from flowers_job.errors import DataError
+from flowers_job.tables.delta_tables import TABLE_PROPERTIES, merge_into, write_table
+from flowers_job.tables.table_ref import TableRef
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from pyspark.sql import DataFrame, SparkSession
+
+    from flowers_job.vision.views import EmbeddingSpec
+
+__all__ = [
+    "EMBEDDINGS_SCHEMA",
+    "PARTITION_BY",
+    "ROWS_PER_TASK",
+    "EmbeddingCounts",
+    "update_embeddings",
+]
+
+EMBEDDINGS_SCHEMA = T.StructType(
+    [
+        T.StructField("row_id", T.LongType()),
+        T.StructField("relative_path", T.StringType()),
+        T.StructField("content_sha256", T.StringType()),
+        T.StructField("label_index", T.IntegerType()),
+        T.StructField("split", T.StringType()),
+        T.StructField("model_key", T.StringType()),
+        T.StructField("view", T.StringType()),
+        T.StructField("features", T.ArrayType(T.FloatType())),
+    ]
+)
+"""The ``embeddings`` table's columns."""
+
+PARTITION_BY = ("model_key", "view", "split")
+
+ROWS_PER_TASK = 256
+"""Photos per embedding task at most: on 2 cores, EfficientNet-Lite2's two views of 256 photos
+take about half a minute, so a lost task costs little and the tasks fill every slot."""
+
+_KEY = ("row_id", "content_sha256", "view")
+_LIVE = ("row_id", "relative_path", "content_sha256", "label_index", "split")
+
+
+@dataclass(frozen=True)
+class EmbeddingCounts:
+    """What :func:`update_embeddings` did: rows ``embedded`` (a forward pass each),
+    ``copied`` (features of the same content and view), ``updated`` (label or split),
+    ``deleted``; ``version`` the table's version after it (None: no table yet and nothing
+    to write); ``seconds`` of wall time."""
+
+    embedded: int
+    copied: int
+    updated: int
+    deleted: int
+    version: int | None
+    seconds: float
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.embedded or self.copied or self.updated or self.deleted)
+
+
+_WORKER_BACKBONES: dict[str, Any] = {}
+"""model_key -> (backbone, normalize), built once per Python worker."""
+
+
+def _worker_backbone(spec: EmbeddingSpec) -> Any:
+    """The frozen backbone of ``spec`` and its input normalisation, built on the first call
+    in this Python worker, on a GPU where the task's worker has one; torch's threads set to
+    the task's cores."""
+    import torch
+
+    from flowers_job.runtime.devices import serving_device
+    from flowers_job.serving.score_udf import task_threads
+    from flowers_job.vision.backbones import build_model, preprocessing_for
+    from flowers_job.vision.precision import DeviceNormalize
+
+    threads = task_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    built = _WORKER_BACKBONES.get(spec.model_key)
+    if built is None:
+        device = serving_device()
+        model = build_model(
+            spec.architecture,
+            1,
+            spec.weights,  # type: ignore[arg-type]
+            weights_path=spec.weights_path,
+            freeze_backbone=True,
+        )
+        backbone = model.backbone.eval()
+        backbone.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
+        pre = preprocessing_for(spec.architecture)
+        built = (backbone, DeviceNormalize(pre.mean, pre.std, device))
+        _WORKER_BACKBONES[spec.model_key] = built
+    return built
+
+
+def _embed_partitions(
+    spec: EmbeddingSpec,
+) -> Callable[[Iterable[pd.DataFrame]], Iterator[pd.DataFrame]]:
+    """The ``mapInPandas`` function: rows of :data:`_LIVE` plus ``image`` (stored bytes) and
+    ``views`` (``array<string>``) in, one :data:`EMBEDDINGS_SCHEMA` row per view out.
+
+    Raises (in the task):
+        DataError: a stored image does not decode, naming its ``relative_path``.
+    """
+
+    def embed(batches: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        import pandas as pd
+
+        from flowers_job.vision.images import open_rgb
+        from flowers_job.vision.views import embed_views
+
+        prepare_worker()
+        backbone, normalize = _worker_backbone(spec)
+        for pdf in batches:
+            images = []
+            for path, content in zip(pdf["relative_path"], pdf["image"], strict=True):
+                try:
+                    images.append(open_rgb(bytes(content))[0])
+                except Exception as exc:
+                    raise DataError(
+                        f"embeddings: the stored image of {path} does not decode "
+                        f"({type(exc).__name__}: {exc})"
+                    ) from exc
+            views = [list(v) for v in pdf["views"]]
+            features = embed_views(backbone, images, spec, views, normalize)
+            rows = pdf.loc[pdf.index.repeat([len(v) for v in views]), list(_LIVE)]
+            rows = rows.reset_index(drop=True)
+            rows["model_key"] = spec.model_key
+            rows["view"] = [v for names in views for v in names]
+            rows["features"] = [row for block in features for row in block]
+            yield pd.DataFrame(rows, columns=EMBEDDINGS_SCHEMA.fieldNames())
+
+    return embed
+
+
+def _embedded(spark: SparkSession, todo: DataFrame, live: DataFrame, spec: EmbeddingSpec) -> Any:
+    """``todo``'s keys (:data:`_LIVE` + ``view``) with their features: each photo decoded
+    once for all its views, in tasks of at most :data:`ROWS_PER_TASK` photos."""
+    from pyspark.sql import functions as F
+
+    photos = todo.groupBy(*_LIVE).agg(F.sort_array(F.collect_list("view")).alias("views"))
+    n = photos.count()
+    images = live.select("row_id", "content_sha256", "image")
+    work = photos.join(images, ["row_id", "content_sha256"]).repartition(
+        max(1, math.ceil(n / ROWS_PER_TASK)), "row_id"
+    )
+    return work.mapInPandas(_embed_partitions(spec), schema=EMBEDDINGS_SCHEMA)
+
+
+def update_embeddings(
+    spark: SparkSession,
+    images: TableRef,
+    version: int,
+    table: TableRef,
+    spec: EmbeddingSpec,
+    run_id: str,
+) -> EmbeddingCounts:
+    """Bring ``table`` (the embeddings) in step with ``images`` at ``version`` for ``spec``:
+    what the module docstring lists, in one commit carrying ``run_id``, ``images_version``
+    and ``model_key``, or none when nothing changed.
+
+    Returns:
+        :class:`EmbeddingCounts`.
+
+    Raises:
+        DataError: a stored image does not decode (naming it), or another writer committed
+            to ``table`` at the same time.
+    """
+    import time
+
+    from pyspark.sql import functions as F
+
+    t0 = time.perf_counter()
+    live = images.read(spark, version).select(*_LIVE, "image")
+    views = spark.createDataFrame([(v,) for v in spec.views], "view string")
+    wanted = live.select(*_LIVE).crossJoin(views)
+    meta = {"run_id": run_id, "images_version": version, "model_key": spec.model_key}
+    if not table.exists(spark):
+        rows = _embedded(spark, wanted, live, spec)
+        write_table(spark, rows, table, meta, PARTITION_BY, TABLE_PROPERTIES)
+        embedded = table.read(spark).count()
+        return EmbeddingCounts(embedded, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
+    current = table.read(spark)
+    todo, copied, relabeled, gone = _changes(current, wanted, live, spec.model_key)
+    counts = {
+        "embedded": todo.count(),
+        "copied": copied.count(),
+        "updated": relabeled.count(),
+        "gone": gone.count(),
+    }
+    if not any(counts.values()):
+        return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
+    names = EMBEDDINGS_SCHEMA.fieldNames()
+    source = (
+        _embedded(spark, todo, live, spec)
+        .unionByName(copied.select(*names))
+        .withColumn("_op", F.lit("insert"))
+        .unionByName(_keyed(relabeled, "update", spec.model_key, names))
+        .unionByName(_keyed(gone.crossJoin(_all_keys(current)), "delete", None, names))
+    )
+    deleted = _merge(spark, table, source, meta)
+    return EmbeddingCounts(
+        counts["embedded"],
+        counts["copied"],
+        counts["updated"],
+        deleted,
+        _version(spark, table),
+        time.perf_counter() - t0,
+    )
+
+
+def _changes(
+    current: DataFrame, wanted: DataFrame, live: DataFrame, model_key: str
+) -> tuple[DataFrame, DataFrame, DataFrame, DataFrame]:
+    """What :func:`update_embeddings` changes in the table read as ``current``, to hold
+    ``wanted`` (:data:`_LIVE` + ``view`` of every live photo) for ``model_key``:
+
+    - ``todo``: keys to embed (:data:`_LIVE` + ``view``);
+    - ``copied``: keys whose content and view another row holds, with its ``features`` and
+      the ``model_key``;
+    - ``relabeled``: keys whose ``label_index`` or ``split`` changed (the new ones);
+    - ``gone``: (``row_id``, ``content_sha256``) of the table no longer live.
+    """
+    from pyspark.sql import functions as F
+
+    mine = current.where(F.col("model_key") == model_key)
+    new = wanted.join(mine.select(*_KEY), list(_KEY), "left_anti")
+    donors = mine.select("content_sha256", "view", "features").dropDuplicates(
+        ["content_sha256", "view"]
+    )
+    copied = new.join(donors, ["content_sha256", "view"]).withColumn("model_key", F.lit(model_key))
+    todo = new.join(donors, ["content_sha256", "view"], "left_anti")
+    relabeled = (
+        mine.select(*_KEY, "label_index", "split")
+        .alias("t")
+        .join(wanted.alias("s"), list(_KEY))
+        .where("NOT (t.label_index <=> s.label_index) OR NOT (t.split <=> s.split)")
+        .select(*_KEY, F.col("s.label_index"), F.col("s.split"))
+    )
+    gone = (
+        current.select("row_id", "content_sha256")
+        .distinct()
+        .join(live.select("row_id", "content_sha256"), ["row_id", "content_sha256"], "left_anti")
+    )
+    return todo, copied, relabeled, gone
+
+
+def _all_keys(current: DataFrame) -> DataFrame:
+    """Every (``model_key``, ``view``) the table holds: a gone photo leaves under each."""
+    return current.select("model_key", "view").distinct()
+
+
+def _keyed(df: DataFrame, op: str, model_key: str | None, names: list[str]) -> DataFrame:
+    """``df`` as MERGE source rows of operation ``op`` (the columns it lacks null)."""
+    from pyspark.sql import functions as F
+
+    if model_key is not None:
+        df = df.withColumn("model_key", F.lit(model_key))
+    for field in EMBEDDINGS_SCHEMA.fields:
+        if field.name not in df.columns:
+            df = df.withColumn(field.name, F.lit(None).cast(field.dataType))
+    return df.select(*names).withColumn("_op", F.lit(op))
+
+
+def _merge(spark: SparkSession, table: TableRef, source: DataFrame, meta: dict[str, object]) -> int:
+    """One ``MERGE`` of ``source`` (:data:`EMBEDDINGS_SCHEMA` + ``_op``: insert, update or
+    delete) into ``table`` on (``row_id``, ``content_sha256``, ``model_key``, ``view``),
+    committing ``meta``.
+
+    Returns:
+        Rows deleted (Delta's ``numTargetRowsDeleted``).
+    """
+    names = EMBEDDINGS_SCHEMA.fieldNames()
+    metrics = merge_into(
+        spark,
+        table,
+        source,
+        "ON t.row_id = s.row_id AND t.content_sha256 = s.content_sha256 "
+        "AND t.model_key = s.model_key AND t.view = s.view "
+        "WHEN MATCHED AND s._op = 'delete' THEN DELETE "
+        "WHEN MATCHED AND s._op = 'update' THEN UPDATE SET "
+        "label_index = s.label_index, split = s.split "
+        f"WHEN NOT MATCHED AND s._op = 'insert' THEN INSERT ({', '.join(names)}) "
+        f"VALUES ({', '.join(f's.{c}' for c in names)})",
+        meta,
+    )
+    return int(metrics.get("numTargetRowsDeleted", 0))
+
+
+def _version(spark: SparkSession, table: TableRef) -> int | None:
+    """The table's latest version."""
+    row = table.history(spark, 1).select("version").first()
+    return None if row is None else int(row["version"])
