@@ -71,6 +71,11 @@ EMBEDDINGS_SCHEMA = T.StructType(
 
 PARTITION_BY = ("model_key", "view", "split")
 
+PHOTOS_PER_PASS = 32
+"""Photos a task decodes and embeds at a time (their views in forward passes of 32): what
+one pass holds in memory is about 32 decoded photos and their crops, whatever Arrow's batch
+size (``spark.sql.execution.arrow.maxRecordsPerBatch``)."""
+
 ROWS_PER_TASK = 256
 """Photos per embedding task at most: on 2 cores, EfficientNet-Lite2's two views of 256 photos
 take about half a minute, so a lost task costs little and the tasks fill every slot."""
@@ -134,42 +139,54 @@ def _worker_backbone(spec: EmbeddingSpec) -> Any:
     return built
 
 
+def _embed_rows(pdf: pd.DataFrame, spec: EmbeddingSpec) -> pd.DataFrame:
+    """One pass: ``pdf``'s photos decoded, their views embedded, one
+    :data:`EMBEDDINGS_SCHEMA` row per view.
+
+    Raises:
+        DataError: a stored image does not decode, naming its ``relative_path``.
+    """
+    import pandas as pd
+
+    from flowers_job.vision.images import open_rgb
+    from flowers_job.vision.views import embed_views
+
+    backbone, normalize = _worker_backbone(spec)
+    images = []
+    for path, content in zip(pdf["relative_path"], pdf["image"], strict=True):
+        try:
+            images.append(open_rgb(bytes(content))[0])
+        except Exception as exc:
+            raise DataError(
+                f"embeddings: the stored image of {path} does not decode "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+    views = [list(v) for v in pdf["views"]]
+    features = embed_views(backbone, images, spec, views, normalize)
+    rows = pdf.loc[pdf.index.repeat([len(v) for v in views]), list(_LIVE)]
+    rows = rows.reset_index(drop=True)
+    rows["model_key"] = spec.model_key
+    rows["view"] = [v for names in views for v in names]
+    rows["features"] = [row for block in features for row in block]
+    return pd.DataFrame(rows, columns=EMBEDDINGS_SCHEMA.fieldNames())
+
+
 def _embed_partitions(
     spec: EmbeddingSpec,
 ) -> Callable[[Iterable[pd.DataFrame]], Iterator[pd.DataFrame]]:
     """The ``mapInPandas`` function: rows of :data:`_LIVE` plus ``image`` (stored bytes) and
-    ``views`` (``array<string>``) in, one :data:`EMBEDDINGS_SCHEMA` row per view out.
+    ``views`` (``array<string>``) in, one :data:`EMBEDDINGS_SCHEMA` row per view out,
+    :data:`PHOTOS_PER_PASS` photos at a time.
 
     Raises (in the task):
         DataError: a stored image does not decode, naming its ``relative_path``.
     """
 
     def embed(batches: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
-        import pandas as pd
-
-        from flowers_job.vision.images import open_rgb
-        from flowers_job.vision.views import embed_views
-
         prepare_worker()
-        backbone, normalize = _worker_backbone(spec)
-        for pdf in batches:
-            images = []
-            for path, content in zip(pdf["relative_path"], pdf["image"], strict=True):
-                try:
-                    images.append(open_rgb(bytes(content))[0])
-                except Exception as exc:
-                    raise DataError(
-                        f"embeddings: the stored image of {path} does not decode "
-                        f"({type(exc).__name__}: {exc})"
-                    ) from exc
-            views = [list(v) for v in pdf["views"]]
-            features = embed_views(backbone, images, spec, views, normalize)
-            rows = pdf.loc[pdf.index.repeat([len(v) for v in views]), list(_LIVE)]
-            rows = rows.reset_index(drop=True)
-            rows["model_key"] = spec.model_key
-            rows["view"] = [v for names in views for v in names]
-            rows["features"] = [row for block in features for row in block]
-            yield pd.DataFrame(rows, columns=EMBEDDINGS_SCHEMA.fieldNames())
+        for batch in batches:
+            for start in range(0, len(batch), PHOTOS_PER_PASS):
+                yield _embed_rows(batch.iloc[start : start + PHOTOS_PER_PASS], spec)
 
     return embed
 
