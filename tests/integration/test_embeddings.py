@@ -96,6 +96,7 @@ def _check_in_step(
     return rows
 
 
+@pytest.mark.tier("full")
 def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     spark: SparkSession, tmp_path: Path
 ) -> None:
