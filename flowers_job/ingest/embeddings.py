@@ -19,8 +19,11 @@ the row's ``row_id``, ``relative_path``, ``content_sha256``, ``label_index`` and
 - another backbone, weights file or transform is another ``model_key``: new rows, never
   mixed with these; views beyond the configured ones stay, unread.
 
-All of it is one ``MERGE`` commit carrying the ``images`` version and the ``model_key``
-(``userMetadata``), or no commit when nothing changed: a reader never sees half an update.
+All of it is one ``MERGE`` commit carrying the ``images`` version, the ``model_key`` and the
+views (``userMetadata``), or no commit when nothing changed: a reader never sees half an
+update. When the table's latest commit is this job's update for the same ``images`` version,
+``model_key`` and views, the table is in step and nothing is read (an unchanged run costs a
+read of the log).
 
 **Tasks.** The rows to embed are spread over tasks of at most :data:`ROWS_PER_TASK` photos;
 each task's Python worker builds the backbone once (Spark reuses its workers) and decodes
@@ -38,7 +41,12 @@ from pyspark.sql import types as T
 
 from flowers_job.cluster.python_workers import prepare_worker
 from flowers_job.errors import DataError
-from flowers_job.tables.delta_tables import TABLE_PROPERTIES, merge_into, write_table
+from flowers_job.tables.delta_tables import (
+    TABLE_PROPERTIES,
+    latest_commit,
+    merge_into,
+    write_table,
+)
 from flowers_job.tables.table_ref import TableRef
 
 if TYPE_CHECKING:
@@ -109,10 +117,12 @@ _WORKER_BACKBONES: dict[str, Any] = {}
 
 def _worker_backbone(spec: EmbeddingSpec) -> Any:
     """The frozen backbone of ``spec`` and its input normalisation, built on the first call
-    in this Python worker, on a GPU where the task's worker has one; torch's threads set to
-    the task's cores."""
+    in this Python worker, on a GPU where the task's worker has one, with the allocator
+    tuned as the ranks' (:func:`~flowers_job.runtime.allocator.tune_this_process`); torch's
+    threads set to the task's cores."""
     import torch
 
+    from flowers_job.runtime.allocator import tune_this_process
     from flowers_job.runtime.devices import serving_device
     from flowers_job.serving.score_udf import task_threads
     from flowers_job.vision.backbones import build_model, preprocessing_for
@@ -123,6 +133,7 @@ def _worker_backbone(spec: EmbeddingSpec) -> Any:
         torch.set_num_threads(threads)
     built = _WORKER_BACKBONES.get(spec.model_key)
     if built is None:
+        tune_this_process()  # where the executor's environment lacks the allocator's tuning
         device = serving_device()
         model = build_model(
             spec.architecture,
@@ -232,8 +243,16 @@ def update_embeddings(
     live = images.read(spark, version).select(*_LIVE, "image")
     views = spark.createDataFrame([(v,) for v in spec.views], "view string")
     wanted = live.select(*_LIVE).crossJoin(views)
-    meta = {"run_id": run_id, "images_version": version, "model_key": spec.model_key}
-    if not table.exists(spark):
+    meta = {
+        "run_id": run_id,
+        "images_version": version,
+        "model_key": spec.model_key,
+        "views": list(spec.views),
+    }
+    latest = latest_commit(spark, table)
+    if latest is not None and _in_step(latest[1], meta):
+        return EmbeddingCounts(0, 0, 0, 0, latest[0], time.perf_counter() - t0)
+    if latest is None:
         rows = _embedded(spark, wanted, live, spec)
         write_table(spark, rows, table, meta, PARTITION_BY, TABLE_PROPERTIES)
         embedded = table.read(spark).count()
@@ -264,6 +283,21 @@ def update_embeddings(
         deleted,
         _version(spark, table),
         time.perf_counter() - t0,
+    )
+
+
+def _in_step(last: dict[str, object] | None, meta: dict[str, object]) -> bool:
+    """Whether the table's latest commit that changed rows (``last``: its metadata) was
+    this job's update for the same ``images`` version and ``model_key``, with every view of
+    ``meta``: then it holds what this update would write, and nothing is read."""
+    if last is None:
+        return False
+    views = last.get("views")
+    return (
+        last.get("images_version") == meta["images_version"]
+        and last.get("model_key") == meta["model_key"]
+        and isinstance(views, list)
+        and set(meta["views"]) <= set(views)  # type: ignore[call-overload]
     )
 
 
