@@ -61,7 +61,13 @@ def _version(spark: SparkSession, table: TableRef) -> int:
     return int(row["version"])
 
 
-def _rows(spark: SparkSession, table: TableRef, model_key: str) -> dict[tuple[object, ...], object]:
+Key = tuple[int, str, str]
+"""(row_id, content_sha256, view)."""
+Row = tuple[int, str, np.ndarray]
+"""(label_index, split, features)."""
+
+
+def _rows(spark: SparkSession, table: TableRef, model_key: str) -> dict[Key, Row]:
     """(row_id, content_sha256, view) -> (label_index, split, features) of one model key."""
     df = table.read(spark).where(f"model_key = '{model_key}'")
     return {
@@ -74,7 +80,7 @@ def _rows(spark: SparkSession, table: TableRef, model_key: str) -> dict[tuple[ob
     }
 
 
-def _live(spark: SparkSession, cfg: JobConfig) -> dict[tuple[object, object], tuple[object, ...]]:
+def _live(spark: SparkSession, cfg: JobConfig) -> dict[tuple[int, str], tuple[int, str, bytes]]:
     """(row_id, content_sha256) -> (label_index, split, stored image) of ``images``."""
     df = table_ref(cfg, "images").read(spark)
     return {
@@ -85,13 +91,13 @@ def _live(spark: SparkSession, cfg: JobConfig) -> dict[tuple[object, object], tu
 
 def _check_in_step(
     spark: SparkSession, cfg: JobConfig, table: TableRef, spec: EmbeddingSpec
-) -> dict[tuple[object, ...], object]:
+) -> dict[Key, Row]:
     """Every live photo has each of ``spec``'s views with its label and split, and nothing
     else is there under ``spec.model_key``."""
     live, rows = _live(spark, cfg), _rows(spark, table, spec.model_key)
     expected = {(rid, sha, v) for (rid, sha) in live for v in spec.views}
     assert set(rows) == expected
-    for (rid, sha, _), (label, split, _) in rows.items():  # type: ignore[misc]
+    for (rid, sha, _), (label, split, _) in rows.items():
         assert (label, split) == live[(rid, sha)][:2]
     return rows
 
@@ -124,12 +130,12 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
         img = open_rgb(content)[0]
         [want] = embed_views(model.backbone, [img], spec, [list(spec.views)], normalize)
         for i, view in enumerate(spec.views):
-            got = rows[(rid, sha, view)][2]  # type: ignore[index]
+            got = rows[(rid, sha, view)][2]
             assert got.shape == (1280,)
             np.testing.assert_allclose(got, want[i], rtol=1e-4, atol=1e-4)
     assert not np.allclose(
-        rows[(rid, sha, "centre")][2],  # type: ignore[index]
-        rows[(rid, sha, "mirror")][2],  # type: ignore[index]
+        rows[(rid, sha, "centre")][2],
+        rows[(rid, sha, "mirror")][2],
     )
 
     again = update_embeddings(spark, table_ref(cfg, "images"), version, table, spec, "run-2")
@@ -151,7 +157,7 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     twins = {k: v for k, v in rows_after.items() if k[1] == sha}
     assert len(twins) == 4  # two rows (daisy, tulips), two views each
     for view in spec.views:
-        a, b = (v[2] for k, v in twins.items() if k[2] == view)  # type: ignore[index]
+        a, b = (v[2] for k, v in twins.items() if k[2] == view)
         np.testing.assert_array_equal(a, b)
 
     three = _spec(cfg, ("centre", "mirror", "zoom"))
