@@ -4,6 +4,7 @@ backbones or transforms."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 from pathlib import Path
@@ -219,3 +220,35 @@ def test_the_head_trains_on_the_embeddings_and_the_registered_model_takes_photos
     files = [sorted((PHOTOS / label).glob("*.jpg"))[-1] for label in LABELS]
     scores = model.predict(pd.DataFrame({"image": [f.read_bytes() for f in files]}))
     assert scores.shape == (5, 5) and (scores.sum(axis=1) - 1.0).abs().max() < 1e-5
+
+
+@pytest.mark.tier("full")
+def test_the_embeddings_update_runs_on_spark_connect_as_on_classic_spark(
+    spark: SparkSession, tables: Path, connect_url: str, tmp_path: Path
+) -> None:
+    """The same update through a Spark Connect session (the server's Python workers embed)
+    writes the rows a classic session writes, features equal; a second one reads nothing."""
+    from tests.support.connect import classic_mode, connect_session
+
+    classic_out = copy_tables(tables, tmp_path / "classic")
+    remote_out = copy_tables(tables, tmp_path / "remote")
+    cfgs = {
+        out: load_config(None, ["data.image_size=32"], **{"paths.output_dir": out})
+        for out in (classic_out, remote_out)
+    }
+    spec = _spec(cfgs[classic_out], ("centre",), image_size=32)
+    got = {}
+    with connect_session(connect_url) as remote:
+        for out, session in ((remote_out, remote), (classic_out, spark)):
+            cfg = cfgs[out]
+            with classic_mode() if session is spark else contextlib.nullcontext():
+                images, table = table_ref(cfg, "images"), table_ref(cfg, "embeddings")
+                version = _version(session, images)
+                first = update_embeddings(session, images, version, table, spec, "run-1")
+                again = update_embeddings(session, images, version, table, spec, "run-2")
+                assert first.embedded == len(_live(session, cfg)) and not again.changed
+                got[out] = _rows(session, table, spec.model_key)
+    assert got[remote_out].keys() == got[classic_out].keys()
+    for key, (label, split, features) in got[classic_out].items():
+        assert got[remote_out][key][:2] == (label, split)
+        np.testing.assert_allclose(got[remote_out][key][2], features, rtol=1e-5, atol=1e-5)
