@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from flowers_job.config.data import DeltaConfig
 from flowers_job.errors import ShardError
@@ -316,3 +317,61 @@ def test_the_ranks_read_the_table_in_a_bucket(
     ]
     assert sorted(read) == [10_000 + 7 * i for i in range(ROWS["train"])]
     assert np.all(np.diff(sorted(read)) == 7)
+
+
+def test_the_embeddings_table_is_read_as_features_of_the_planned_key_and_views(
+    tmp_path: Path,
+) -> None:
+    """A plan with a ``model_key`` reads the embeddings table's ``features`` of that key's
+    planned views only (another key's rows and an unplanned view left unread): every
+    (photo, view) row once per epoch across 2 ranks, float32 ``[B, F]`` batches, padding
+    included, and the same batches after a restart inside the epoch."""
+    from deltalake import write_deltalake
+
+    uri, dim, photos = str(tmp_path / "embeddings"), 6, 13
+    rows: dict[str, list[object]] = {k: [] for k in ("row_id", "features", "label_index")}
+    parts: dict[str, list[str]] = {"model_key": [], "view": [], "split": []}
+    for key, view, i in itertools.product(
+        ("a|1", "b|2"), ("centre", "mirror", "zoom"), range(photos)
+    ):
+        rows["row_id"].append(500 + i)
+        view_code, key_code = ("centre", "mirror", "zoom").index(view) + 1, key[-1]
+        rows["features"].append([float(i), float(view_code), float(key_code), *([0.5] * (dim - 3))])
+        rows["label_index"].append(i % 5)
+        for name, value in (("model_key", key), ("view", view), ("split", "train")):
+            parts[name].append(value)
+    table = pa.table(
+        {
+            "row_id": pa.array(rows["row_id"], pa.int64()),
+            "features": pa.array(rows["features"], pa.list_(pa.float32())),
+            "label_index": pa.array(rows["label_index"], pa.int32()),
+            **parts,
+        }
+    )
+    write_deltalake(uri, table, partition_by=["model_key", "view", "split"])
+    base = _plan(uri, "train", 2, batch=4, rows=2 * photos)
+    plan = DeltaPlan(
+        **{**base.to_dict(), "version": 0, "model_key": "a|1", "views": ["centre", "mirror"]}
+    )
+    seen: list[tuple[int, float]] = []
+    for rank in range(2):
+        batches = _read(plan, rank, 1)
+        assert len(batches) == plan.steps_per_epoch
+        for b in batches:
+            assert b["features"].dtype == torch.float32 and b["features"].shape[1] == dim
+            assert "image" not in b
+            keep = b["valid"].numpy()
+            feats = b["features"].numpy()[keep]
+            assert (b["row_id"].numpy()[keep] == 500 + feats[:, 0]).all()
+            assert (feats[:, 2] == 1.0).all()  # key a|1 only
+            seen += [
+                (int(r), float(v))
+                for r, v in zip(b["row_id"].numpy()[keep], feats[:, 1], strict=True)
+            ]
+        again = _read(plan, rank, 1, start=EpochStart(step=2, state={"step": 2}))
+        assert all(
+            torch.equal(x["features"], y["features"]) and torch.equal(x["row_id"], y["row_id"])
+            for x, y in zip(batches[2:], again, strict=True)
+        )
+    # each photo's centre (1) and mirror (2) once, never its zoom (3)
+    assert sorted(seen) == sorted((500 + i, float(v)) for i in range(photos) for v in (1, 2))
