@@ -268,10 +268,13 @@ def update_embeddings(
     if not any(counts.values()):
         return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
     names = EMBEDDINGS_SCHEMA.fieldNames()
+    inserted = _embedded(spark, todo, live, spec)
+    if counts["copied"]:
+        inserted = inserted.unionByName(
+            _with_twins_features(current, copied, spec.model_key).select(*names)
+        )
     source = (
-        _embedded(spark, todo, live, spec)
-        .unionByName(copied.select(*names))
-        .withColumn("_op", F.lit("insert"))
+        inserted.withColumn("_op", F.lit("insert"))
         .unionByName(_keyed(relabeled, "update", spec.model_key, names))
         .unionByName(_keyed(gone.crossJoin(_all_keys(current)), "delete", None, names))
     )
@@ -308,8 +311,8 @@ def _changes(
     ``wanted`` (:data:`_LIVE` + ``view`` of every live photo) for ``model_key``:
 
     - ``todo``: keys to embed (:data:`_LIVE` + ``view``);
-    - ``copied``: keys whose content and view another row holds, with its ``features`` and
-      the ``model_key``;
+    - ``copied``: keys whose content and view another row holds (:func:`_with_twins_features`
+      fetches them);
     - ``relabeled``: keys whose ``label_index`` or ``split`` changed (the new ones);
     - ``gone``: (``row_id``, ``content_sha256``) of the table no longer live.
     """
@@ -317,11 +320,9 @@ def _changes(
 
     mine = current.where(F.col("model_key") == model_key)
     new = wanted.join(mine.select(*_KEY), list(_KEY), "left_anti")
-    donors = mine.select("content_sha256", "view", "features").dropDuplicates(
-        ["content_sha256", "view"]
-    )
-    copied = new.join(donors, ["content_sha256", "view"]).withColumn("model_key", F.lit(model_key))
-    todo = new.join(donors, ["content_sha256", "view"], "left_anti")
+    twins = mine.select("content_sha256", "view").distinct()
+    copied = new.join(twins, ["content_sha256", "view"], "left_semi")
+    todo = new.join(twins, ["content_sha256", "view"], "left_anti")
     relabeled = (
         mine.select(*_KEY, "label_index", "split")
         .alias("t")
@@ -335,6 +336,20 @@ def _changes(
         .join(live.select("row_id", "content_sha256"), ["row_id", "content_sha256"], "left_anti")
     )
     return todo, copied, relabeled, gone
+
+
+def _with_twins_features(current: DataFrame, copied: DataFrame, model_key: str) -> DataFrame:
+    """``copied``'s keys with the ``features`` of a row of the same content and view under
+    ``model_key``, and that ``model_key``. Only called when there are such keys: the
+    comparison that finds them reads the key columns alone, never the features."""
+    from pyspark.sql import functions as F
+
+    donors = (
+        current.where(F.col("model_key") == model_key)
+        .select("content_sha256", "view", "features")
+        .dropDuplicates(["content_sha256", "view"])
+    )
+    return copied.join(donors, ["content_sha256", "view"]).withColumn("model_key", F.lit(model_key))
 
 
 def _all_keys(current: DataFrame) -> DataFrame:
