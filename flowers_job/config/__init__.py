@@ -19,7 +19,7 @@ environment (``MLFLOW_TRACKING_PASSWORD``/``MLFLOW_TRACKING_TOKEN``, see
 """
 
 from flowers_job.config.deprecated import ConfigDeprecationWarning
-from flowers_job.config.load import ConfigError, load_config, parse_overrides
+from flowers_job.config.load import ConfigError, load_config, parse_overrides, resolve_embeddings
 from flowers_job.config.model import (
     CacheConfig,
     DataConfig,
@@ -58,4 +58,5 @@ __all__ = [
     "TrainConfig",
     "load_config",
     "parse_overrides",
+    "resolve_embeddings",
 ]

@@ -21,7 +21,7 @@ from flowers_job.config.model import JobConfig
 from flowers_job.config.secrets import is_secret_name, redact_uri, shows_secret
 from flowers_job.errors import ConfigError
 
-__all__ = ["SECRET_FIELDS", "ConfigError", "load_config", "parse_overrides"]
+__all__ = ["SECRET_FIELDS", "ConfigError", "load_config", "parse_overrides", "resolve_embeddings"]
 
 log = logging.getLogger(__name__)
 
@@ -238,3 +238,17 @@ def load_config(
         return JobConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format(exc)) from None
+
+
+def resolve_embeddings(cfg: JobConfig, reads_table: bool) -> JobConfig:
+    """``cfg`` with ``embeddings.enabled: auto`` decided (:meth:`JobConfig.resolve_embeddings`;
+    ``reads_table``: the resolved loader reads the tables).
+
+    Raises:
+        ConfigError: the configuration the decision rebuilds is refused (one line per
+            setting, as :func:`load_config` words it).
+    """
+    try:
+        return cfg.resolve_embeddings(reads_table)
+    except ValidationError as exc:
+        raise ConfigError(f"embeddings.enabled=auto: {_format(exc)}") from None

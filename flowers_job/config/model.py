@@ -12,7 +12,16 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from flowers_job.config.data import (
     DataConfig,
@@ -124,6 +133,78 @@ def native_image_size_default(data: dict[str, Any], lite: dict[str, int]) -> dic
     if not isinstance(architecture, str) or architecture not in lite:
         return data
     return {**data, "data": {**(section or {}), "image_size": lite[architecture]}}
+
+
+EMBEDDINGS_RECIPE: dict[str, Any] = {
+    "train": {"epochs": 40, "label_smoothing": 0.0, "early_stopping": {"patience": 3}},
+}
+"""The settings a head trained on embeddings gets where the configuration does not give
+them: up to 40 epochs (each costs the head alone, about a second for 3,670 photos on two
+cores), stopped on the validation loss after 3 without improvement, and no label smoothing
+(with a linear probe it cost accuracy at 7 of the 9 settings measured). Chosen by the
+sweep of ``benchmarks/embedding_sweep.py`` (docs/performance.md, "A head on embeddings")."""
+
+EMBEDDINGS_IMAGE_SIZE: dict[str, int] = {"efficientnet_lite0": 288}
+"""``data.image_size`` of a head trained on embeddings, where not given: EfficientNet-Lite0
+at 288 px (the shorter side resized to 329, then the centre crop), above its native 224:
+most of the photos are enlarged, and the frozen network's features of the larger input
+gave 1.1-1.5 points more validation accuracy at every setting of the sweep
+(docs/performance.md). Other architectures keep their native size."""
+
+
+def _enables_embeddings(data: dict[str, Any]) -> bool:
+    """True when ``data`` (a configuration tree before validation) sets
+    ``embeddings.enabled`` to true; False for 'auto', false, or a value the validation will
+    refuse (and name)."""
+    section = data.get("embeddings")
+    if isinstance(section, EmbeddingsConfig):
+        return section.enabled is True
+    if not isinstance(section, dict):
+        return False
+    try:
+        return EmbeddingsConfig.model_validate(section).enabled is True
+    except ValidationError:
+        return False
+
+
+def _fill(section: Any, defaults: dict[str, Any]) -> Any:
+    """``section`` (a dict, a section or None) with each key of ``defaults`` it does not set
+    added, nested sections filled the same way."""
+    if isinstance(section, BaseModel):
+        given = section.model_fields_set
+        update = {
+            key: _fill(getattr(section, key), value) if isinstance(value, dict) else value
+            for key, value in defaults.items()
+            if isinstance(value, dict) or key not in given
+        }
+        return section.model_copy(update=update)
+    if section is not None and not isinstance(section, dict):
+        return section
+    out = dict(section or {})
+    for key, value in defaults.items():
+        if isinstance(value, dict):
+            out[key] = _fill(out.get(key), value)
+        else:
+            out.setdefault(key, value)
+    return out
+
+
+def embeddings_recipe_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with :data:`EMBEDDINGS_RECIPE` and :data:`EMBEDDINGS_IMAGE_SIZE` filled in
+    where it does not set them, when it sets ``embeddings.enabled`` to true (an 'auto' that
+    resolves to true is rebuilt with true: :meth:`JobConfig.resolve_embeddings`)."""
+    if not _enables_embeddings(data):
+        return data
+    out = {**data, **_fill({"train": data.get("train")}, EMBEDDINGS_RECIPE)}
+    model = data.get("model")
+    architecture = (
+        model.get("architecture")
+        if isinstance(model, dict)
+        else getattr(model, "architecture", None)
+    ) or ModelConfig.model_fields["architecture"].default
+    if architecture in EMBEDDINGS_IMAGE_SIZE:
+        out["data"] = _fill(data.get("data"), {"image_size": EMBEDDINGS_IMAGE_SIZE[architecture]})
+    return out
 
 
 class ModelConfig(Section):
@@ -482,10 +563,14 @@ class EmbeddingsConfig(Section):
     (:mod:`flowers_job.ingest.embeddings`). Each epoch then costs the head alone; the test
     split is scored by the whole model on the photos, as the served model sees them."""
 
-    enabled: bool = False
-    """Train the head on the embeddings (needs ``model.freeze_backbone`` and pretrained
-    weights from the package or a file, and the Delta loader, which reads the table)."""
-    views: int = Field(2, ge=1, le=4)
+    enabled: bool | Literal["auto"] = "auto"
+    """Train the head on the embeddings: true (needs ``model.freeze_backbone``, pretrained
+    weights from the package or a file, and the Delta loader, which reads the table; refused
+    before Spark starts otherwise), false (every epoch decodes and augments the photos), or
+    'auto': true wherever those hold, decided once before Spark starts, after
+    ``data.loader`` (:meth:`JobConfig.resolve_embeddings`). With true, the settings of
+    :data:`EMBEDDINGS_RECIPE` and :data:`EMBEDDINGS_IMAGE_SIZE` are the defaults."""
+    views: int = Field(1, ge=1, le=4)
     """Views of each training photo embedded and trained on (an epoch visits each once):
     1 the evaluation crop, 2 and its mirror image, 3 and a closer crop, 4 and its mirror
     (:data:`flowers_job.vision.views.VIEWS`). Validation uses the evaluation crop alone."""
@@ -526,6 +611,9 @@ class JobConfig(Section):
     cache: CacheConfig = CacheConfig()
     serving: ServingConfig = ServingConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
+    _given: dict[str, Any] = PrivateAttr(default_factory=dict)
+    """The tree this configuration was validated from, before any default was filled in:
+    what :meth:`resolve_embeddings` validates again."""
 
     @model_validator(mode="before")
     @classmethod
@@ -534,8 +622,17 @@ class JobConfig(Section):
             data = migrate_deprecated(data)
             if not (data.get("paths") or {}).get("output_dir"):
                 raise ValueError("paths.output_dir: required (use --output-dir DIR)")
+            data = embeddings_recipe_defaults(data)
             data = native_image_size_default(data, EFFICIENTNET_LITE)
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_given(cls, data: Any, handler: ModelWrapValidatorHandler[JobConfig]) -> JobConfig:
+        cfg = handler(data)
+        if isinstance(data, dict):
+            cfg._given = dict(data)
+        return cfg
 
     @model_validator(mode="after")
     def _check_recipe(self) -> JobConfig:
@@ -544,7 +641,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _check_embeddings(self) -> JobConfig:
-        if not self.embeddings.enabled:
+        if self.embeddings.enabled is not True:
             return self
         if not self.model.freeze_backbone:
             raise ValueError(
@@ -571,6 +668,42 @@ class JobConfig(Section):
                 "(the default sqlite store under it needs a local disk): an MLflow server"
             )
         return self
+
+    def __eq__(self, other: object) -> bool:
+        """Equal settings (what was given before the defaults, ``_given``, is not compared)."""
+        if not isinstance(other, JobConfig):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = BaseModel.__hash__
+
+    def resolve_embeddings(self, reads_table: bool) -> JobConfig:
+        """This configuration with ``embeddings.enabled: auto`` decided: true when the
+        backbone is frozen, its weights come from the package or a file and the resolved
+        loader reads the tables (``reads_table``: :attr:`flowers_job.loaders.base.Loader.reads_table`),
+        false otherwise. True rebuilds the configuration from what was given, so that the
+        recipe's defaults (:data:`EMBEDDINGS_RECIPE`, :data:`EMBEDDINGS_IMAGE_SIZE`) fill
+        what it does not set. A configuration with true or false is returned as it is.
+
+        Raises:
+            pydantic.ValidationError: the rebuilt configuration is refused (it was accepted
+                with 'auto', so only a setting the recipe makes invalid: a
+                ``train.warmup_epochs`` of 40 or more).
+        """
+        if self.embeddings.enabled != "auto":
+            return self
+        on = (
+            reads_table
+            and self.model.freeze_backbone
+            and self.model.resolved_weights in ("package", "file")
+        )
+        if not on:
+            return self.model_copy(
+                update={"embeddings": self.embeddings.model_copy(update={"enabled": False})}
+            )
+        given = _fill_over(self._given, {"embeddings": {"enabled": True}})
+        given = _fill_over(given, {"data": {"loader": self.data.loader}})
+        return JobConfig.model_validate(given)
 
     @property
     def world_size(self) -> int:
@@ -599,3 +732,17 @@ class JobConfig(Section):
         if self.tracking.tracking_uri:
             return None
         return (self.paths.output_dir / "mlartifacts").as_uri()
+
+
+def _fill_over(tree: dict[str, Any], top: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``tree`` (a configuration tree before validation) with the settings of ``top``
+    (section -> key -> value) set over it, whether ``tree`` holds that section as a dict or
+    as a validated section."""
+    out = dict(tree)
+    for name, values in top.items():
+        section = out.get(name)
+        if isinstance(section, BaseModel):
+            out[name] = section.model_copy(update=values)
+        else:
+            out[name] = {**(section or {}), **values}
+    return out

@@ -34,7 +34,7 @@ from flowers_job.cluster.connect import connect_reason, session_kind
 from flowers_job.cluster.executor_cores import executor_cores
 from flowers_job.cluster.executor_probe import check_executors
 from flowers_job.cluster.placement import check_cluster
-from flowers_job.config import ConfigError, JobConfig
+from flowers_job.config import ConfigError, JobConfig, resolve_embeddings
 from flowers_job.driver.failures import (
     TrainingError,
     check_finished,
@@ -116,16 +116,18 @@ def preflight(cfg: JobConfig, command: Command, connect: str | None = None) -> C
 
     - ``train``/``run``: ``data.loader`` can run on this stack and on this kind of session
       ('auto' resolved; ``connect``: what makes the session Spark Connect, None for classic
-      Spark: :func:`~flowers_job.loaders.resolve_loader`), and the packages the end of the
-      run needs are importable;
+      Spark: :func:`~flowers_job.loaders.resolve_loader`), ``embeddings.enabled: auto``
+      decided after it (:func:`~flowers_job.config.resolve_embeddings`), and the packages
+      the end of the run needs are importable;
     - ``ingest``/``run``: ``data.images`` is a directory with label folders.
 
     Returns:
-        ``cfg`` with ``data.loader`` resolved, and the loader, for ``train``/``run``
-        (``cfg`` and no loader for ``ingest``).
+        ``cfg`` with ``data.loader`` and ``embeddings.enabled`` resolved, and the loader,
+        for ``train``/``run`` (``cfg`` and no loader for ``ingest``).
 
     Raises:
-        ConfigError: the loader cannot run here, or a package the run needs is missing.
+        ConfigError: the loader cannot run here, the embeddings cannot be read by it, or
+            a package the run needs is missing.
         IngestError: ``data.images`` is not a usable images root.
     """
     from flowers_job.tracking.packages import check_run_packages
@@ -133,7 +135,11 @@ def preflight(cfg: JobConfig, command: Command, connect: str | None = None) -> C
     loader = None
     if command in ("train", "run"):
         cfg, loader = resolve_loader(cfg, connect)
-        if cfg.embeddings.enabled and not loader.reads_table:
+        auto = cfg.embeddings.enabled == "auto"
+        cfg = resolve_embeddings(cfg, loader.reads_table)
+        if auto:
+            log.info("embeddings.enabled=auto: %s", str(cfg.embeddings.enabled).lower())
+        if cfg.embeddings.enabled is True and not loader.reads_table:
             raise ConfigError(
                 "embeddings.enabled: the embeddings table is read by the Delta loader "
                 f"(path tables, classic Spark, deltalake installed); data.loader resolved to "

@@ -331,7 +331,7 @@ def prepare_data(
     with _plans(cfg, writer) as cache:
         plans: dict[str, ShardPlan] = {}
         uses: dict[str, dict[str, Any]] = {}
-        if cfg.embeddings.enabled:
+        if cfg.embeddings.enabled is True:
             plans, embedded = _embedding_plans(spark, cfg, writer, checked, uses)
         for split in SPLITS:
             if split in plans:

@@ -178,10 +178,11 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
 def test_the_head_trains_on_the_embeddings_and_the_registered_model_takes_photos(
     spark: SparkSession, tables: Path, tmp_path: Path
 ) -> None:
-    """``embeddings.enabled``: the run embeds each photo's views once (Spark tasks), the
-    ranks read the train split's views and the val split's evaluation crop from the
-    embeddings table as features (nothing written outside the tables), the test split's
-    photos are scored by the whole model, and the registered model predicts from photos.
+    """``embeddings.enabled: auto`` (the default) on the Delta loader: the run embeds each
+    photo's views once (Spark tasks), the ranks read the train split's views and the val
+    split's evaluation crop from the embeddings table as features (nothing written outside
+    the tables), the test split's photos are scored by the whole model, and the registered
+    model predicts from photos.
     A second run embeds nothing and reads the same rows."""
     out = copy_tables(tables, tmp_path / "out")
     cfg = load_config(
@@ -190,7 +191,6 @@ def test_the_head_trains_on_the_embeddings_and_the_registered_model_takes_photos
             "data.image_size=32",
             "train.per_device_batch_size=8",
             "train.epochs=2",
-            "embeddings.enabled=true",
             "embeddings.views=2",
             "distributed.timeout_seconds=300",
         ],

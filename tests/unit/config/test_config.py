@@ -14,6 +14,7 @@ from flowers_job.config import (
     JobConfig,
     load_config,
     parse_overrides,
+    resolve_embeddings,
 )
 from flowers_job.location import Location
 from tests.support import ROOT_DIR
@@ -199,6 +200,68 @@ def test_example_config_matches_the_defaults(tmp_path: Path) -> None:
         exclude={"data": {"resize_ratio"}}
     )
     assert cfg.data.stored_short_side == default.data.stored_short_side
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reads_table", "on"),
+    [
+        ([], True, True),
+        ([], False, False),
+        (["model.freeze_backbone=false"], True, False),
+        (["model.weights=torchvision"], True, False),
+        (["model.architecture=resnet18"], True, False),
+    ],
+)
+def test_auto_embeddings_are_on_where_the_frozen_backbone_and_the_table_reader_are(
+    tmp_path: Path, overrides: list[str], reads_table: bool, on: bool
+) -> None:
+    """``embeddings.enabled: auto`` (the default) is decided once the loader is known: on
+    with a frozen backbone, weights every executor can load, and a loader that reads the
+    tables; then the recipe's settings are the defaults, otherwise the image recipe's."""
+    cfg = load_config(None, overrides, **{"paths.output_dir": tmp_path})
+    assert cfg.embeddings.enabled == "auto"
+    got = resolve_embeddings(cfg, reads_table)
+    assert got.embeddings.enabled is on
+    recipe = (288, 40, 0.0, 3) if on else (cfg.data.image_size, 5, 0.1, 2)
+    assert (
+        got.data.image_size,
+        got.train.epochs,
+        got.train.label_smoothing,
+        got.train.early_stopping.patience,
+    ) == recipe
+    assert resolve_embeddings(got, reads_table) is got  # decided once
+
+
+def test_the_embeddings_recipe_fills_only_what_is_not_given(tmp_path: Path) -> None:
+    """Settings given beside the embeddings win over the recipe's, with 'auto' as with
+    true; the rebuilt configuration keeps every other setting and the resolved loader."""
+    given = ["data.image_size=32", "train.epochs=3", "train.early_stopping.patience=1"]
+    cfg = load_config(None, [*given, "train.seed=7"], **{"paths.output_dir": tmp_path})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"loader": "delta"})})
+    auto = resolve_embeddings(cfg, reads_table=True)
+    explicit = load_config(
+        None,
+        [*given, "train.seed=7", "embeddings.enabled=true", "data.loader=delta"],
+        **{"paths.output_dir": tmp_path},
+    )
+    assert auto.model_dump() == explicit.model_dump()
+    assert (auto.data.image_size, auto.train.epochs, auto.train.early_stopping.patience) == (
+        32,
+        3,
+        1,
+    )
+    assert (auto.train.label_smoothing, auto.train.seed, auto.data.loader) == (0.0, 7, "delta")
+    off = load_config(None, ["embeddings.enabled=false"], **{"paths.output_dir": tmp_path})
+    assert (off.data.image_size, off.train.epochs, off.train.label_smoothing) == (224, 5, 0.1)
+
+
+def test_the_augmented_preset_is_the_image_recipe(tmp_path: Path) -> None:
+    """``configs/augmented.yaml``, the recipe the default is compared with, turns the
+    embeddings off and keeps the image recipe's settings."""
+    preset = ROOT_DIR / "configs" / "augmented.yaml"
+    cfg = resolve_embeddings(load_config(preset, None, **{"paths.output_dir": tmp_path}), True)
+    assert cfg.embeddings.enabled is False
+    assert (cfg.data.image_size, cfg.train.epochs, cfg.train.label_smoothing) == (224, 5, 0.1)
 
 
 def test_the_finetune_preset_is_valid_and_trains_the_backbone(tmp_path: Path) -> None:
