@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     if max(args.k) > len(VIEWS):
         p.error(f"--k: at most {len(VIEWS)} views")
+    views = VIEWS[: max(args.k)]  # the views some K trains on: each costs a forward pass
     names = list(args.backbones)
     sizes = {name: parse_backbone(name)[1] for name in names}
     stored = {name: DataConfig(image_size=sizes[name]).stored_short_side for name in names}
@@ -435,13 +436,13 @@ def main(argv: list[str] | None = None) -> int:
             args.work / "features",
             arch,
             frames[arch],
-            VIEWS,
+            views,
             sizes[arch],
             stored[arch],
             args.feature_batch,
         )
         per_split = {
-            split: torch.stack([torch.from_numpy(feats[v][masks[split]]) for v in VIEWS])
+            split: torch.stack([torch.from_numpy(feats[v][masks[split]]) for v in views])
             for split in SPLITS
         }
         for k in args.k:
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             key: (str(value) if isinstance(value, Path) else value)
             for key, value in vars(args).items()
         },
-        "views": list(VIEWS),
+        "views": list(views),
         "image_size": sizes,
         "stored_short_side": stored,
         "split_rows": split_rows,
