@@ -277,9 +277,14 @@ def _work(args: argparse.Namespace, job: pipeline.CheckedJob) -> int:
             "rows_quarantined",
         )
         shown = {k: result[k] for k in keys if k in result}
-        if "loader_cache" in result:
-            shown["loader_cache_reused"] = {
-                split: use["reused"] for split, use in result["loader_cache"].items()
+        uses = result.get("loader_cache") or {}
+        if any(use.get("entry") is not None for use in uses.values()):
+            shown["loader_cache_reused"] = {split: use["reused"] for split, use in uses.items()}
+        if result.get("embeddings"):
+            shown["embeddings"] = {
+                k: result["embeddings"][k]
+                for k in ("embedded", "copied", "deleted", "seconds")
+                if k in result["embeddings"]
             }
         print(json.dumps(shown, indent=2))
         if args.command != "ingest":
