@@ -144,12 +144,13 @@ cores), stopped on the validation loss after 3 without improvement, and no label
 (with a linear probe it cost accuracy at 7 of the 9 settings measured). Chosen by the
 sweep of ``benchmarks/embedding_sweep.py`` (docs/performance.md, "A head on embeddings")."""
 
-EMBEDDINGS_IMAGE_SIZE: dict[str, int] = {"efficientnet_lite0": 288}
+EMBEDDINGS_IMAGE_SIZE: dict[str, int] = {"efficientnet_lite0": 320}
 """``data.image_size`` of a head trained on embeddings, where not given: EfficientNet-Lite0
-at 288 px (the shorter side resized to 329, then the centre crop), above its native 224:
-most of the photos are enlarged, and the frozen network's features of the larger input
-gave 1.1-1.5 points more validation accuracy at every setting of the sweep
-(docs/performance.md). Other architectures keep their native size."""
+at 320 px (the shorter side resized to 366, then the centre crop), above its native 224: the
+photos (most about 320 x 240) are enlarged, and the frozen network's features of the larger
+input gave more validation accuracy up to 320 px: 0.925 at 224, 0.937 at 288, 0.943 at 320,
+0.940 at 352 (one view, seeds 0-2; docs/performance.md, "A head on embeddings"). Other
+architectures keep their native size."""
 
 
 def _enables_embeddings(data: dict[str, Any]) -> bool:

@@ -222,7 +222,7 @@ def test_auto_embeddings_are_on_where_the_frozen_backbone_and_the_table_reader_a
     assert cfg.embeddings.enabled == "auto"
     got = resolve_embeddings(cfg, reads_table)
     assert got.embeddings.enabled is on
-    recipe = (288, 40, 0.0, 3) if on else (cfg.data.image_size, 5, 0.1, 2)
+    recipe = (320, 40, 0.0, 3) if on else (cfg.data.image_size, 5, 0.1, 2)
     assert (
         got.data.image_size,
         got.train.epochs,
