@@ -117,7 +117,8 @@ def preflight(cfg: JobConfig, command: Command, connect: str | None = None) -> C
     - ``train``/``run``: ``data.loader`` can run on this stack and on this kind of session
       ('auto' resolved; ``connect``: what makes the session Spark Connect, None for classic
       Spark: :func:`~flowers_job.loaders.resolve_loader`), ``embeddings.enabled: auto``
-      decided after it (:func:`~flowers_job.config.resolve_embeddings`), and the packages
+      decided after it (:func:`~flowers_job.config.resolve_embeddings`; off on Spark
+      Connect, whose tables delta-rs cannot read), and the packages
       the end of the run needs are importable;
     - ``ingest``/``run``: ``data.images`` is a directory with label folders.
 
@@ -136,9 +137,18 @@ def preflight(cfg: JobConfig, command: Command, connect: str | None = None) -> C
     if command in ("train", "run"):
         cfg, loader = resolve_loader(cfg, connect)
         auto = cfg.embeddings.enabled == "auto"
-        cfg = resolve_embeddings(cfg, loader.reads_table)
+        # A table a Spark Connect session writes types its strings 'string collate
+        # UTF8_BINARY', which delta-rs cannot read (docs/known-issues.md, "Delta"): the
+        # embeddings table this run would write could not be read by its ranks.
+        cfg = resolve_embeddings(cfg, loader.reads_table and connect is None)
         if auto:
             log.info("embeddings.enabled=auto: %s", str(cfg.embeddings.enabled).lower())
+        if cfg.embeddings.enabled is True and connect is not None:
+            raise ConfigError(
+                "embeddings.enabled: a Spark Connect session would write the embeddings "
+                "table with string types delta-rs cannot read (docs/known-issues.md); set "
+                "embeddings.enabled=false, or run on classic Spark"
+            )
         if cfg.embeddings.enabled is True and not loader.reads_table:
             raise ConfigError(
                 "embeddings.enabled: the embeddings table is read by the Delta loader "

@@ -266,7 +266,9 @@ def test_delta_reads_the_table_on_spark_connect(
     classic Spark wrote runs with no cache written. Tables written over Connect carry string
     columns typed ``string collate UTF8_BINARY`` in their Delta schema, which delta-rs 1.6
     cannot parse: ``run --remote`` (ingest over Connect) is refused before any rank starts,
-    naming the type and the loader that reads the table through Spark."""
+    naming the type and the loader that reads the table through Spark. For the same reason
+    ``embeddings.enabled: auto`` stays off over Connect (the embeddings table it would
+    write), and ``true`` is refused before Spark starts."""
     out = copy_tables(tables, tmp_path / "classic")
     proc = run_cli(
         *("train", "--remote", connect_url, "--output-dir", str(out)),
@@ -277,6 +279,14 @@ def test_delta_reads_the_table_on_spark_connect(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["loader"] == "delta" and summary["registered_model_version"] >= 1
     assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
+    assert not summary["embeddings"] and "embeddings.enabled=auto: false" in proc.stderr
+    refused = run_cli(
+        *("train", "--remote", connect_url, "--output-dir", str(out)),
+        *_sets(*FAST, "data.loader=delta", "embeddings.enabled=true"),
+        timeout=JOB_SECONDS,
+    )
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "embeddings.enabled" in refused.stderr and "Spark Connect" in refused.stderr
 
     out = tmp_path / "connect"
     proc = run_cli(
