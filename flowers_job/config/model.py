@@ -676,7 +676,9 @@ class JobConfig(Section):
             return NotImplemented
         return type(self) is type(other) and self.__dict__ == other.__dict__
 
-    __hash__ = BaseModel.__hash__
+    def __hash__(self) -> int:
+        """The settings' hash, as pydantic's of a frozen model (``_given`` left out)."""
+        return hash(tuple(self.__dict__.values()))
 
     def resolve_embeddings(self, reads_table: bool) -> JobConfig:
         """This configuration with ``embeddings.enabled: auto`` decided: true when the

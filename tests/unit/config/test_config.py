@@ -245,6 +245,7 @@ def test_the_embeddings_recipe_fills_only_what_is_not_given(tmp_path: Path) -> N
         **{"paths.output_dir": tmp_path},
     )
     assert auto.model_dump() == explicit.model_dump()
+    assert auto == explicit and hash(auto) == hash(explicit)  # what was given is not compared
     assert (auto.data.image_size, auto.train.epochs, auto.train.early_stopping.patience) == (
         32,
         3,
