@@ -139,10 +139,11 @@ EMBEDDINGS_RECIPE: dict[str, Any] = {
     "train": {"epochs": 40, "label_smoothing": 0.0, "early_stopping": {"patience": 3}},
 }
 """The settings a head trained on embeddings gets where the configuration does not give
-them: up to 40 epochs (each costs the head alone, about a second for 3,670 photos on two
-cores), stopped on the validation loss after 3 without improvement, and no label smoothing
-(with a linear probe it cost accuracy at 7 of the 9 settings measured). Chosen by the
-sweep of ``benchmarks/embedding_sweep.py`` (docs/performance.md, "A head on embeddings")."""
+them: up to 40 epochs (each costs the head alone: 0.3-0.5 s for the 2,568 training photos
+of ``make run`` on two cores), stopped on the validation loss after 3 without improvement,
+and no label smoothing (with a linear probe it cost accuracy at 7 of the 9 settings
+measured). Chosen by the sweep of ``benchmarks/embedding_sweep.py`` (docs/performance.md,
+"A head on embeddings")."""
 
 EMBEDDINGS_IMAGE_SIZE: dict[str, int] = {"efficientnet_lite0": 320}
 """``data.image_size`` of a head trained on embeddings, where not given: EfficientNet-Lite0
