@@ -95,8 +95,8 @@ TRAIN_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
 as local mode does (flowers_job.cluster.session), instead of 50, which on two 1-core
 executors is some 800 tasks of nothing per run (about 30 s at a load of 5 on the 2-core CI
 machine). The job's first end-to-end run (``run``, killed in epoch 2 and restarted) takes
-:data:`JOB_CONF`. The S3 cluster's Streaming job keeps Spark's defaults, as docs/cluster.md
-runs it."""
+:data:`JOB_CONF`. The S3 cluster's failing Streaming job keeps Spark's defaults, as
+docs/cluster.md runs it; its resume takes :data:`JOB_CONF`."""
 JOB_CONF = {**TRAIN_CONF, "spark.sql.shuffle.partitions": "2"}
 """The first end-to-end run's: :data:`TRAIN_CONF`, and the loader cache's and the split's
 Spark jobs in 2 shuffle partitions, not 200 (Streaming's MDS conversion runs several per
@@ -891,7 +891,8 @@ class TestObjectStore:
 
         resume_log = BASE / "s3-streaming-resume.log"
         resume_log.unlink(missing_ok=True)
-        resumed = cluster.submit([*args, "--resume"], log=resume_log)
+        # the resume in 2 partitions (JOB_CONF): the failed run above covered Spark's defaults
+        resumed = cluster.submit([*args, "--resume"], log=resume_log, conf=JOB_CONF)
         try:  # one writer per output: a second run there, meanwhile, exits 2 naming the first
             deadline = time.monotonic() + JOB_TIMEOUT  # the lease comes before Spark starts
             while "out-streaming/.flowers_job.lease.json" not in store.keys("out-streaming/"):

@@ -40,6 +40,7 @@ import pytest
 
 from tests.cluster.test_cluster import (
     BASE,
+    JOB_CONF,
     LOCK_TIMEOUT,
     MLFLOW_AUTH,
     assert_no_secret,
@@ -102,10 +103,12 @@ def connect_job() -> Iterator[dict[str, Any]]:
         cluster.up()
         try:
             # the executors' settings, fixed at the server's start: the allocator tuning
-            # (as docs/cluster.md tells a cluster's admin) and the test's fault
+            # (as docs/cluster.md tells a cluster's admin) and the test's fault; Delta's
+            # state and the loader cache's jobs in 2 partitions, as the classic job's
+            # (JOB_CONF): a Connect client cannot set them
             executor_env = {f"spark.executorEnv.{k}": v for k, v in fault_env("hang:1:2:0").items()}
             t0 = time.monotonic()
-            cluster.connect_server(conf={**allocator_conf(), **executor_env})
+            cluster.connect_server(conf={**JOB_CONF, **allocator_conf(), **executor_env})
             server_seconds = time.monotonic() - t0
             yield {**_killed_run(cluster, photos), "cluster": cluster}
             report(test="connect server start", seconds=round(server_seconds, 1))

@@ -209,9 +209,14 @@ def test_a_cluster_of_containers_runs_the_job_with_two_ranks_on_each_worker(
               "distributed.use_gpu=false", f"tracking.tracking_uri={cluster.mlflow_url}",
               "tracking.experiment_name=containers", "tracking.registered_model_name=containers"),
     ]  # fmt: skip
+    # Delta's state and the loader cache's jobs in 2 partitions, as the job's local session
+    # and the netns cluster's jobs run them (tests/cluster/test_cluster.py, JOB_CONF): the
+    # netns cluster's S3 job keeps Spark's defaults
+    small = {"spark.databricks.delta.snapshotPartitions": "2", "spark.sql.shuffle.partitions": "2"}
     rc, log, seconds = cluster.submit(
-        "/app/jobs/train_flowers.py", args, log=BASE / "submit.log", timeout=JOB_TIMEOUT
-    )
+        "/app/jobs/train_flowers.py", args, log=BASE / "submit.log", timeout=JOB_TIMEOUT,
+        conf=small,
+    )  # fmt: skip
     assert rc == 0, log[-4000:]
     summary = json.loads(store.read("out/summary.json"))
     assert summary["world_size"] == 4 and summary["epochs_completed"] == 2
