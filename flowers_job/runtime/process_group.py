@@ -185,7 +185,9 @@ def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     size = torch.tensor([len(payload)], dtype=torch.int64, device=ctx.device)
     _settle(dist.broadcast(size, src=src, async_op=True), size)
     if ctx.rank == src:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device)
+        # Memory torch owns (a copy): a tensor over a Python buffer frees it through a deleter
+        # that takes the GIL, which a gloo thread releasing the tensor last at exit cannot.
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device, copy=True)
     else:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
     _settle(dist.broadcast(data, src=src, async_op=True), data)
