@@ -41,7 +41,7 @@ import pytest
 
 from flowers_job.loaders import loader_problem
 from tests.support import ROOT_DIR
-from tests.support.data import sample_photos
+from tests.support.data import DELTA_STATE_CONF, SMALL_TABLES_CONF, sample_photos
 from tests.support.faults import fault_env
 from tests.support.s3 import S3Store
 
@@ -90,14 +90,13 @@ MLFLOW_AUTH = ("flowers-admin", "pw-cluster-3b8e1f6a0d")
 """The MLflow server's user and password (basic auth) on every cluster: Cluster.submit
 gives them to the driver's environment and the executors' (``spark.executorEnv.*``). The
 password is found in no log, summary or MLflow param."""
-TRAIN_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
-"""spark-submit settings of the fault runs: Delta rebuilds a table's state in 2 partitions,
-as local mode does (flowers_job.cluster.session), instead of 50, which on two 1-core
-executors is some 800 tasks of nothing per run (about 30 s at a load of 5 on the 2-core CI
-machine). The job's first end-to-end run (``run``, killed in epoch 2 and restarted) takes
-:data:`JOB_CONF`. The S3 cluster's failing Streaming job keeps Spark's defaults, as
-docs/cluster.md runs it; its resume takes :data:`JOB_CONF`."""
-JOB_CONF = {**TRAIN_CONF, "spark.sql.shuffle.partitions": "2"}
+TRAIN_CONF = DELTA_STATE_CONF
+"""spark-submit settings of the fault runs: Delta's state in 2 partitions, not 50, which on
+two 1-core executors is some 800 tasks of nothing per run (about 30 s at a load of 5 on the
+2-core CI machine). The job's first end-to-end run (``run``, killed in epoch 2 and
+restarted) takes :data:`JOB_CONF`. The S3 cluster's failing Streaming job keeps Spark's
+defaults, as docs/cluster.md runs it; its resume takes :data:`JOB_CONF`."""
+JOB_CONF = SMALL_TABLES_CONF
 """The first end-to-end run's: :data:`TRAIN_CONF`, and the loader cache's and the split's
 Spark jobs in 2 shuffle partitions, not 200 (Streaming's MDS conversion runs several per
 split: with Spark's defaults they took 3 min 44 s of a 6.5 min run under load)."""
@@ -966,9 +965,11 @@ class TestObjectStore:
         self, object_store_cluster: Cluster, object_store: S3Store, train_entry: Path
     ) -> None:
         """``flowers-job train`` with the Delta loader, 4 ranks on the 2 hosts, on a copy (in
-        the bucket) of the tables the Streaming job ingested: each rank reads the table's
-        log and its share of the files from ``s3a://`` with delta-rs, with the ``AWS_*`` of
-        its executor; no cache is written."""
+        the bucket) of the tables the Streaming job ingested: the executors embed every
+        photo (``embeddings.enabled: auto``, the frozen default) into an ``embeddings``
+        table in the bucket, and each rank reads the table's log and its share of the files
+        from ``s3a://`` with delta-rs, with the ``AWS_*`` of its executor; no cache is
+        written."""
         problem = loader_problem("delta")
         if problem is not None:
             pytest.skip(f"the hosts run the default environment, where {problem}")
@@ -989,6 +990,12 @@ class TestObjectStore:
         )
         assert summary["loader"] == "delta"
         check_registered(cluster, summary, world_size=4, epochs=1)
+        photos = summary["train_rows"] + summary["val_rows"] + summary["test_rows"]
+        embedded = summary["embeddings"]
+        assert (embedded["embedded"], embedded["copied"], embedded["deleted"]) == (photos, 0, 0)
+        assert "out-delta/tables/embeddings/_delta_log/00000000000000000000.json" in store.keys(
+            "out-delta/tables/embeddings/_delta_log/"
+        )
         assert {u["bytes_written"] for u in summary["loader_cache"].values()} == {0}
         # the job makes the cache's folder (an S3 directory marker), and writes nothing in it
         assert not [k for k in store.keys("out-delta/loader_cache/") if not k.endswith("/")]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT_DIR
-from tests.support.data import sample_photos
+from tests.support.data import SMALL_TABLES_CONF, sample_photos
 from tests.support.s3 import S3Store
 
 sys.path.insert(0, str(ROOT_DIR / "tools"))
@@ -210,12 +210,10 @@ def test_a_cluster_of_containers_runs_the_job_with_two_ranks_on_each_worker(
               "tracking.experiment_name=containers", "tracking.registered_model_name=containers"),
     ]  # fmt: skip
     # Delta's state and the loader cache's jobs in 2 partitions, as the job's local session
-    # and the netns cluster's jobs run them (tests/cluster/test_cluster.py, JOB_CONF): the
-    # netns cluster's S3 job keeps Spark's defaults
-    small = {"spark.databricks.delta.snapshotPartitions": "2", "spark.sql.shuffle.partitions": "2"}
+    # and the netns cluster's jobs run them: the netns cluster's S3 job keeps Spark's defaults
     rc, log, seconds = cluster.submit(
         "/app/jobs/train_flowers.py", args, log=BASE / "submit.log", timeout=JOB_TIMEOUT,
-        conf=small,
+        conf=SMALL_TABLES_CONF,
     )  # fmt: skip
     assert rc == 0, log[-4000:]
     summary = json.loads(store.read("out/summary.json"))

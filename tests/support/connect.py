@@ -27,6 +27,7 @@ import pyspark
 import pytest
 
 from tests.support import REPO
+from tests.support.data import DELTA_STATE_CONF
 from tests.support.packaging import clean_env, project_wheel, run, uv_bin, uv_failure
 from tests.support.processes import stop_group
 
@@ -92,11 +93,8 @@ def server_command(
         "spark.ui.showConsoleProgress": "false",
         "spark.connect.grpc.binding.address": host,
         "spark.connect.grpc.binding.port": str(port),
-        # Delta rebuilds a table's state in 2 partitions, as the job's local session does
-        # (flowers_job.cluster.session), not 50: on local[2], 25 waves of empty tasks per
-        # read or commit (a VACUUM of a 3-row table over Connect: 12 s -> 2-3 s)
         "spark.sql.shuffle.partitions": "8",
-        "spark.databricks.delta.snapshotPartitions": "2",
+        **DELTA_STATE_CONF,  # as the job's local session: a Connect client cannot set it
         # as docs/cluster.md's server runs: Python workers forked warm, so that a stage after
         # Spark's one-minute idle-worker cleanup does not import pandas, pyarrow and the
         # loaders' libraries again in each worker

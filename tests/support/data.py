@@ -28,6 +28,14 @@ SELECTED_LOADERS = tuple(
 all of them by default. The Makefile's local, DBR and cluster suites run streaming and the
 Petastorm suite, in its own environment, petastorm, so that each loader's end-to-end and
 fault tests run once per environment that can run it."""
+DELTA_STATE_CONF = {"spark.databricks.delta.snapshotPartitions": "2"}
+"""Spark settings of a session the tests start outside the job's local one (a Connect
+server, a cluster's spark-submit): Delta rebuilds a table's state in 2 partitions, as the
+job's local session does (``flowers_job.cluster.session``), not 50, which on the tests' few
+cores is waves of empty tasks per read or commit (a VACUUM of a 3-row table over Connect:
+12 s -> 2-3 s; a cluster fault run on two 1-core executors: some 800 tasks of nothing)."""
+SMALL_TABLES_CONF = {**DELTA_STATE_CONF, "spark.sql.shuffle.partitions": "2"}
+""":data:`DELTA_STATE_CONF`, and the tests' small tables' shuffles in 2 partitions, not 200."""
 
 
 def sample_photos(dest: Path, per_label: int, offset: int = 0) -> Path:
