@@ -23,7 +23,12 @@ All of it is one ``MERGE`` commit carrying the ``images`` version, the ``model_k
 views (``userMetadata``), or no commit when nothing changed: a reader never sees half an
 update. When the table's latest commit is this job's update for the same ``images`` version,
 ``model_key`` and views, the table is in step and nothing is read (an unchanged run costs a
-read of the log).
+read of the log). Otherwise each comparison with ``images`` runs once: its result (the
+change, small beside the tables) is checkpointed on the executors (``localCheckpoint``) for
+the counts, the embedding tasks and the ``MERGE``. A lost executor's checkpoint cannot be
+recomputed: the update then fails, committing nothing, and the next run does it again.
+(``persist`` keeps the plan over the table instead, which Delta rebuilds when the ``MERGE``
+commits: the same update took as long as with no cache at all.)
 
 **Tasks.** The rows to embed are spread over tasks of at most :data:`ROWS_PER_TASK` photos;
 each task's Python worker builds the backbone once (Spark reuses its workers) and decodes
@@ -258,25 +263,25 @@ def update_embeddings(
         embedded = table.read(spark).count()
         return EmbeddingCounts(embedded, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
     current = table.read(spark)
-    todo, copied, relabeled, gone = _changes(current, wanted, live, spec.model_key)
+    changes = _changes(current, wanted, live, spec.model_key)
     counts = {
-        "embedded": todo.count(),
-        "copied": copied.count(),
-        "updated": relabeled.count(),
-        "gone": gone.count(),
+        "embedded": changes.todo.count(),
+        "copied": changes.copied.count(),
+        "updated": changes.relabeled.count(),
+        "gone": changes.gone.count(),
     }
     if not any(counts.values()):
         return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
     names = EMBEDDINGS_SCHEMA.fieldNames()
-    inserted = _embedded(spark, todo, live, spec)
+    inserted = _embedded(spark, changes.todo, live, spec)
     if counts["copied"]:
         inserted = inserted.unionByName(
-            _with_twins_features(current, copied, spec.model_key).select(*names)
+            _with_twins_features(current, changes.copied, spec.model_key).select(*names)
         )
     source = (
         inserted.withColumn("_op", F.lit("insert"))
-        .unionByName(_keyed(relabeled, "update", spec.model_key, names))
-        .unionByName(_keyed(gone.crossJoin(_all_keys(current)), "delete", None, names))
+        .unionByName(_keyed(changes.relabeled, "update", spec.model_key, names))
+        .unionByName(_keyed(changes.gone.crossJoin(_all_keys(current)), "delete", None, names))
     )
     deleted = _merge(spark, table, source, meta)
     return EmbeddingCounts(
@@ -304,38 +309,58 @@ def _in_step(last: dict[str, object] | None, meta: dict[str, object]) -> bool:
     )
 
 
-def _changes(
-    current: DataFrame, wanted: DataFrame, live: DataFrame, model_key: str
-) -> tuple[DataFrame, DataFrame, DataFrame, DataFrame]:
+@dataclass(frozen=True)
+class _Changes:
+    """What :func:`update_embeddings` changes (:func:`_changes`), each checkpointed on the
+    executors: computed once, however often the counts, the embedding tasks and the
+    ``MERGE`` read it."""
+
+    todo: DataFrame
+    copied: DataFrame
+    relabeled: DataFrame
+    gone: DataFrame
+
+
+def _changes(current: DataFrame, wanted: DataFrame, live: DataFrame, model_key: str) -> _Changes:
     """What :func:`update_embeddings` changes in the table read as ``current``, to hold
     ``wanted`` (:data:`_LIVE` + ``view`` of every live photo) for ``model_key``:
 
-    - ``todo``: keys to embed (:data:`_LIVE` + ``view``);
-    - ``copied``: keys whose content and view another row holds (:func:`_with_twins_features`
-      fetches them);
+    - ``todo``: keys of ``wanted`` the table lacks (:data:`_LIVE` + ``view``), to embed;
+    - ``copied``: the same, whose content and view another row holds
+      (:func:`_with_twins_features` fetches them);
     - ``relabeled``: keys whose ``label_index`` or ``split`` changed (the new ones);
     - ``gone``: (``row_id``, ``content_sha256``) of the table no longer live.
+
+    Each runs here, once (``localCheckpoint``: one Spark job each, over the tables' key
+    columns), and holds about the size of the change.
     """
     from pyspark.sql import functions as F
 
     mine = current.where(F.col("model_key") == model_key)
-    new = wanted.join(mine.select(*_KEY), list(_KEY), "left_anti")
-    twins = mine.select("content_sha256", "view").distinct()
-    copied = new.join(twins, ["content_sha256", "view"], "left_semi")
-    todo = new.join(twins, ["content_sha256", "view"], "left_anti")
+    new = wanted.join(mine.select(*_KEY), list(_KEY), "left_anti").localCheckpoint()
+    twins = (
+        mine.select("content_sha256", "view")
+        .join(new.select("content_sha256", "view"), ["content_sha256", "view"], "left_semi")
+        .distinct()
+        .localCheckpoint()
+    )
+    copied = new.join(twins, ["content_sha256", "view"], "left_semi").localCheckpoint()
+    todo = new.join(twins, ["content_sha256", "view"], "left_anti").localCheckpoint()
     relabeled = (
         mine.select(*_KEY, "label_index", "split")
         .alias("t")
         .join(wanted.alias("s"), list(_KEY))
         .where("NOT (t.label_index <=> s.label_index) OR NOT (t.split <=> s.split)")
         .select(*_KEY, F.col("s.label_index"), F.col("s.split"))
+        .localCheckpoint()
     )
     gone = (
         current.select("row_id", "content_sha256")
         .distinct()
         .join(live.select("row_id", "content_sha256"), ["row_id", "content_sha256"], "left_anti")
+        .localCheckpoint()
     )
-    return todo, copied, relabeled, gone
+    return _Changes(todo, copied, relabeled, gone)
 
 
 def _with_twins_features(current: DataFrame, copied: DataFrame, model_key: str) -> DataFrame:
