@@ -331,8 +331,9 @@ def _changes(current: DataFrame, wanted: DataFrame, live: DataFrame, model_key: 
     - ``relabeled``: keys whose ``label_index`` or ``split`` changed (the new ones);
     - ``gone``: (``row_id``, ``content_sha256``) of the table no longer live.
 
-    Each runs here, once (``localCheckpoint``: one Spark job each, over the tables' key
-    columns), and holds about the size of the change.
+    Each is computed here, once (``localCheckpoint``, eager): four Spark jobs read the
+    tables' key columns (the new keys, their twins, the relabeled and the gone ones), two
+    more split the new keys in two. Each result holds about the size of the change.
     """
     from pyspark.sql import functions as F
 
