@@ -98,7 +98,7 @@ spark.sparkContext.setJobGroup("update", "update")
 t0 = time.perf_counter()
 c = update_embeddings(spark, images_t, version, table_ref(cfg, "embeddings"), embedding_spec(cfg), "day")
 seconds = time.perf_counter() - t0
-print("UPDATED " + json.dumps({"seconds": seconds, "embedded": c.embedded, "copied": c.copied, "updated": c.updated, "deleted": c.deleted}))
+print("UPDATED " + json.dumps({"seconds": seconds, "embedded": c.embedded, "copied": c.copied, "updated": c.updated, "deleted": c.deleted, "method": getattr(c, "method", "tables")}))
 """
 
 

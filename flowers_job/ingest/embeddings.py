@@ -21,14 +21,27 @@ the row's ``row_id``, ``relative_path``, ``content_sha256``, ``label_index`` and
 
 All of it is one ``MERGE`` commit carrying the ``images`` version, the ``model_key`` and the
 views (``userMetadata``), or no commit when nothing changed: a reader never sees half an
-update. When the table's latest commit is this job's update for the same ``images`` version,
-``model_key`` and views, the table is in step and nothing is read (an unchanged run costs a
-read of the log). Otherwise each comparison with ``images`` runs once: its result (the
-change, small beside the tables) is checkpointed on the executors (``localCheckpoint``) for
-the counts, the embedding tasks and the ``MERGE``. A lost executor's checkpoint cannot be
-recomputed: the update then fails, committing nothing, and the next run does it again.
-(``persist`` keeps the plan over the table instead, which Delta rebuilds when the ``MERGE``
-commits: the same update took as long as with no cache at all.)
+update.
+
+**What changed, found at the cost of the change.** The table's commits name the ``images``
+version it was last brought in step with for this ``model_key`` and views
+(:func:`_table_state`):
+
+- the version asked for: the table is in step and nothing is read (an unchanged run costs a
+  read of the log);
+- an older one: ``images``' change data feed since then names the photos added, changed and
+  deleted (:func:`_changes_from_feed`; ``images`` records it,
+  :data:`~flowers_job.tables.delta_tables.IMAGES_PROPERTIES`), and only those are compared
+  with the table, the photos to embed read from the files the feed added;
+- not known, or the feed cannot be read (not recorded for a version of the range, or a
+  file of it vacuumed): the whole tables are compared (:func:`_changes`).
+
+Each comparison runs once: its result (the change, small beside the tables) is checkpointed
+on the executors (``localCheckpoint``) for the counts, the embedding tasks and the
+``MERGE``. A lost executor's checkpoint cannot be recomputed: the update then fails,
+committing nothing, and the next run does it again. (``persist`` keeps the plan over the
+table instead, which Delta rebuilds when the ``MERGE`` commits: the same update took as
+long as with no cache at all.)
 
 **Tasks.** The rows to embed are spread over tasks of at most :data:`ROWS_PER_TASK` photos;
 each task's Python worker builds the backbone once (Spark reuses its workers) and decodes
@@ -37,6 +50,7 @@ each photo once for all its views, with as many torch threads as the task holds 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -47,8 +61,9 @@ from pyspark.sql import types as T
 from flowers_job.cluster.python_workers import prepare_worker
 from flowers_job.errors import DataError
 from flowers_job.tables.delta_tables import (
+    MAINTENANCE_OPERATIONS,
     TABLE_PROPERTIES,
-    latest_commit,
+    commit_metadata,
     merge_into,
     write_table,
 )
@@ -60,7 +75,10 @@ if TYPE_CHECKING:
 
     from flowers_job.vision.views import EmbeddingSpec
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "BROADCAST_ROWS",
     "EMBEDDINGS_SCHEMA",
     "PARTITION_BY",
     "ROWS_PER_TASK",
@@ -93,6 +111,11 @@ ROWS_PER_TASK = 256
 """Photos per embedding task at most: on 2 cores, EfficientNet-Lite2's two views of 256 photos
 take about half a minute, so a lost task costs little and the tasks fill every slot."""
 
+BROADCAST_ROWS = 500_000
+"""At most this many changed photos (their ``content_sha256``, 64 characters each) are
+broadcast to the tasks that read the table's key columns, so that read moves no other row;
+past it, Spark plans the join."""
+
 _KEY = ("row_id", "content_sha256", "view")
 _LIVE = ("row_id", "relative_path", "content_sha256", "label_index", "split")
 
@@ -102,7 +125,10 @@ class EmbeddingCounts:
     """What :func:`update_embeddings` did: rows ``embedded`` (a forward pass each),
     ``copied`` (features of the same content and view), ``updated`` (label or split),
     ``deleted``; ``version`` the table's version after it (None: no table yet and nothing
-    to write); ``seconds`` of wall time."""
+    to write); ``seconds`` of wall time; ``method``, how the change was found: ``write``
+    (no table: every photo), ``log`` (the commits say the table is in step: nothing
+    read), ``feed`` (``images``' change data feed since the last update) or ``tables``
+    (the whole tables compared)."""
 
     embedded: int
     copied: int
@@ -110,6 +136,7 @@ class EmbeddingCounts:
     deleted: int
     version: int | None
     seconds: float
+    method: str = "tables"
 
     @property
     def changed(self) -> bool:
@@ -245,25 +272,36 @@ def update_embeddings(
     from pyspark.sql import functions as F
 
     t0 = time.perf_counter()
-    live = images.read(spark, version).select(*_LIVE, "image")
-    views = spark.createDataFrame([(v,) for v in spec.views], "view string")
-    wanted = live.select(*_LIVE).crossJoin(views)
     meta = {
         "run_id": run_id,
         "images_version": version,
         "model_key": spec.model_key,
         "views": list(spec.views),
     }
-    latest = latest_commit(spark, table)
-    if latest is not None and _in_step(latest[1], meta):
-        return EmbeddingCounts(0, 0, 0, 0, latest[0], time.perf_counter() - t0)
-    if latest is None:
-        rows = _embedded(spark, wanted, live, spec)
+    state = _table_state(spark, table, meta)
+    if state is None:
+        live = images.read(spark, version).select(*_LIVE, "image")
+        rows = _embedded(spark, _wanted(spark, live, spec), live, spec)
         write_table(spark, rows, table, meta, PARTITION_BY, TABLE_PROPERTIES)
         embedded = table.read(spark).count()
-        return EmbeddingCounts(embedded, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
+        return EmbeddingCounts(
+            embedded, 0, 0, 0, _version(spark, table), time.perf_counter() - t0, "write"
+        )
+    latest, base = state
+    if base == version:
+        return EmbeddingCounts(0, 0, 0, 0, latest, time.perf_counter() - t0, "log")
     current = table.read(spark)
-    changes = _changes(current, wanted, live, spec.model_key)
+    found = None
+    if base is not None and base < version:
+        found = _changes_from_feed(spark, images, base, version, current, spec)
+    if found is None:
+        live = images.read(spark, version).select(*_LIVE, "image")
+        found = (
+            _changes(current, _wanted(spark, live, spec), live, spec.model_key),
+            live,
+            "tables",
+        )
+    changes, live, method = found
     counts = {
         "embedded": changes.todo.count(),
         "copied": changes.copied.count(),
@@ -271,12 +309,14 @@ def update_embeddings(
         "gone": changes.gone.count(),
     }
     if not any(counts.values()):
-        return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0)
+        return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0, method)
     names = EMBEDDINGS_SCHEMA.fieldNames()
     inserted = _embedded(spark, changes.todo, live, spec)
     if counts["copied"]:
         inserted = inserted.unionByName(
-            _with_twins_features(current, changes.copied, spec.model_key).select(*names)
+            _with_twins_features(current, changes.copied, counts["copied"], spec.model_key).select(
+                *names
+            )
         )
     source = (
         inserted.withColumn("_op", F.lit("insert"))
@@ -291,19 +331,55 @@ def update_embeddings(
         deleted,
         _version(spark, table),
         time.perf_counter() - t0,
+        method,
     )
 
 
-def _in_step(last: dict[str, object] | None, meta: dict[str, object]) -> bool:
-    """Whether the table's latest commit that changed rows (``last``: its metadata) was
-    this job's update for the same ``images`` version and ``model_key``, with every view of
-    ``meta``: then it holds what this update would write, and nothing is read."""
-    if last is None:
-        return False
+def _wanted(spark: SparkSession, live: DataFrame, spec: EmbeddingSpec) -> DataFrame:
+    """:data:`_LIVE` + ``view``: each of ``live``'s photos under each of ``spec``'s views."""
+    views = spark.createDataFrame([(v,) for v in spec.views], "view string")
+    return live.select(*_LIVE).crossJoin(views)
+
+
+def _table_state(
+    spark: SparkSession, table: TableRef, meta: dict[str, object]
+) -> tuple[int, int | None] | None:
+    """None when there is no table yet; else its latest version and the ``images`` version
+    it was last brought in step with for ``meta``'s ``model_key`` and views (None: not
+    known), from one read of its last 50 commits, newest first:
+
+    - a maintenance commit (VACUUM, OPTIMIZE) changes no row: skipped;
+    - this job's update of another ``model_key``, or of fewer views, wrote or deleted rows
+      only of photos that changed in ``images`` after this key's own update, which the
+      change since then names again: skipped;
+    - this job's update of the ``model_key`` with every view of ``meta``: its
+      ``images_version`` is the answer;
+    - any other commit (not this job's, or none of these within 50): not known.
+    """
+    if not table.exists(spark):
+        return None
+    rows = table.history(spark, 50).select("version", "operation", "userMetadata").collect()
+    if not rows:
+        return None
+    latest = int(rows[0]["version"])
+    for row in rows:
+        if row["operation"] in MAINTENANCE_OPERATIONS:
+            continue
+        last = commit_metadata(row["userMetadata"])
+        if last is None or "images_version" not in last:
+            return latest, None
+        if _covers(last, meta):
+            version = last["images_version"]
+            return latest, int(version) if isinstance(version, int) else None
+    return latest, None
+
+
+def _covers(last: dict[str, object], meta: dict[str, object]) -> bool:
+    """Whether an update that committed ``last`` (its metadata) wrote what ``meta``'s
+    would: the same ``model_key``, with every view of ``meta``."""
     views = last.get("views")
     return (
-        last.get("images_version") == meta["images_version"]
-        and last.get("model_key") == meta["model_key"]
+        last.get("model_key") == meta["model_key"]
         and isinstance(views, list)
         and set(meta["views"]) <= set(views)  # type: ignore[call-overload]
     )
@@ -322,22 +398,110 @@ class _Changes:
 
 
 def _changes(current: DataFrame, wanted: DataFrame, live: DataFrame, model_key: str) -> _Changes:
-    """What :func:`update_embeddings` changes in the table read as ``current``, to hold
-    ``wanted`` (:data:`_LIVE` + ``view`` of every live photo) for ``model_key``:
+    """What :func:`update_embeddings` changes in the table read as ``current`` to hold
+    ``wanted`` (:data:`_LIVE` + ``view`` of every photo of ``images``, ``live``) for
+    ``model_key``, found by comparing the whole tables: :func:`_diff` of this key's rows,
+    and ``gone``, (``row_id``, ``content_sha256``) of the table no longer live. Each
+    comparison reads the tables' key columns once."""
+    gone = (
+        current.select("row_id", "content_sha256")
+        .distinct()
+        .join(live.select("row_id", "content_sha256"), ["row_id", "content_sha256"], "left_anti")
+        .localCheckpoint()
+    )
+    return _diff(_mine(current, model_key), wanted, gone)
 
-    - ``todo``: keys of ``wanted`` the table lacks (:data:`_LIVE` + ``view``), to embed;
+
+def _changes_from_feed(
+    spark: SparkSession,
+    images: TableRef,
+    base: int,
+    version: int,
+    current: DataFrame,
+    spec: EmbeddingSpec,
+) -> tuple[_Changes, DataFrame, str] | None:
+    """What :func:`update_embeddings` changes, found from ``images``' change data feed
+    after ``base`` (the ``images`` version the table was last brought in step with for
+    ``spec``) up to ``version``, instead of comparing the tables:
+
+    - each (``row_id``, ``content_sha256``) the feed names ends as its last change says
+      (by ``_commit_version``; within one commit an insert or post-image after a delete or
+      pre-image): live with those columns, or gone;
+    - the live ones are :func:`_diff`'d against this key's rows of the same contents only
+      (the keys themselves and their twins), one read of the table's key columns;
+    - the photos to embed are read from the feed's inserted rows: only the files added
+      since ``base``, never the rest of ``images``' image bytes.
+
+    Returns:
+        The changes, the inserted photos (``row_id``, ``content_sha256``, ``image``), and
+        ``"feed"``; None (logged) when the feed cannot be read: a version of the range did
+        not record it (``images`` written before
+        :data:`~flowers_job.tables.delta_tables.IMAGES_PROPERTIES`), or a file it
+        needs was vacuumed. The caller then compares the tables.
+    """
+    from pyspark.errors import PySparkException
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    after = F.col("_change_type").isin("insert", "update_postimage")
+    last = Window.partitionBy("row_id", "content_sha256").orderBy(
+        F.desc("_commit_version"), F.desc("_after")
+    )
+    try:
+        feed = images.changes(spark, base + 1, version)
+        net = (
+            feed.select(*_LIVE, "_commit_version", after.alias("_after"))
+            .withColumn("_n", F.row_number().over(last))
+            .where("_n = 1")
+            .drop("_n", "_commit_version")
+            .localCheckpoint()
+        )
+    except PySparkException as exc:
+        log.info(
+            "embeddings: images' change data feed after version %d cannot be read (%s): "
+            "comparing the tables instead",
+            base,
+            exc.getCondition() or type(exc).__name__,
+        )
+        return None
+    live = net.where("_after").select(*_LIVE)
+    contents = live.select("content_sha256").distinct()
+    if net.count() <= BROADCAST_ROWS:
+        contents = F.broadcast(contents)
+    near = _mine(current, spec.model_key).join(contents, "content_sha256", "left_semi")
+    gone = net.where("NOT _after").select("row_id", "content_sha256")
+    photos = (
+        feed.where(after)
+        .select("row_id", "content_sha256", "image")
+        .dropDuplicates(["row_id", "content_sha256"])
+    )
+    return _diff(near.localCheckpoint(), _wanted(spark, live, spec), gone), photos, "feed"
+
+
+def _mine(current: DataFrame, model_key: str) -> DataFrame:
+    """The key columns of the table's rows of ``model_key``: :data:`_KEY`, ``label_index``
+    and ``split``."""
+    from pyspark.sql import functions as F
+
+    return current.where(F.col("model_key") == model_key).select(*_KEY, "label_index", "split")
+
+
+def _diff(mine: DataFrame, wanted: DataFrame, gone: DataFrame) -> _Changes:
+    """The :class:`_Changes` that bring ``mine`` (:func:`_mine`, of one ``model_key``; at
+    least every row of the contents ``wanted`` names) to ``wanted`` (:data:`_LIVE` +
+    ``view``), with ``gone`` as given:
+
+    - ``todo``: keys of ``wanted`` that ``mine`` lacks (:data:`_LIVE` + ``view``), to embed;
     - ``copied``: the same, whose content and view another row holds
       (:func:`_with_twins_features` fetches them);
-    - ``relabeled``: keys whose ``label_index`` or ``split`` changed (the new ones);
-    - ``gone``: (``row_id``, ``content_sha256``) of the table no longer live.
+    - ``relabeled``: keys whose ``label_index`` or ``split`` changed (the new ones).
 
-    Each is computed here, once (``localCheckpoint``, eager): four Spark jobs read the
-    tables' key columns (the new keys, their twins, the relabeled and the gone ones), two
-    more split the new keys in two. Each result holds about the size of the change.
+    Each is computed here, once (``localCheckpoint``, eager): one Spark job reads
+    ``mine`` for the new keys, one for their twins, one for the relabeled keys, two more
+    split the new keys in two. Each result holds about the size of the change.
     """
     from pyspark.sql import functions as F
 
-    mine = current.where(F.col("model_key") == model_key)
     new = wanted.join(mine.select(*_KEY), list(_KEY), "left_anti").localCheckpoint()
     twins = (
         mine.select("content_sha256", "view")
@@ -348,31 +512,31 @@ def _changes(current: DataFrame, wanted: DataFrame, live: DataFrame, model_key: 
     copied = new.join(twins, ["content_sha256", "view"], "left_semi").localCheckpoint()
     todo = new.join(twins, ["content_sha256", "view"], "left_anti").localCheckpoint()
     relabeled = (
-        mine.select(*_KEY, "label_index", "split")
-        .alias("t")
+        mine.alias("t")
         .join(wanted.alias("s"), list(_KEY))
         .where("NOT (t.label_index <=> s.label_index) OR NOT (t.split <=> s.split)")
         .select(*_KEY, F.col("s.label_index"), F.col("s.split"))
         .localCheckpoint()
     )
-    gone = (
-        current.select("row_id", "content_sha256")
-        .distinct()
-        .join(live.select("row_id", "content_sha256"), ["row_id", "content_sha256"], "left_anti")
-        .localCheckpoint()
-    )
     return _Changes(todo, copied, relabeled, gone)
 
 
-def _with_twins_features(current: DataFrame, copied: DataFrame, model_key: str) -> DataFrame:
-    """``copied``'s keys with the ``features`` of a row of the same content and view under
-    ``model_key``, and that ``model_key``. Only called when there are such keys: the
-    comparison that finds them reads the key columns alone, never the features."""
+def _with_twins_features(
+    current: DataFrame, copied: DataFrame, n: int, model_key: str
+) -> DataFrame:
+    """``copied``'s keys (``n`` rows) with the ``features`` of a row of the same content and
+    view under ``model_key``, and that ``model_key``. Only called when there are such keys:
+    the comparison that finds them reads the key columns alone; this reads the features of
+    the twins only (a semi join before the de-duplication, so no other row's features move)."""
     from pyspark.sql import functions as F
 
+    wanted = copied.select("content_sha256", "view").distinct()
+    if n <= BROADCAST_ROWS:
+        wanted = F.broadcast(wanted)
     donors = (
         current.where(F.col("model_key") == model_key)
         .select("content_sha256", "view", "features")
+        .join(wanted, ["content_sha256", "view"], "left_semi")
         .dropDuplicates(["content_sha256", "view"])
     )
     return copied.join(donors, ["content_sha256", "view"]).withColumn("model_key", F.lit(model_key))

@@ -25,10 +25,12 @@ from flowers_job.photos.listing import LISTING_REASONS, images_root
 from flowers_job.photos.verdicts import SKIPPED_REASONS
 from flowers_job.runtime.hooks import hook
 from flowers_job.tables.delta_tables import (
+    IMAGES_PROPERTIES,
     PARTITION_COLUMNS,
     TABLE_PROPERTIES,
     TABLE_SCHEMAS,
     delete_then_append,
+    ensure_properties,
     merge_changes,
     merge_table,
     null_safe_differs,
@@ -215,13 +217,14 @@ def write_full(  # noqa: PLR0913
             properties=TABLE_PROPERTIES,
         )
         hook("ingest_table_written", table="quarantine")
+        _record_changes(spark, tables["images"])
         write_table(
             spark,
             _conform(images, "images"),
             tables["images"],
             meta,
             partition_by=PARTITION_COLUMNS["images"],
-            properties=TABLE_PROPERTIES,
+            properties=IMAGES_PROPERTIES,
         )
         hook("ingest_table_written", table="images")
         log.info(
@@ -412,6 +415,17 @@ them in one commit instead of :func:`~flowers_job.tables.delta_tables.delete_the
 whose paths pass through the driver (about 100 bytes each)."""
 
 
+def _record_changes(spark: SparkSession, table: TableRef) -> None:
+    """Set the :data:`~flowers_job.tables.delta_tables.IMAGES_PROPERTIES` that an existing
+    ``images`` lacks (a table written before they were the job's, or changed by hand)
+    before ingest writes it, so its change data feed records this write; a new table gets
+    them with its first write."""
+    if table.exists(spark):
+        set_now = ensure_properties(spark, table, IMAGES_PROPERTIES)
+        if set_now:
+            log.info("images: set the table properties %s before writing it", set_now)
+
+
 def _write_images(
     spark: SparkSession,
     table: TableRef,
@@ -420,7 +434,7 @@ def _write_images(
     gone: DataFrame,
     meta: dict[str, object],
 ) -> dict[str, int]:
-    """Bring ``images`` up to date: delete the rows of the paths it holds that are gone or
+    """Bring ``images`` up to date (:func:`_record_changes` first): delete the rows of the paths it holds that are gone or
     were decoded again (changed, or now quarantined) and append the decoded images
     (:func:`~flowers_job.tables.delta_tables.delete_then_append`: deletion vectors, no
     stored row read but the paths); past :data:`MAX_DELETE_PATHS` such paths, one MERGE.
@@ -429,6 +443,7 @@ def _write_images(
         ``inserted``, ``updated`` (a path deleted and appended again), ``deleted``, as a
         MERGE's metrics count them.
     """
+    _record_changes(spark, table)
     held = diff.where((F.col("_held_in") == "images") & (F.col("_status") != "keep"))
     good = decoded.where(F.col("reason_code").isNull())
     rows = held.select("relative_path").limit(MAX_DELETE_PATHS + 1).collect()

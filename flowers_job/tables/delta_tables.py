@@ -40,7 +40,9 @@ __all__ = [
     "TABLE_SCHEMAS",
     "CheckedTables",
     "checked_tables",
+    "commit_metadata",
     "delete_then_append",
+    "ensure_properties",
     "is_ingest_metadata",
     "latest_commit",
     "merge_changes",
@@ -109,6 +111,17 @@ later. The column that holds the source file's URI is ``source_path``, not ``pat
 (``AMBIGUOUS_REFERENCE filePath``, delta-io/delta#2943, fixed in Delta 4.3)."""
 
 
+IMAGES_PROPERTIES = {**TABLE_PROPERTIES, "delta.enableChangeDataFeed": "true"}
+"""``images``' Delta table properties: :data:`TABLE_PROPERTIES`, and Delta's change data feed
+(Delta's documentation, "Use Delta Lake change data feed"), from which the embeddings update
+reads what changed since its last update instead of comparing the tables. Recording it costs
+ingest's writes nothing here: an append's rows are its new files, and a DELETE with deletion
+vectors writes no change file (a reader derives the deleted rows from the vectors it
+replaced); only a MERGE (past ``MAX_DELETE_PATHS`` deletions) writes its changed rows
+again, under ``_change_data``. The feature adds the ``changeDataFeed`` writer feature, no
+reader feature."""
+
+
 MAINTENANCE_OPERATIONS = frozenset(
     {"VACUUM START", "VACUUM END", "OPTIMIZE", "SET TBLPROPERTIES", "UNSET TBLPROPERTIES"}
 )
@@ -143,10 +156,39 @@ def latest_commit(
     for row in rows:  # newest first
         if row["operation"] in MAINTENANCE_OPERATIONS:
             continue
-        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else None
-        value = meta.get(META_KEY) if isinstance(meta, dict) else None
-        return latest, value if isinstance(value, dict) else None
+        return latest, commit_metadata(row["userMetadata"])
     return latest, None
+
+
+def commit_metadata(user_metadata: str | None) -> dict[str, object] | None:
+    """The flowers_job metadata in a commit's ``userMetadata`` (``DESCRIBE HISTORY``'s
+    column, the JSON text :func:`write_table` and kin commit); None when the commit is not
+    flowers_job's."""
+    meta = json.loads(user_metadata) if user_metadata else None
+    value = meta.get(META_KEY) if isinstance(meta, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def ensure_properties(
+    spark: SparkSession, table: TableRef, properties: Mapping[str, str]
+) -> list[str]:
+    """Set on the existing Delta ``table`` those of ``properties`` it lacks or holds with
+    another value: one ``ALTER TABLE ... SET TBLPROPERTIES`` commit (a maintenance one,
+    :data:`MAINTENANCE_OPERATIONS`), none when all are set. What a table written before a
+    property became the job's gets on its next incremental write.
+
+    Returns:
+        The keys set, sorted (empty: nothing committed).
+
+    Raises:
+        DataError: a catalog table of that name that is not a Delta table.
+    """
+    held = table.detail(spark)["properties"] or {}
+    missing = {k: v for k, v in properties.items() if str(held.get(k, "")).lower() != v.lower()}
+    if missing:
+        assignments = ", ".join(f"'{k}' = '{v}'" for k, v in sorted(missing.items()))
+        spark.sql(f"ALTER TABLE {table.sql_name} SET TBLPROPERTIES ({assignments})")
+    return sorted(missing)
 
 
 def is_ingest_metadata(meta: Mapping[str, object] | None) -> bool:

@@ -257,6 +257,27 @@ class TableRef:
             return reader.table(self.quoted)
         return reader.format(DELTA_FORMAT).load(str(self.path))
 
+    def changes(self, spark: SparkSession, start: int, end: int) -> DataFrame:
+        """Delta's change data feed from version ``start`` to ``end``, both included: the
+        table's columns plus ``_change_type`` (``insert``, ``delete``, ``update_preimage``,
+        ``update_postimage``), ``_commit_version`` and ``_commit_timestamp`` (Delta's
+        documentation, "Use Delta Lake change data feed"). A filter on ``_change_type``
+        reaches the reader: ``insert`` rows read only the files their commits added.
+
+        Raises (when the plan is analysed or run):
+            pyspark.errors.AnalysisException: ``DELTA_MISSING_CHANGE_DATA``, a version of
+                the range did not record its changes (``delta.enableChangeDataFeed`` off),
+                or a file it needs was vacuumed.
+        """
+        reader = (
+            spark.read.option("readChangeFeed", "true")
+            .option("startingVersion", int(start))
+            .option("endingVersion", int(end))
+        )
+        if self.parts:
+            return reader.table(self.quoted)
+        return reader.format(DELTA_FORMAT).load(str(self.path))
+
     def overwrite(
         self,
         df: DataFrame,

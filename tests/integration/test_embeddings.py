@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.pipeline import run_training
@@ -68,9 +69,12 @@ Row = tuple[int, str, np.ndarray]
 """(label_index, split, features)."""
 
 
-def _rows(spark: SparkSession, table: TableRef, model_key: str) -> dict[Key, Row]:
-    """(row_id, content_sha256, view) -> (label_index, split, features) of one model key."""
-    df = table.read(spark).where(f"model_key = '{model_key}'")
+def _rows(
+    spark: SparkSession, table: TableRef, model_key: str, views: tuple[str, ...]
+) -> dict[Key, Row]:
+    """(row_id, content_sha256, view) -> (label_index, split, features) of one model key's
+    ``views``."""
+    df = table.read(spark).where(f"model_key = '{model_key}'").where(F.col("view").isin(*views))
     return {
         (r["row_id"], r["content_sha256"], r["view"]): (
             r["label_index"],
@@ -93,9 +97,9 @@ def _live(spark: SparkSession, cfg: JobConfig) -> dict[tuple[int, str], tuple[in
 def _check_in_step(
     spark: SparkSession, cfg: JobConfig, table: TableRef, spec: EmbeddingSpec
 ) -> dict[Key, Row]:
-    """Every live photo has each of ``spec``'s views with its label and split, and nothing
-    else is there under ``spec.model_key``."""
-    live, rows = _live(spark, cfg), _rows(spark, table, spec.model_key)
+    """Every live photo has each of ``spec``'s views with its label and split, and no other
+    photo has one under ``spec.model_key``."""
+    live, rows = _live(spark, cfg), _rows(spark, table, spec.model_key, spec.views)
     expected = {(rid, sha, v) for (rid, sha) in live for v in spec.views}
     assert set(rows) == expected
     for (rid, sha, _), (label, split, _) in rows.items():
@@ -110,8 +114,11 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     """The first update embeds each photo's views once, with the features the backbone gives
     the stored image; a second one changes nothing (no commit). After 2 photos deleted, 1
     added and 1 copied into another label's folder, only the new photo is embedded, the
-    copy's features are copied from its twin, and the deleted photos' rows leave. A third
-    view embeds only that view; another transform is another key beside the first."""
+    copy's features are copied from its twin, and the deleted photos' rows leave: found from
+    ``images``' change data feed. A third view embeds only that view; another transform is
+    another key beside the first. The next day's change is found from the feed again, past
+    the other key's commit; a row deleted while the feed was off is found by comparing the
+    tables, and the next ingest turns the feed back on."""
     images = sample_photos(tmp_path / "images", per_label=5)
     cfg = _cfg(images, tmp_path / "out")
     v0 = ingest(spark, cfg)
@@ -121,7 +128,7 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     version = _version(spark, table_ref(cfg, "images"))
 
     first = update_embeddings(spark, table_ref(cfg, "images"), version, table, spec, "run-1")
-    assert (first.embedded, first.copied, first.deleted) == (50, 0, 0)
+    assert (first.embedded, first.copied, first.deleted, first.method) == (50, 0, 0, "write")
     assert table.read(spark).schema.simpleString() == EMBEDDINGS_SCHEMA.simpleString()
     rows = _check_in_step(spark, cfg, table, spec)
     model = build_model("efficientnet_lite0", 1, "package").eval()
@@ -140,7 +147,7 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     )
 
     again = update_embeddings(spark, table_ref(cfg, "images"), version, table, spec, "run-2")
-    assert not again.changed and again.version == first.version
+    assert not again.changed and again.version == first.version and again.method == "log"
 
     gone = sorted((images / "roses").glob("*.jpg"))[:2]
     for path in gone:
@@ -151,7 +158,13 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     ingest(spark, cfg)
     version = _version(spark, table_ref(cfg, "images"))
     day = update_embeddings(spark, table_ref(cfg, "images"), version, table, spec, "run-3")
-    assert (day.embedded, day.copied, day.updated, day.deleted) == (2, 2, 0, 4)
+    assert (day.embedded, day.copied, day.updated, day.deleted, day.method) == (
+        2,
+        2,
+        0,
+        4,
+        "feed",
+    )
     rows_after = _check_in_step(spark, cfg, table, spec)
     live = _live(spark, cfg)
     sha = hashlib.sha256(twin.read_bytes()).hexdigest()
@@ -163,7 +176,7 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
 
     three = _spec(cfg, ("centre", "mirror", "zoom"))
     zoom = update_embeddings(spark, table_ref(cfg, "images"), version, table, three, "run-4")
-    assert (zoom.embedded, zoom.copied, zoom.deleted) == (len(live), 0, 0)
+    assert (zoom.embedded, zoom.copied, zoom.deleted, zoom.method) == (len(live), 0, 0, "tables")
     assert _check_in_step(spark, cfg, table, three).keys() >= rows_after.keys()
 
     other = _spec(cfg, ("centre",), image_size=56)
@@ -172,6 +185,41 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     assert apart.embedded == len(live)
     _check_in_step(spark, cfg, table, other)
     assert table.read(spark).count() == 3 * len(live) + len(live)
+
+    _later_days(spark, cfg, images, table, spec)
+
+
+def _later_days(
+    spark: SparkSession, cfg: JobConfig, images: Path, table: TableRef, spec: EmbeddingSpec
+) -> None:
+    """After another key's commit: a day's change found from the feed since this key's own
+    last update; a row deleted outside the job while the feed was off, found by comparing
+    the tables; the next ingest turns the feed back on and writes the photo back."""
+    images_t = table_ref(cfg, "images")
+    sorted((images / "daisy").glob("*.jpg"))[-1].unlink()
+    shutil.copy2(sorted((PHOTOS / "tulips").glob("*.jpg"))[-1], images / "tulips")
+    ingest(spark, cfg)
+    version = _version(spark, images_t)
+    next_day = update_embeddings(spark, images_t, version, table, spec, "run-6")
+    assert (next_day.embedded, next_day.copied, next_day.deleted) == (2, 0, 4)
+    assert next_day.method == "feed"  # since run-4's images version, past run-5's commit
+    _check_in_step(spark, cfg, table, spec)
+
+    # a row deleted outside the job while the feed was off: the tables are compared
+    spark.sql(
+        f"ALTER TABLE {images_t.sql_name} SET TBLPROPERTIES (delta.enableChangeDataFeed = false)"
+    )
+    (rid, sha), _ = sorted(_live(spark, cfg).items())[0]
+    spark.sql(f"DELETE FROM {images_t.sql_name} WHERE row_id = {rid}")
+    outside = update_embeddings(spark, images_t, _version(spark, images_t), table, spec, "run-7")
+    assert (outside.embedded, outside.deleted, outside.method) == (0, 4, "tables")
+    _check_in_step(spark, cfg, table, spec)
+    # the next ingest writes the photo back (its file is still listed), the feed on first
+    ingest(spark, cfg)
+    assert images_t.detail(spark)["properties"].get("delta.enableChangeDataFeed") == "true"
+    back = update_embeddings(spark, images_t, _version(spark, images_t), table, spec, "run-8")
+    assert (back.embedded, back.copied, back.deleted, back.method) == (2, 0, 0, "feed")
+    assert {k[:2] for k in _check_in_step(spark, cfg, table, spec)} >= {(rid, sha)}
 
 
 @needs_loader("delta")
@@ -212,6 +260,7 @@ def test_the_head_trains_on_the_embeddings_and_the_registered_model_takes_photos
 
     second = run_training(spark, cfg)
     assert second["embeddings"]["embedded"] == 0
+    assert second["embeddings"]["method"] == "log"
     assert second["embeddings"]["version"] == embedded["version"]
     assert second["train_rows"] == first["train_rows"]
     mlflow.set_tracking_uri(second["mlflow_tracking_uri"])
@@ -247,7 +296,7 @@ def test_the_embeddings_update_runs_on_spark_connect_as_on_classic_spark(
                 first = update_embeddings(session, images, version, table, spec, "run-1")
                 again = update_embeddings(session, images, version, table, spec, "run-2")
                 assert first.embedded == len(_live(session, cfg)) and not again.changed
-                got[out] = _rows(session, table, spec.model_key)
+                got[out] = _rows(session, table, spec.model_key, spec.views)
     assert got[remote_out].keys() == got[classic_out].keys()
     for key, (label, split, features) in got[classic_out].items():
         assert got[remote_out][key][:2] == (label, split)
