@@ -449,8 +449,15 @@ def _changes_from_feed(
     )
     try:
         feed = images.changes(spark, base + 1, version)
+        # two reads, each filtered on the change type, which Delta's reader applies: the
+        # added rows' columns from the files added; the removed rows' keys alone, from the
+        # files whose deletion vectors changed (read whole, docs/known-issues.md)
+        added = feed.where(after).select(*_LIVE, "_commit_version", F.lit(True).alias("_after"))
+        removed = feed.where(F.col("_change_type").isin("delete", "update_preimage")).select(
+            "row_id", "content_sha256", "_commit_version", F.lit(False).alias("_after")
+        )
         net = (
-            feed.select(*_LIVE, "_commit_version", after.alias("_after"))
+            added.unionByName(removed, allowMissingColumns=True)
             .withColumn("_n", F.row_number().over(last))
             .where("_n = 1")
             .drop("_n", "_commit_version")

@@ -276,7 +276,8 @@ def test_the_embeddings_update_runs_on_spark_connect_as_on_classic_spark(
     spark: SparkSession, tables: Path, connect_url: str, tmp_path: Path
 ) -> None:
     """The same update through a Spark Connect session (the server's Python workers embed)
-    writes the rows a classic session writes, features equal; a second one reads nothing."""
+    writes the rows a classic session writes, features equal; a second one reads nothing;
+    a photo deleted and a copy of another added are found from the change data feed."""
     from tests.support.connect import classic_mode, connect_session
 
     classic_out = copy_tables(tables, tmp_path / "classic")
@@ -296,6 +297,18 @@ def test_the_embeddings_update_runs_on_spark_connect_as_on_classic_spark(
                 first = update_embeddings(session, images, version, table, spec, "run-1")
                 again = update_embeddings(session, images, version, table, spec, "run-2")
                 assert first.embedded == len(_live(session, cfg)) and not again.changed
+                (gone, _), (kept, _) = sorted(_live(session, cfg).items())[:2]
+                session.sql(f"DELETE FROM {images.sql_name} WHERE row_id = {gone[0]}")
+                images.append(
+                    images.read(session)
+                    .where(F.col("row_id") == kept[0])
+                    .withColumn("row_id", F.lit(-1).cast("long"))
+                    .withColumn("relative_path", F.lit("daisy/copy.jpg"))
+                )
+                day = update_embeddings(
+                    session, images, _version(session, images), table, spec, "day"
+                )
+                assert (day.embedded, day.copied, day.deleted, day.method) == (0, 1, 1, "feed")
                 got[out] = _rows(session, table, spec.model_key, spec.views)
     assert got[remote_out].keys() == got[classic_out].keys()
     for key, (label, split, features) in got[classic_out].items():
