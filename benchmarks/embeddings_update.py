@@ -128,8 +128,9 @@ def _run(code: str, args: list[str], checkout: Path, tag: str) -> dict[str, Any]
 
 def sql_executions(events: Path) -> list[dict[str, Any]]:
     """The SQL executions of the event log in ``events`` whose description names the job
-    group ``update`` (Delta's own carry it as a prefix): ``{"description", "start", "seconds"}``
-    in order, ``start`` in seconds from the first."""
+    group ``update`` (Delta's own carry it as a prefix): ``{"description", "call_site",
+    "start", "seconds"}`` in order, ``call_site`` the first line of the event's details (for
+    PySpark, the Python line that ran it), ``start`` in seconds from the first."""
     starts: dict[int, tuple[float, str]] = {}
     ends: dict[int, float] = {}
     for path in sorted(events.iterdir()):
@@ -137,25 +138,28 @@ def sql_executions(events: Path) -> list[dict[str, Any]]:
             event = json.loads(line)
             kind = event.get("Event", "")
             if kind.endswith("SQLExecutionStart"):
+                site = (event.get("details") or "").strip().splitlines()
                 starts[event["executionId"]] = (
                     event["time"] / 1000,
                     event.get("description") or "",
+                    site[0] if site else "",
                 )
             elif kind.endswith("SQLExecutionEnd"):
                 ends[event["executionId"]] = event["time"] / 1000
     rows = [
-        (start, ends.get(i, start) - start, text)
-        for i, (start, text) in sorted(starts.items())
+        (start, ends.get(i, start) - start, text, site)
+        for i, (start, text, site) in sorted(starts.items())
         if "update" in text
     ]
     t0 = rows[0][0] if rows else 0.0
     return [
         {
             "description": re.sub(r"\s+", " ", text)[:100],
+            "call_site": site[:160],
             "start": round(s - t0, 2),
             "seconds": round(d, 2),
         }
-        for s, d, text in rows
+        for s, d, text, site in rows
     ]
 
 
