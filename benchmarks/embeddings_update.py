@@ -131,7 +131,7 @@ def sql_executions(events: Path) -> list[dict[str, Any]]:
     group ``update`` (Delta's own carry it as a prefix): ``{"description", "call_site",
     "start", "seconds"}`` in order, ``call_site`` the first line of the event's details (for
     PySpark, the Python line that ran it), ``start`` in seconds from the first."""
-    starts: dict[int, tuple[float, str]] = {}
+    starts: dict[int, tuple[float, str, str]] = {}
     ends: dict[int, float] = {}
     for path in sorted(events.iterdir()):
         for line in path.read_text().splitlines():
