@@ -269,8 +269,6 @@ def update_embeddings(
     """
     import time
 
-    from pyspark.sql import functions as F
-
     t0 = time.perf_counter()
     meta = {
         "run_id": run_id,
@@ -310,20 +308,7 @@ def update_embeddings(
     }
     if not any(counts.values()):
         return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0, method)
-    names = EMBEDDINGS_SCHEMA.fieldNames()
-    inserted = _embedded(spark, changes.todo, live, spec)
-    if counts["copied"]:
-        inserted = inserted.unionByName(
-            _with_twins_features(current, changes.copied, counts["copied"], spec.model_key).select(
-                *names
-            )
-        )
-    source = (
-        inserted.withColumn("_op", F.lit("insert"))
-        .unionByName(_keyed(changes.relabeled, "update", spec.model_key, names))
-        .unionByName(_keyed(changes.gone.crossJoin(_all_keys(current)), "delete", None, names))
-    )
-    deleted = _merge(spark, table, source, meta)
+    deleted = _merge(spark, table, _source(spark, current, changes, counts, live, spec), meta)
     return EmbeddingCounts(
         counts["embedded"],
         counts["copied"],
@@ -332,6 +317,33 @@ def update_embeddings(
         _version(spark, table),
         time.perf_counter() - t0,
         method,
+    )
+
+
+def _source(
+    spark: SparkSession,
+    current: DataFrame,
+    changes: _Changes,
+    counts: dict[str, int],
+    live: DataFrame,
+    spec: EmbeddingSpec,
+) -> DataFrame:
+    """The ``MERGE``'s source (:func:`_merge`): the rows of ``changes.todo`` embedded from
+    the stored images of ``live``, the copied ones with their twins' features (inserts),
+    the relabeled keys (updates), and each gone photo under every (``model_key``,
+    ``view``) the table holds (deletes); ``counts`` of them as :func:`update_embeddings`
+    counted them."""
+    from pyspark.sql import functions as F
+
+    names = EMBEDDINGS_SCHEMA.fieldNames()
+    inserted = _embedded(spark, changes.todo, live, spec)
+    if counts["copied"]:
+        twins = _with_twins_features(current, changes.copied, counts["copied"], spec.model_key)
+        inserted = inserted.unionByName(twins.select(*names))
+    return (
+        inserted.withColumn("_op", F.lit("insert"))
+        .unionByName(_keyed(changes.relabeled, "update", spec.model_key, names))
+        .unionByName(_keyed(changes.gone.crossJoin(_all_keys(current)), "delete", None, names))
     )
 
 
