@@ -64,6 +64,7 @@ from flowers_job.tables.delta_tables import (
     MAINTENANCE_OPERATIONS,
     TABLE_PROPERTIES,
     commit_metadata,
+    ensure_properties,
     merge_into,
     write_table,
 )
@@ -79,6 +80,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BROADCAST_ROWS",
+    "EMBEDDINGS_PROPERTIES",
     "EMBEDDINGS_SCHEMA",
     "PARTITION_BY",
     "ROWS_PER_TASK",
@@ -110,6 +112,17 @@ size (``spark.sql.execution.arrow.maxRecordsPerBatch``)."""
 ROWS_PER_TASK = 256
 """Photos per embedding task at most: on 2 cores, EfficientNet-Lite2's two views of 256 photos
 take about half a minute, so a lost task costs little and the tasks fill every slot."""
+
+EMBEDDINGS_PROPERTIES = {
+    **TABLE_PROPERTIES,
+    "delta.autoOptimize.optimizeWrite": "true",
+}
+"""The ``embeddings`` table's Delta properties: deletion vectors, and Delta's optimized write
+(Delta's documentation, "Optimized writes"): each write shuffles its rows by partition
+before writing them, so a partition gets a few large files, not one small file per
+embedding task (:data:`ROWS_PER_TASK` photos, about 85 rows a split) that every later
+read, ``MERGE`` and rank opens. Set by the first write, and before an update writes a table
+written without it."""
 
 BROADCAST_ROWS = 500_000
 """At most this many changed photos (their ``content_sha256``, 64 characters each) are
@@ -280,7 +293,7 @@ def update_embeddings(
     if state is None:
         live = images.read(spark, version).select(*_LIVE, "image")
         rows = _embedded(spark, _wanted(spark, live, spec), live, spec)
-        write_table(spark, rows, table, meta, PARTITION_BY, TABLE_PROPERTIES)
+        write_table(spark, rows, table, meta, PARTITION_BY, EMBEDDINGS_PROPERTIES)
         embedded = table.read(spark).count()
         return EmbeddingCounts(
             embedded, 0, 0, 0, _version(spark, table), time.perf_counter() - t0, "write"
@@ -308,6 +321,7 @@ def update_embeddings(
     }
     if not any(counts.values()):
         return EmbeddingCounts(0, 0, 0, 0, _version(spark, table), time.perf_counter() - t0, method)
+    ensure_properties(spark, table, EMBEDDINGS_PROPERTIES)
     deleted = _merge(spark, table, _source(spark, current, changes, counts, live, spec), meta)
     return EmbeddingCounts(
         counts["embedded"],

@@ -19,6 +19,7 @@ from pyspark.sql import functions as F
 
 from flowers_job.config import JobConfig, load_config
 from flowers_job.driver.pipeline import run_training
+from flowers_job.ingest import embeddings as embeddings_module
 from flowers_job.ingest.embeddings import EMBEDDINGS_SCHEMA, update_embeddings
 from flowers_job.ingest.job import ingest
 from flowers_job.tables.table_ref import TableRef, table_ref
@@ -107,7 +108,14 @@ def _check_in_step(
     return rows
 
 
+@pytest.fixture
+def small_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Embedding tasks of 4 photos: several tasks write each partition."""
+    monkeypatch.setattr(embeddings_module, "ROWS_PER_TASK", 4)
+
+
 @pytest.mark.tier("full")
+@pytest.mark.usefixtures("small_tasks")
 def test_embeddings_follow_the_images_table_and_never_mix_backbones(
     spark: SparkSession, tmp_path: Path
 ) -> None:
@@ -129,7 +137,10 @@ def test_embeddings_follow_the_images_table_and_never_mix_backbones(
 
     first = update_embeddings(spark, table_ref(cfg, "images"), version, table, spec, "run-1")
     assert (first.embedded, first.copied, first.deleted, first.method) == (50, 0, 0, "write")
-    assert table.read(spark).schema.simpleString() == EMBEDDINGS_SCHEMA.simpleString()
+    # 7 embedding tasks of 4 photos: the optimized write leaves a file per (view, split)
+    assert table.read(spark).schema.simpleString() == EMBEDDINGS_SCHEMA.simpleString() and (
+        table.detail(spark)["numFiles"] <= 6
+    )
     rows = _check_in_step(spark, cfg, table, spec)
     model = build_model("efficientnet_lite0", 1, "package").eval()
     pre = preprocessing_for("efficientnet_lite0")
