@@ -16,17 +16,18 @@
 #               test-dbr    the Databricks Runtime 17.3 LTS ML suite in .venv-dbr
 #                           (requirements/dbr-17.3-ml.txt) against the BUILT wheel with its
 #                           [streaming] extra, with data.loader=streaming
-#               test-dbr18  after it, on the same side: the Databricks Runtime 18 ML tests
-#                           (DBR18_TESTS: the light ones and the promotion path; the full
-#                           tier adds the smoke job) in .venv-dbr18
-#                           (requirements/dbr-18-ml.txt), the same way
+#               test-dbr18  the Databricks Runtime 18 ML tests (DBR18_TESTS: the light
+#                           ones and the promotion path; the full tier adds the smoke job)
+#                           in .venv-dbr18 (requirements/dbr-18-ml.txt), the same way: in
+#                           the gate after it, on the same side; in the full tier after
+#                           test-local
 #               test-cluster  the netns cluster's tests (tests/cluster) in .venv, on the
 #                           DBR side after the 17.3 suite
 #               test-petastorm  the Petastorm tests in the
 #                           legacy environment .venv-petastorm (requirements/petastorm.txt:
 #                           Spark 4.0, pyarrow 14, NumPy 1.26; the project editable): one
 #                           end-to-end job in the gate (after the DBR suites), every test
-#                           that names petastorm in the full tier (after test-local)
+#                           that names petastorm in the full tier (after the DBR side)
 #               Where this is root with util-linux's unshare (CI is), the two sides run
 #               side by side, the DBR side's suites each in its own mount namespace (its
 #               own /dev/shm, for the Streaming state checks of faults/test_faults.py);
@@ -184,7 +185,7 @@ PETASTORM_SECONDS_gate := 900
 PETASTORM_SECONDS_full := 3600
 
 .PHONY: setup setup-dbr setup-dbr18 setup-petastorm run test test-full tier test-local test-dbr \
-	test-dbr18 test-petastorm test-cluster dbr-suite local-side dbr-side petastorm-side wheel-dbr lint typecheck clean cluster-env \
+	test-dbr18 test-petastorm test-cluster dbr-suite local-side dbr-side petastorm-side dbr18-side wheel-dbr lint typecheck clean cluster-env \
 	cluster-up cluster-down s3-jars setup-connect container-deps test-container
 
 # The container image (docker/Dockerfile) built from a base made of Debian's packages and run
@@ -362,20 +363,23 @@ test-full:
 tier: lint typecheck
 	@$(MAKE) --no-print-directory wheel-dbr
 ifeq ($(ISOLATE),1)
-	@$(MAKE) --no-print-directory -j2 -k -O local-side dbr-side $(PETASTORM_SIDE_GOAL_$(TIER)) \
+	@$(MAKE) --no-print-directory -j2 -k -O local-side dbr-side $(QUEUED_GOALS_$(TIER)) \
 		LOCAL_IGNORE="$(DBR_ONLY) container cluster" LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
 else
 	@$(MAKE) --no-print-directory local-side LOCAL_IGNORE="$(DBR_ONLY) container cluster" \
 		LOCAL_DESELECT="$(DBR_ONLY_TESTS)"
-	@$(MAKE) --no-print-directory dbr-side $(PETASTORM_SIDE_GOAL_$(TIER))
+	@$(MAKE) --no-print-directory dbr-side $(QUEUED_GOALS_$(TIER))
 endif
 
-# The Petastorm suite's side: in the gate (one job) after the DBR suites; in the full tier
-# (every Petastorm test, 30-45 min) a third goal of the two-slot make, so that it starts in
-# whichever slot the local side or the DBR side frees first (docs/testing.md); the make keeps
-# going (-k), so that it starts even when a side before it failed.
+# The Petastorm suite and the Databricks Runtime 18 tests: in the gate (one job each) on the
+# DBR side, after the 17.3 suite and the cluster's; in the full tier (every Petastorm test,
+# 13 min, and 18's smoke job, 5 min) the third and fourth goals of the two-slot make, each
+# started in whichever slot frees first: Petastorm after the DBR side, 18 after the local
+# suite, so that both slots end within a minute or two of each other (docs/testing.md). The
+# make keeps going (-k), so that they start even when a side before them failed.
 PETASTORM_SIDE_gate := dbr
-PETASTORM_SIDE_GOAL_full := petastorm-side
+DBR18_SIDE_gate := dbr
+QUEUED_GOALS_full := petastorm-side dbr18-side
 
 # The local side: the local suite.
 local-side:
@@ -384,14 +388,17 @@ local-side:
 petastorm-side:
 	@$(MAKE) --no-print-directory test-petastorm
 
-# The DBR side of `make test`: the 17.3 suite, the netns cluster's tests, then the 18 smoke
-# job (SMOKE_DBR18) with the wheel that wheel-dbr built, then (the gate) the Petastorm suite,
-# then (the full tier) the container tests; what it costs CI: docs/testing.md. Each runs
+dbr18-side:
+	@if [ "$(SMOKE_DBR18)" = 1 ]; then $(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0; fi
+
+# The DBR side of `make test`: the 17.3 suite, the netns cluster's tests, then (the gate) the
+# 18 tests (SMOKE_DBR18) with the wheel that wheel-dbr built and the Petastorm suite, then
+# (the full tier) the container tests; what it costs CI: docs/testing.md. Each runs
 # whatever the others' results; the side fails if any does.
 dbr-side:
 	@rc=0; $(MAKE) --no-print-directory dbr-suite || rc=$$?; \
 	$(MAKE) --no-print-directory test-cluster || rc=$$?; \
-	if [ "$(SMOKE_DBR18)" = 1 ]; then \
+	if [ "$(SMOKE_DBR18)" = 1 ] && [ "$(DBR18_SIDE_$(TIER))" = dbr ]; then \
 		$(MAKE) --no-print-directory test-dbr18 BUILD_WHEEL=0 || rc=$$?; fi; \
 	if [ "$(PETASTORM_SIDE_$(TIER))" = dbr ]; then \
 		$(MAKE) --no-print-directory test-petastorm || rc=$$?; fi; \

@@ -434,10 +434,11 @@ def _write_images(
     gone: DataFrame,
     meta: dict[str, object],
 ) -> dict[str, int]:
-    """Bring ``images`` up to date (:func:`_record_changes` first): delete the rows of the paths it holds that are gone or
-    were decoded again (changed, or now quarantined) and append the decoded images
-    (:func:`~flowers_job.tables.delta_tables.delete_then_append`: deletion vectors, no
-    stored row read but the paths); past :data:`MAX_DELETE_PATHS` such paths, one MERGE.
+    """Bring ``images`` up to date (:func:`_record_changes` first): delete the rows of the
+    paths it holds that are gone or were decoded again (changed, or now quarantined) and
+    append the decoded images (:func:`~flowers_job.tables.delta_tables.delete_then_append`:
+    deletion vectors, no stored row read but the paths); past :data:`MAX_DELETE_PATHS` such
+    paths, one MERGE.
 
     Returns:
         ``inserted``, ``updated`` (a path deleted and appended again), ``deleted``, as a
