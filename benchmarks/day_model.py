@@ -401,7 +401,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         *(f"- {k}: {v}" for k, v in day["against_a_full_run"].items()),
         "",
-        "## Issue 38's ratios",
+        "## The scaling ratios",
         "",
         *(f"- {k}: {v}" for k, v in result["ratios"].items()),
     ]

@@ -3,7 +3,7 @@
 Each case prepares the train split exactly as training does (Delta -> the loader's cache ->
 a shard plan), then reads it on every rank with real TorchDistributor processes (gloo)
 through :func:`flowers_job.train.shard_read.read_shards`, the same loader code the training loop
-uses. It checks the invariants of issues 2 and 3 for both loaders: every rank runs the same
+uses. It checks the loaders' guarantees for both loaders: every rank runs the same
 number of steps, every row is read exactly once per epoch (and the worker's row-count and
 checksum checks catch a dropped or repeated row), a new order every epoch, and the same
 order when an epoch is read again from a rebuilt cache (as after ``--resume``).
