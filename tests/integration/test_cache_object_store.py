@@ -37,6 +37,17 @@ def _sets(settings: list[str]) -> list[str]:
     return [a for s in settings for a in ("--set", s)]
 
 
+def _run(store: S3Store, images: Path, settings: list[str], env: dict[str, str]) -> dict:
+    """``flowers-job run`` of ``images`` into the bucket's ``out`` (exit 0 asserted); the
+    summary's ``loader_cache``."""
+    proc = run_cli(
+        "run", "--images", str(images), "--output-dir", store.url("out"), *settings,
+        timeout=RUN_TIMEOUT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(store.read("out/summary.json"))["loader_cache"]
+
+
 def test_a_second_train_on_s3_reuses_every_split_and_writes_no_cache_byte(
     s3_server: str,  # noqa: F811
     s3_jars: Path,  # noqa: F811
@@ -46,14 +57,13 @@ def test_a_second_train_on_s3_reuses_every_split_and_writes_no_cache_byte(
     store: S3Store = fresh_bucket(s3_server)
     output = store.url("out")
     settings = _sets([*FAST, f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
-    env = store.cli_env()
+    temp = tmp_path / "temp"  # the CLI's temp folder: its Spark tasks' and its ranks'
+    temp.mkdir()
+    env = {**store.cli_env(), "TMPDIR": str(temp)}
 
-    first = run_cli(
-        "run", "--images", str(photos), "--output-dir", output, *settings,
-        timeout=RUN_TIMEOUT, env=env,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-5000:]
-    written = json.loads(store.read("out/summary.json"))["loader_cache"]
+    written = _run(store, photos, settings, env)
+    # the tasks uploaded their shards and kept no copy; the ranks removed their downloads
+    assert not [p for p in temp.rglob("*") if p.is_file() and p.suffix in (".mds", ".json")]
     assert sorted(written) == ["test", "train", "val"]
     assert all(not u["reused"] and u["bytes_written"] > 0 for u in written.values()), written
     markers = [k for k in store.keys(f"out/loader_cache/{ENTRIES}/") if k.endswith(ENTRY_FILE)]
@@ -93,7 +103,6 @@ def test_a_day_on_s3_appends_to_the_cache_and_the_ranks_read_every_current_row(
         pytest.skip(f"data.loader={day_loader} cannot run on this stack: {problem}")
     images = sample_photos(tmp_path / "images", per_label=DAY_SAMPLE_PER_LABEL)
     store: S3Store = fresh_bucket(s3_server)
-    output = store.url("out")
     fast = [s for s in FAST if not s.startswith("data.loader=")]
     settings = _sets(
         [
@@ -103,22 +112,12 @@ def test_a_day_on_s3_appends_to_the_cache_and_the_ranks_read_every_current_row(
         ]
     )
     env = store.cli_env()
-    first = run_cli(
-        "run", "--images", str(images), "--output-dir", output, *settings,
-        timeout=RUN_TIMEOUT, env=env,
-    )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-5000:]
-    written = json.loads(store.read("out/summary.json"))["loader_cache"]
+    written = _run(store, images, settings, env)
 
     day_change(images, 0)
     # `run` ingests the day's change, then trains: one Spark start for both
-    day_run = run_cli(
-        "run", "--images", str(images), "--output-dir", output, *settings,
-        timeout=RUN_TIMEOUT, env=env,
-    )  # fmt: skip
-    assert day_run.returncode == 0, day_run.stderr[-5000:]
+    day = _run(store, images, settings, env)
     summary = json.loads(store.read("out/summary.json"))
-    day = summary["loader_cache"]
     assert {s: u["appended_to"] for s, u in day.items()} == {
         s: u["entry"] for s, u in written.items()
     }

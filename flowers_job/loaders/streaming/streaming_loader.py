@@ -360,23 +360,36 @@ def _write_frame(data: DataFrame, out: Location, num_partitions: int, split: str
     """``dataframe_to_mds`` of ``data`` (:data:`MDS_COLUMNS`) in ``num_partitions`` Spark
     partitions, uncompressed, with one merged ``index.json``.
 
+    In an object store, each task writes its shards in a temp folder and uploads them
+    (``keep_local=False``: each file is removed once uploaded), and the partitions' indexes
+    are merged from the store (``merge_index(out)``). With ``merge_index=True`` instead,
+    ``dataframe_to_mds`` keeps every task's shards on its host's disk for the merge, and
+    removes them afterwards only on the driver's host: on a cluster each executor would
+    keep a copy of its part of the cache in its temp folder for good (docs/known-issues.md).
+
     Raises:
         DataError: the volume filled up (naming the directory).
     """
     import_streaming()
     from streaming.base.converters import dataframe_to_mds
+    from streaming.base.util import merge_index
 
+    target = mds_out(out.url)
+    remote = {} if out.is_local else {"keep_local": False}
     try:
         dataframe_to_mds(
             data.repartition(num_partitions),
-            merge_index=True,
+            merge_index=out.is_local,
             mds_kwargs={
-                "out": mds_out(out.url),
+                "out": target,
                 "columns": MDS_COLUMNS,
                 "compression": None,
                 "size_limit": SHARD_SIZE_LIMIT_BYTES,
+                **remote,
             },
         )
+        if remote:
+            merge_index(target, keep_local=False)
     except Exception as exc:
         if "No space left on device" in str(exc):
             raise DataError(
