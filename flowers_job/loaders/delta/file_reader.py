@@ -29,7 +29,7 @@ import numpy as np
 from flowers_job.errors import ShardError
 from flowers_job.loaders.delta.log import SplitFile, open_table, split_files
 from flowers_job.loaders.delta.order import RankRows, batch_seed, rank_rows, shard_ranges
-from flowers_job.location import filesystem
+from flowers_job.location import Location, filesystem
 from flowers_job.vision.batch_decode import JPEG_KEY, LENGTH_KEY, pad_jpegs
 
 if TYPE_CHECKING:
@@ -53,10 +53,24 @@ BATCH_ROWS = 128
 rank decompresses at a time, well under a window."""
 
 BUFFER_BYTES = 4 * 2**20
-"""``ParquetFile``'s read buffer, bytes: column chunks are streamed through it, page by
-page, without ``pre_buffer`` (pyarrow's default, which reads a row group's column chunks
-whole before the first batch: a row group's ``image`` chunk is up to Spark's 128 MiB
-``parquet.block.size``; 131 MiB allocated for a first batch of 2 MiB at 30x)."""
+"""``ParquetFile``'s read buffer for a file on a local or mounted disk, bytes: column chunks
+are streamed through it, page by page, without ``pre_buffer`` (pyarrow's default, which
+reads a row group's column chunks whole before the first batch: a row group's ``image``
+chunk is up to Spark's 128 MiB ``parquet.block.size``; 131 MiB allocated for a first batch
+of 2 MiB at 30x)."""
+
+OBJECT_STORE_BUFFER_BYTES = 16 * 2**20
+"""The same buffer for a file in an object store, bytes: each refill is one ranged GET,
+whose latency is paid per request, so fewer, larger ones; AWS's S3 performance guidelines
+give 8 or 16 MB as typical byte-range sizes. On the moto server of the tests, which reads a
+whole object to answer any range of it, a 4 MiB range of a 200 MiB file took 150 ms
+against 10 ms from an 8 MiB one (docs/performance.md)."""
+
+
+def buffer_bytes(url: str) -> int:
+    """The read buffer (bytes) for the file at ``url``: :data:`BUFFER_BYTES` on a disk,
+    :data:`OBJECT_STORE_BUFFER_BYTES` in an object store."""
+    return BUFFER_BYTES if Location.of(url).is_local else OBJECT_STORE_BUFFER_BYTES
 
 
 class _Cursor:
@@ -69,7 +83,7 @@ class _Cursor:
         self.file = file
         fs, path = filesystem(file.url)
         self.source = fs.open_input_file(path)
-        parquet = pq.ParquetFile(self.source, buffer_size=BUFFER_BYTES, pre_buffer=False)
+        parquet = pq.ParquetFile(self.source, buffer_size=buffer_bytes(file.url), pre_buffer=False)
         meta = parquet.metadata
         if meta.num_rows != file.rows:
             self.source.close()
