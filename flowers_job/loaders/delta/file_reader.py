@@ -64,7 +64,7 @@ OBJECT_STORE_BUFFER_BYTES = 16 * 2**20
 whose latency is paid per request, so fewer, larger ones; AWS's S3 performance guidelines
 give 8 or 16 MB as typical byte-range sizes. On the moto server of the tests, which reads a
 whole object to answer any range of it, a 4 MiB range of a 200 MiB file took 150 ms
-against 10 ms from an 8 MiB one (docs/performance.md)."""
+against 10 ms from an 8 MiB one (docs/known-issues.md, "moto")."""
 
 
 def buffer_bytes(url: str) -> int:
