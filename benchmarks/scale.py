@@ -146,6 +146,12 @@ CACHE_LINE = re.compile(
 )
 """The job's log line of each split's loader cache entry (flowers_job.loaders.cache_dir),
 written whole, grown by appending (``appended to <entry>``) or reused."""
+TABLE_LINE = re.compile(
+    r"\b(train|val|test): \d+ rows read from the table at version \d+ \(no loader cache, "
+    r"0 bytes written, ([\d.]+) s\)"
+)
+"""The job's log line of each split's plan where the loader reads the table itself
+(``data.loader=delta``, flowers_job.driver.prepare): the log read, nothing written."""
 MARKERS = {
     "split_prepared": re.compile(r"\b(train|val|test): \d+ rows"),
     "ranks_banner": re.compile(r"world_size \d+ \("),
@@ -474,6 +480,12 @@ def run_cli(
                 "reused": match.group(2) == "reused",
                 "bytes_written": round(float(match.group(3)) * MIB),
                 "seconds": float(match.group(4)),
+            }
+        if match := TABLE_LINE.search(text):
+            cache_log[match.group(1)] = {
+                "reused": False,
+                "bytes_written": 0,
+                "seconds": float(match.group(2)),
             }
     result = {
         **progress_rate(every),

@@ -238,6 +238,13 @@ def _table_plan(
         split,
     )
     seconds = round(time.perf_counter() - t0, 3)
+    log.info(
+        "%s: %d rows read from the table at version %d (no loader cache, 0 bytes written, %.3f s)",
+        split,
+        checked.split_rows[split],
+        checked.versions["images"],
+        seconds,
+    )
     return plan, {"entry": None, "reused": False, "bytes_written": 0, "seconds": seconds}
 
 

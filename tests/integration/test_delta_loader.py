@@ -98,17 +98,27 @@ def test_ranks_read_each_live_row_once_through_deletion_vectors_and_nothing_is_w
 
 
 def test_training_reads_the_table_with_real_ranks_and_writes_no_cache(
-    spark: SparkSession, tables: Path, tmp_path: Path
+    spark: SparkSession, tables: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``train`` with ``data.loader=delta`` on the ingested tables: TorchDistributor's two
     ranks read the table (each checks every epoch that the ranks read every row once, by
     count and checksum), score the test split, and the model is registered; the summary
-    says no byte of a cache was written, and none was."""
+    says no byte of a cache was written, and none was, and the log says so with the plan's
+    seconds (what ``benchmarks/scale.py`` reads from a stopped train)."""
+    import re
+
     out = copy_tables(tables, tmp_path / "out")
     cfg = load_config(
         None, [*FAST, "train.epochs=1", "data.loader=delta"], **{"paths.output_dir": out}
     )
-    summary = run_training(spark, cfg)
+    with caplog.at_level("INFO", logger="flowers_job.driver.prepare"):
+        summary = run_training(spark, cfg)
+    # the test split's plan reads ``images`` (train and val read the embeddings table here)
+    line = re.compile(
+        rf"^test: {summary['test_rows']} rows read from the table at version \d+ "
+        r"\(no loader cache, 0 bytes written, [\d.]+ s\)$"
+    )
+    assert any(line.match(m) for m in caplog.messages), caplog.messages
     assert summary["loader"] == "delta" and len(summary["ranks"]) == 2
     assert summary["epochs_completed"] == 1 and 0.0 <= summary["test_accuracy"] <= 1.0
     assert summary["test"]["rows"] == summary["test_rows"] > 0
